@@ -1,0 +1,11 @@
+"""dtp: declarative, checked tensor parallelism on PyTorch DTensor.
+
+The pipeline, one module per stage: text → `parse` → plan IR → `check` (resolve against the model) →
+`compile` to ParallelStyles → `apply` with `parallelize_module` → run and compare (`dtp apply`).
+"""
+from dtp.check import check
+from dtp.errors import DtpError, PlanError, RunError, UsageError
+from dtp.syntax import load, parse
+
+__all__ = ["parse", "load", "check", "DtpError", "PlanError", "RunError", "UsageError"]
+__version__ = "0.1.0"

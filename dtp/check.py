@@ -1,0 +1,253 @@
+"""Static checks: everything that can be known about a plan before any process starts.
+
+All problems of a file are collected and raised together as one PlanError.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from dtp import ir, models
+from dtp.errors import Diagnostic, PlanError
+from dtp.placement import OPTIONS, STYLES, Placement, module_fits, param_placements, sharded_sizes
+from dtp.resolve import Resolution, resolve
+
+MAX_TP_SHOWN = 64  # "tp values that work" lists divisors up to this
+
+
+def working_tp(size: int) -> str:
+    """The tp values up to MAX_TP_SHOWN that divide `size`, as text."""
+    values = [str(d) for d in range(1, MAX_TP_SHOWN + 1) if size % d == 0]
+    return ", ".join(values)
+
+
+def did_you_mean(word: str, choices: list[str]) -> str:
+    """`; did you mean 'x'?` for the nearest choice, or nothing."""
+    best = difflib.get_close_matches(word, choices, n=1, cutoff=0.5)
+    return f"; did you mean '{best[0]}'?" if best else ""
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A plan that passed `check` against a model: the resolution plus the tp it was checked for."""
+
+    plan: ir.Plan
+    resolution: Resolution | None
+    tp: int | None
+    admissible_tp: tuple[int, ...]  # every tp ≤ MAX_TP_SHOWN that satisfies all divisibility rules
+
+    def style_of(self, path: str) -> ir.Style | None:
+        """The style claiming module `path`, if any."""
+        rule = self.resolution.claims.get(path) if self.resolution else None
+        return rule.style if rule else None
+
+
+# ---- model-independent checks ----------------------------------------------------------------------
+
+def _check_style(style: ir.Style, diags: list[Diagnostic]) -> None:
+    if style.name not in STYLES:
+        diags.append(Diagnostic(style.pos, f"unknown style '{style.name}'{did_you_mean(style.name, list(STYLES))}",
+                                len(style.name)))
+        return
+    allowed = OPTIONS[style.name]
+    seen: set[str] = set()
+    for opt in style.options:
+        if opt.key not in allowed:
+            hint = did_you_mean(opt.key, list(allowed)) or (
+                f"; {style.name} takes {', '.join(allowed)}" if allowed else f"; {style.name} takes no options")
+            diags.append(Diagnostic(opt.pos, f"unknown option '{opt.key}' for {style.name}{hint}", len(opt.key)))
+            continue
+        if opt.key in seen:
+            diags.append(Diagnostic(opt.pos, f"option '{opt.key}' given twice", len(opt.key)))
+        seen.add(opt.key)
+        kind, value = allowed[opt.key], opt.value
+        if kind == "layout" and not isinstance(value, ir.Layout):
+            shown = str(value).lower() if isinstance(value, bool) else value
+            diags.append(Diagnostic(opt.value_pos, f"option '{opt.key}' takes a layout (replicate, shard(DIM) or "
+                                    f"partial), not '{shown}'{did_you_mean(str(shown), ['replicate', 'partial', 'shard'])}",
+                                    len(str(shown))))
+        elif kind == "bool" and not isinstance(value, bool):
+            diags.append(Diagnostic(opt.value_pos, f"option '{opt.key}' takes true or false, not '{value}'", len(str(value))))
+        elif kind == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            diags.append(Diagnostic(opt.value_pos, f"option '{opt.key}' takes a positive integer, not '{value}'",
+                                    len(str(value))))
+
+
+def check_syntax_level(plan: ir.Plan) -> list[Diagnostic]:
+    """Style names, option names and option values: what needs no model."""
+    diags: list[Diagnostic] = []
+    rules, _, _ = ir.flatten(plan)
+    for rule in rules:
+        _check_style(rule.style, diags)
+    return diags
+
+
+# ---- model checks --------------------------------------------------------------------------------
+
+def _packed(style: ir.Style) -> int:
+    value = style.option("packed", 1)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
+
+
+class _Reporter:
+    """Collapses one error per rule that repeats over many matched modules into a single diagnostic."""
+
+    def __init__(self) -> None:
+        self.groups: dict[tuple, list] = {}
+
+    def add(self, pos: ir.Pos, length: int, path: str, message: str) -> None:
+        self.groups.setdefault((pos, length, message), []).append(path)
+
+    def diagnostics(self) -> list[Diagnostic]:
+        out = []
+        for (pos, length, message), paths in self.groups.items():
+            more = f" (and {len(paths) - 1} more module{'s' if len(paths) > 2 else ''})" if len(paths) > 1 else ""
+            out.append(Diagnostic(pos, f"{paths[0]}{more}: {message}", length))
+        return out
+
+
+def _is_attention(path: str) -> bool:
+    return any(word in path.split(".")[-2:] or word in path for word in ("attn", "attention"))
+
+
+def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Reporter, sizes: list[int]) -> None:
+    vocab = models.vocab_size(model)
+    info = models.heads(model)
+    for path, rule in res.claims.items():
+        module, style = res.modules[path], rule.style
+        if style.name not in STYLES:
+            continue
+        kind = type(module).__name__
+        length = len(style.name)
+        problem = module_fits(style.name, module, vocab)
+        if problem:
+            rep.add(style.pos, length, path, f"{problem}; this module is {kind}")
+            continue
+        packed = _packed(style)
+        if packed > 1 and module.out_features % packed:
+            rep.add(style.pos, length, path, f"packed={packed} needs out_features={module.out_features} to split into "
+                    f"{packed} equal parts")
+            continue
+        for what, size in sharded_sizes(style.name, module, packed):
+            sizes.append(size)
+            if tp and size % tp:
+                rep.add(style.pos, length, path, f"{style.name} shards {what} over tp={tp}, which does not divide it; "
+                        f"tp values that work: {working_tp(size)}")
+        if info and style.name in ("colwise", "rowwise") and _is_attention(path):
+            width = module.out_features // packed if style.name == "colwise" else module.in_features
+            if width % info.head_dim == 0:
+                n = width // info.head_dim
+                sizes.append(n)
+                what = "key/value heads" if n == info.n_kv_head != info.n_head else "attention heads"
+                if tp and n % tp:
+                    per = " per packed part" if packed > 1 else ""
+                    rep.add(style.pos, length, path, f"{n} {what}{per} (head size {info.head_dim}, {info.source}) do not "
+                            f"divide by tp={tp}; each rank must hold whole heads; tp values that work: {working_tp(n)}")
+
+
+def _check_ties(res: Resolution, model: nn.Module, diags: list[Diagnostic]) -> None:
+    owners: dict[int, list[tuple[str, str, Placement, ir.FlatRule | None]]] = {}
+    for path, module in res.modules.items():
+        rule = res.claims.get(path)
+        style = rule.style.name if rule and rule.style.name in STYLES else None
+        placements = param_placements(style, module, _packed(rule.style) if rule else 1)
+        for name, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((path, name, placements[name], rule))
+    for group in owners.values():
+        if len({str(p) for _, _, p, _ in group}) <= 1 or any(r and r.style.name not in STYLES for *_, r in group):
+            continue  # an unknown style is reported already
+        (path_a, name_a, pl_a, rule_a), (path_b, name_b, pl_b, rule_b) = group[0], group[1]
+        where = rule_b or rule_a
+        def why(rule):
+            return f"{rule.style.name}, line {rule.pos.line}" if rule else "no rule"
+        fix = "give both the same style (e.g. vocab_parallel on both) or untie them in the model"
+        diags.append(Diagnostic(where.pos if where else ir.NOWHERE,
+                                f"{path_a}.{name_a} and {path_b}.{name_b} are one tied parameter but get different "
+                                f"placements: {pl_a} ({why(rule_a)}) vs {pl_b} ({why(rule_b)}); {fix}",
+                                len(str(where.pattern)) if where else 1))
+
+
+class _ExprError(Exception):
+    def __init__(self, pos: ir.Pos, message: str, length: int = 1):
+        super().__init__(message)
+        self.pos, self.message, self.length = pos, message, length
+
+
+def evaluate(expr: ir.Expr, lookup) -> int | None:
+    """Integer value of a set expression; `lookup(Var)` gives a name's value (None: unknown yet)."""
+    if isinstance(expr, ir.Num):
+        return expr.value
+    if isinstance(expr, ir.Var):
+        return lookup(expr)
+    left, right = evaluate(expr.left, lookup), evaluate(expr.right, lookup)
+    if left is None or right is None:
+        return None
+    if expr.op == "+":
+        return left + right
+    if expr.op == "-":
+        return left - right
+    if expr.op == "*":
+        return left * right
+    if right == 0:
+        raise _ExprError(expr.pos, "division by zero")
+    if left % right:
+        raise _ExprError(expr.pos, f"{left} / {right} does not divide exactly")
+    return left // right
+
+
+def int_attributes(module: nn.Module) -> dict[str, int]:
+    """The module's integer attributes (what a set expression may name)."""
+    return {k: v for k, v in vars(module).items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _check_sets(res: Resolution, tp: int | None, rep: _Reporter) -> None:
+    for (path, attr), stmt in res.sets.items():
+        module = res.modules[path]
+        attrs = int_attributes(module)
+        shown = path or "the model"
+        if attr not in attrs:
+            rep.add(stmt.pattern.pos, len(str(stmt.pattern)) + len(attr) + 1, shown,
+                    f"{type(module).__name__} has no integer attribute '{attr}'{did_you_mean(attr, list(attrs))}")
+            continue
+
+        def lookup(var: ir.Var) -> int | None:
+            if var.name == "tp":
+                return tp
+            if var.name not in attrs:
+                raise _ExprError(var.pos, f"unknown name '{var.name}': {type(module).__name__} has no integer attribute "
+                                 f"of that name{did_you_mean(var.name, list(attrs) + ['tp'])}", len(var.name))
+            return attrs[var.name]
+
+        try:
+            value = evaluate(stmt.expr, lookup)
+        except _ExprError as err:
+            extra = f" at tp={tp}" if tp else ""
+            rep.add(err.pos, err.length, shown, err.message + extra)
+            continue
+        if value is not None and value < 1:
+            rep.add(stmt.pos, 3, shown, f"set {attr} evaluates to {value}; it must be a positive integer")
+
+
+def check(plan: ir.Plan, model: nn.Module | None = None, tp: int | None = None) -> Checked:
+    """Check `plan` alone, or against `model` (build it on the meta device) for a given tp."""
+    if tp is not None and tp < 1:
+        raise ValueError("tp must be positive")
+    diags = check_syntax_level(plan)
+    res = None
+    sizes: list[int] = []
+    if model is not None:
+        res = resolve(plan, model)
+        diags += res.diagnostics
+        rep = _Reporter()
+        _check_modules(res, model, tp, rep, sizes)
+        _check_sets(res, tp, rep)
+        diags += rep.diagnostics()
+        _check_ties(res, model, diags)
+    if diags:
+        raise PlanError(diags, plan.source)
+    g = math.gcd(*sizes) if sizes else 0
+    admissible = tuple(d for d in range(1, MAX_TP_SHOWN + 1) if g % d == 0)
+    return Checked(plan, res, tp, admissible)

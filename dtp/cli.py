@@ -1,0 +1,146 @@
+"""The `dtp` command line: check, fmt, explain, apply."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from dtp import models
+from dtp.errors import DtpError, UsageError
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer ≥ 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _load_checked(plan_path: str, model_spec: str | None, tp: int | None):
+    from dtp.check import check
+    from dtp.syntax import load
+
+    plan = load(plan_path)
+    model = models.build(models.resolve(model_spec), device="meta") if model_spec else None
+    return plan, model, check(plan, model, tp)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """`dtp check PLAN [MODEL] [--tp N]`."""
+    plan, model, checked = _load_checked(args.plan, args.model, args.tp)
+    if model is None:
+        print(f"{args.plan}: ok (syntax and styles; give a MODEL to check it against a model)")
+        return 0
+    res = checked.resolution
+    rules = len({r.pos for r in res.claims.values()})
+    where = f"tp={args.tp}" if args.tp else "tp values that work: " + ", ".join(map(str, checked.admissible_tp))
+    print(f"{args.plan}: ok on {args.model}: {len(res.claims)} modules claimed by {rules} rules, "
+          f"{len(res.sets)} attribute rewrites; {where}")
+    return 0
+
+
+def cmd_fmt(args: argparse.Namespace) -> int:
+    """`dtp fmt FILE... [--write | --check]`."""
+    from dtp.fmt import format_plan
+    from dtp.syntax import load
+
+    status = 0
+    for name in args.files:
+        plan = load(name)
+        text = format_plan(plan, plan.source)
+        if args.check:
+            if text != plan.source:
+                print(f"{name}: not formatted (run `dtp fmt --write {name}`)", file=sys.stderr)
+                status = 1
+        elif args.write:
+            if text != plan.source:
+                Path(name).write_text(text, encoding="utf-8")
+                print(f"formatted {name}")
+        else:
+            sys.stdout.write(text)
+    return status
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    """`dtp explain PLAN MODEL --tp N [--json PATH]`."""
+    from dtp.explain import explain, render
+
+    dtype = _dtype(args.dtype)
+    plan, model, checked = _load_checked(args.plan, args.model, args.tp)
+    ex = explain(checked, model, args.model, args.tp, dtype)
+    print(render(ex))
+    if args.json:
+        _write_json(args.json, ex.to_json())
+    return 0
+
+
+def _dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[name]
+
+
+def _write_json(path: str, data: dict) -> None:
+    try:
+        Path(path).write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+    except OSError as err:
+        raise UsageError(f"cannot write {path}: {err.strerror}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for every subcommand."""
+    p = argparse.ArgumentParser(prog="dtp", description="Declarative tensor parallelism on PyTorch DTensor.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    c = sub.add_parser("check", help="check a plan, alone or against a model")
+    c.add_argument("plan")
+    c.add_argument("model", nargs="?", help="zoo name, model YAML, or package.module:factory")
+    c.add_argument("--tp", type=positive_int, help="tensor-parallel size to check divisibility for")
+    c.set_defaults(func=cmd_check)
+
+    f = sub.add_parser("fmt", help="format plans canonically")
+    f.add_argument("files", nargs="+", metavar="PLAN")
+    mode = f.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="rewrite files in place")
+    mode.add_argument("--check", action="store_true", help="exit 1 when a file is not formatted")
+    f.set_defaults(func=cmd_fmt)
+
+    e = sub.add_parser("explain", help="show where every parameter lives and its cost per rank")
+    e.add_argument("plan")
+    e.add_argument("model")
+    e.add_argument("--tp", type=positive_int, required=True)
+    e.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    e.add_argument("--json", metavar="PATH", help="also write the result as JSON")
+    e.set_defaults(func=cmd_explain)
+
+    try:
+        from dtp.launch import add_apply_parser
+    except ImportError:  # pragma: no cover - apply lands with the runtime
+        pass
+    else:
+        add_apply_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `dtp` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except DtpError as err:
+        print(err.render(), file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `dtp explain ... | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""User-facing errors: positioned plan diagnostics (exit 2), usage errors (exit 2), run failures (exit 1)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dtp.ir import Pos
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    """One `FILE:LINE:COL: error: MESSAGE`, underlining `length` characters at `pos`."""
+
+    pos: Pos
+    message: str
+    length: int = 1
+
+    def render(self, source: str | None) -> str:
+        """The message, then the source line and a caret under the offending text."""
+        head = f"{self.pos}: error: {self.message}"
+        if not source or self.pos.line <= 0:
+            return head
+        lines = source.splitlines()
+        if self.pos.line > len(lines):
+            return head
+        line = lines[self.pos.line - 1].expandtabs(1)
+        if len(line) > 200:  # a 1 MB line is not worth echoing
+            start = max(0, self.pos.column - 60)
+            line = line[start:start + 120]
+            col = self.pos.column - start
+        else:
+            col = self.pos.column
+        caret = " " * (col - 1) + "^" + "~" * max(0, min(self.length, len(line) - col + 1) - 1)
+        return f"{head}\n    {line}\n    {caret}"
+
+
+class DtpError(Exception):
+    """Base of the errors dtp reports to a user without a traceback."""
+
+    exit_code = 2
+
+    def render(self) -> str:
+        """The text printed to stderr."""
+        return f"error: {self}"
+
+
+class UsageError(DtpError):
+    """A bad flag, model spec or file: one paragraph, exit 2."""
+
+
+class PlanError(DtpError):
+    """One or more positioned errors in a plan file (all semantic errors of a file are collected)."""
+
+    def __init__(self, diagnostics: list[Diagnostic], source: str | None = None):
+        self.diagnostics = sorted(diagnostics, key=lambda d: (d.pos.line, d.pos.column))
+        self.source = source
+        super().__init__("; ".join(f"{d.pos}: {d.message}" for d in self.diagnostics))
+
+    def render(self) -> str:
+        """Every diagnostic with its source excerpt, then a count."""
+        parts = [d.render(self.source) for d in self.diagnostics]
+        n = len(self.diagnostics)
+        if n > 1:
+            parts.append(f"{n} errors")
+        return "\n".join(parts)
+
+
+class RunError(DtpError):
+    """A sharded run that raised, crashed or timed out: exit 1."""
+
+    exit_code = 1

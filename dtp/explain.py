@@ -1,0 +1,133 @@
+"""`dtp explain`: where every parameter lives under a plan, and what that costs per rank."""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+
+from dtp.check import Checked
+from dtp.placement import Placement, param_placements
+
+
+@dataclass(frozen=True)
+class ParamRow:
+    """One parameter under the plan."""
+
+    name: str
+    module: str
+    module_type: str
+    rule: str  # "file:line" of the claiming rule, or "-"
+    style: str  # the plan style, or "-" for untouched
+    placement: str
+    shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    bytes_per_rank: int
+    tied_with: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Every parameter's placement plus per-rank totals."""
+
+    plan_name: str | None
+    plan_version: int | None
+    plan_file: str
+    model: str
+    tp: int
+    dtype: str
+    rows: tuple[ParamRow, ...]
+    bytes_unsharded: int
+    bytes_per_rank: int
+    ideal_bytes_per_rank: int  # replicated + sharded / tp
+    untouched: tuple[str, ...]  # modules with parameters that no sharding rule claims (grouped)
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict."""
+        return asdict(self)
+
+
+def _group_paths(paths: list[str]) -> tuple[str, ...]:
+    # transformer.h.0.ln_1 … transformer.h.71.ln_1 → "transformer.h.*.ln_1 (×72)"
+    counts = Counter(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", p) for p in paths)
+    return tuple(f"{k} (×{n})" if n > 1 else k for k, n in counts.items())
+
+
+def explain(checked: Checked, model: nn.Module, model_name: str, tp: int,
+            dtype: torch.dtype = torch.float32) -> Explanation:
+    """Tabulate `model`'s parameters under the checked plan at `tp` (the model may be on meta)."""
+    res = checked.resolution
+    assert res is not None, "explain needs a plan checked against a model"
+    elem = torch.empty((), dtype=dtype).element_size()
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    rows: list[ParamRow] = []
+    sharded = replicated = 0
+    untouched: list[str] = []
+    for path, module in res.modules.items():
+        own = list(module.named_parameters(recurse=False))
+        if not own:
+            continue
+        rule = res.claims.get(path)
+        style = rule.style.name if rule else None
+        packed = rule.style.option("packed", 1) if rule else 1
+        placements = param_placements(style, module, packed)
+        if style in (None, "replicate"):
+            untouched.append(path)
+        for pname, p in own:
+            full = f"{path}.{pname}" if path else pname
+            names = aliases[id(p)]
+            if names[0] != full:
+                continue  # a tied parameter is listed once, under its first name
+            placement: Placement = placements[pname]
+            shape = tuple(p.shape)
+            local = placement.local_shape(shape, tp)
+            nbytes = p.numel() * elem
+            if placement.shard_dim is None:
+                replicated += nbytes
+            else:
+                sharded += nbytes
+            local_bytes = int(torch.Size(local).numel()) * elem
+            rows.append(ParamRow(full, path, type(module).__name__,
+                                 f"{rule.pos.file}:{rule.pos.line}" if rule else "-", style or "-", str(placement),
+                                 shape, local, local_bytes, tuple(names[1:])))
+    plan = checked.plan
+    return Explanation(plan.name, plan.plan_version, plan.file, model_name, tp, str(dtype).replace("torch.", ""),
+                       tuple(rows), sharded + replicated, sum(r.bytes_per_rank for r in rows),
+                       replicated + sharded // tp, _group_paths(untouched))
+
+
+def human_bytes(n: float) -> str:
+    """1536 → '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _shape(s: tuple[int, ...]) -> str:
+    return "(" + ", ".join(map(str, s)) + ")"
+
+
+def render(ex: Explanation) -> str:
+    """The human table."""
+    header = ("parameter", "rule", "style", "placement", "shape", "per rank", "bytes/rank")
+    body = [(r.name + (f" = {', '.join(r.tied_with)}" if r.tied_with else ""), r.rule.rsplit("/", 1)[-1], r.style,
+             r.placement, _shape(r.shape), _shape(r.local_shape), human_bytes(r.bytes_per_rank)) for r in ex.rows]
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:{'>' if i == 6 else '<'}{w}}}" for i, w in enumerate(widths))
+    title = f"plan {ex.plan_name or '(unnamed)'}" + (f" version {ex.plan_version}" if ex.plan_version is not None else "")
+    lines = [f"{title} ({ex.plan_file}) on {ex.model}, tp={ex.tp}, {ex.dtype}", "", fmt.format(*header),
+             fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*row) for row in body]
+    lines += ["",
+              f"parameters, unsharded:      {human_bytes(ex.bytes_unsharded):>12}  ({ex.bytes_unsharded} B)",
+              f"parameters per rank:        {human_bytes(ex.bytes_per_rank):>12}  ({ex.bytes_per_rank} B)",
+              f"ideal per rank (repl + shard/tp): {human_bytes(ex.ideal_bytes_per_rank):>6}  ({ex.ideal_bytes_per_rank} B)"]
+    if ex.untouched:
+        lines.append("untouched by any sharding rule (replicated): " + ", ".join(ex.untouched))
+    return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""Plan IR × model → which rule claims which module (and which `set` rewrites which attribute).
+
+Patterns match dotted paths from `model.named_modules()`. The most specific rule wins; equally specific
+rules on one module are an error naming both lines.
+"""
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import functools
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch.nn as nn
+
+from dtp import ir
+from dtp.errors import Diagnostic
+
+
+def _segment_matches(seg: ir.Segment, name: str) -> bool:
+    if isinstance(seg, ir.IndexRange):
+        return name.isdigit() and seg.lo <= int(name) <= seg.hi
+    if "*" in seg or "?" in seg:
+        return fnmatch.fnmatchcase(name, seg)
+    return seg == name
+
+
+def matches(pattern: ir.Pattern, path: str) -> bool:
+    """Whether `pattern` matches the dotted module path (`**` spans any number of segments)."""
+    names = tuple(path.split(".")) if path else ()
+    segs = pattern.segments
+
+    @functools.cache
+    def go(i: int, j: int) -> bool:
+        if i == len(segs):
+            return j == len(names)
+        if segs[i] == "**":
+            return go(i + 1, j) or (j < len(names) and go(i, j + 1))
+        return j < len(names) and _segment_matches(segs[i], names[j]) and go(i + 1, j + 1)
+
+    return go(0, 0)
+
+
+def specificity(pattern: ir.Pattern) -> tuple[int, ...]:
+    """Orders patterns: literal segments beat ranges, ranges beat partial wildcards, which beat `*`, then `**`."""
+    literal = ranges = partial = star = globstar = 0
+    for seg in pattern.segments:
+        if isinstance(seg, ir.IndexRange):
+            ranges += 1
+        elif seg == "**":
+            globstar += 1
+        elif seg == "*":
+            star += 1
+        elif "*" in seg or "?" in seg:
+            partial += 1
+        else:
+            literal += 1
+    return (literal, ranges, partial, star, -globstar)
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The outcome of matching a plan against a model."""
+
+    modules: Mapping[str, nn.Module]
+    claims: Mapping[str, ir.FlatRule]  # module path → the rule that claims it
+    sets: Mapping[tuple[str, str], ir.FlatSet]  # (module path, attribute) → the set statement
+    diagnostics: list[Diagnostic] = field(default_factory=list)
+
+
+def _suggest(pattern: ir.Pattern, paths: list[str]) -> str:
+    # Offer the nearest module path, with its layer indices generalised the way the pattern writes them.
+    text = str(pattern)
+    candidates = set(paths)
+    for path in paths:
+        names = path.split(".")
+        if len(names) == len(pattern.segments):
+            candidates.add(".".join(str(s) if not isinstance(s, str) or "*" in s or "?" in s else n
+                                    for s, n in zip(pattern.segments, names)))
+    best = difflib.get_close_matches(text, sorted(candidates), n=1, cutoff=0.6)
+    return f"; did you mean '{best[0]}'?" if best else ""
+
+
+def _pick(candidates: list, path: str, what: str, diags: list[Diagnostic], reported: set) -> object:
+    """The most specific candidate; a tie at the top is reported once per pair of statements."""
+    ranked = sorted(candidates, key=lambda c: specificity(c.pattern), reverse=True)
+    best = ranked[0]
+    if len(ranked) > 1 and specificity(ranked[1].pattern) == specificity(best.pattern):
+        first, second = sorted(ranked[:2], key=lambda c: (c.pos.line, c.pos.column))
+        key = (first.pos, second.pos)
+        if key not in reported:
+            reported.add(key)
+            diags.append(Diagnostic(second.pos, f"{what} at lines {first.pos.line} and {second.pos.line} both claim "
+                                    f"'{path}' and are equally specific; make one more specific or remove one",
+                                    len(str(second.pattern))))
+    return best
+
+
+def resolve(plan: ir.Plan, model: nn.Module) -> Resolution:
+    """Match every rule, block and set of `plan` against `model`'s modules; collect diagnostics."""
+    rules, sets, blocks = ir.flatten(plan)
+    modules = dict(model.named_modules())
+    paths = [p for p in modules if p]
+    diags: list[Diagnostic] = []
+
+    def matched(pattern: ir.Pattern, allow_root: bool = False) -> list[str]:
+        hits = [p for p in paths if matches(pattern, p)]
+        if allow_root and not pattern.segments:
+            hits = [""]
+        if not hits:
+            diags.append(Diagnostic(pattern.pos, f"pattern '{pattern}' matches no module{_suggest(pattern, paths)}",
+                                    len(str(pattern)) or 1))
+        return hits
+
+    for block in blocks:
+        matched(block)
+    by_module: dict[str, list[ir.FlatRule]] = {}
+    for rule in rules:
+        for path in matched(rule.pattern):
+            by_module.setdefault(path, []).append(rule)
+    by_attr: dict[tuple[str, str], list[ir.FlatSet]] = {}
+    for stmt in sets:
+        for path in matched(stmt.pattern, allow_root=True):
+            by_attr.setdefault((path, stmt.attr), []).append(stmt)
+
+    reported: set = set()
+    claims = {path: _pick(c, path, "rules", diags, reported) for path, c in by_module.items()}
+    chosen = {key: _pick(c, f"{key[0]}.{key[1]}".lstrip("."), "set statements", diags, reported)
+              for key, c in by_attr.items()}
+    return Resolution(modules, claims, chosen, diags)
