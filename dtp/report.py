@@ -1,0 +1,51 @@
+"""The human-readable `dtp apply` report (the JSON report is the same dict)."""
+from __future__ import annotations
+
+from dtp.explain import human_bytes
+
+
+def _ops(counts: dict) -> str:
+    return ", ".join(f"{n} {op}" for op, n in sorted(counts.items())) or "none"
+
+
+def render(report: dict) -> str:
+    """A few aligned sections: what ran, parity, communication, memory, speed."""
+    plan, mesh, par, coll = report["plan"], report["mesh"], report["parity"], report["collectives"]
+    name = plan["name"] or "(unnamed plan)"
+    version = f" version {plan['version']}" if plan["version"] is not None else ""
+    cfg = report["config"]
+    lines = [
+        f"dtp apply: {name}{version} ({plan['file']}) on {report['model']}",
+        f"  mesh tp={mesh['tp']} dp={mesh['dp']} · {report['backend']} · {cfg['dtype']} · batch {cfg['batch']} × "
+        f"seq {cfg['seq']} · {cfg['steps']} SGD steps · seed {cfg['seed']} · torch {report['torch']}",
+        "",
+        f"parity vs unsharded reference: {'OK' if par['ok'] else 'FAILED'}  "
+        f"(|sharded − reference| ≤ {par['atol']:g} + {par['rtol']:g}·max|reference|)",
+    ]
+    for q in ("logits", "loss", "grads", "params"):
+        d = par[q]
+        mark = "ok" if d["ok"] else "FAIL"
+        lines.append(f"  {q:<7} {mark:<4}  max abs {d['max_abs']:.3g}  max rel {d['max_rel']:.3g}  "
+                     f"({d['compared']} tensors; worst {d['worst'] or '-'})")
+        lines += [f"          {p}" for p in d["problems"][:5]]
+    if not par["ok"]:
+        lines.append(f"  worst: {par['worst_tensor']} ({par['worst_quantity']})")
+    lines += [
+        "",
+        f"collectives per training step: {coll['total']} ({_ops(coll['by_op'])})",
+        f"  forward {_ops(coll['forward'])} · backward {_ops(coll['backward'])}",
+        f"  bytes communicated: {human_bytes(report['comm_bytes'])} ({report['comm_bytes']} B)",
+    ]
+    if "analytic_collectives" in report:
+        lines.append(f"  analytic schedule: {report['analytic_collectives']['total']} "
+                     f"({_ops(report['analytic_collectives']['by_op'])})")
+    per_rank = report["param_bytes_per_rank"]
+    peaks = report["peak_memory_bytes"]
+    lines += [
+        "",
+        f"parameters: {human_bytes(report['param_bytes_unsharded'])} unsharded; per rank "
+        f"{', '.join(human_bytes(b) for b in per_rank)} (ideal {human_bytes(report['ideal_param_bytes_per_rank'])})",
+        f"peak memory ({report['peak_memory_kind']}) per rank: {', '.join(human_bytes(b) for b in peaks)}",
+        f"step time (median): {report['step_time_ms']:.1f} ms · {report['tokens_per_s']:.0f} tokens/s",
+    ]
+    return "\n".join(lines)

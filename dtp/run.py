@@ -1,0 +1,222 @@
+"""What every rank of `dtp apply` does: shard, train K steps beside an unsharded reference, compare, measure."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import resource
+import statistics
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from dtp import models, syntax
+from dtp.apply import apply
+from dtp.comm import CommCounter, merge
+from dtp.parity import ParityCheck
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a rank needs; plain data so that it pickles to spawned ranks."""
+
+    plan: str
+    model: str
+    tp: int = 2
+    dp: int = 1
+    batch: int = 2
+    seq: int = 16
+    steps: int = 3
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+    timeout: float = 120.0
+    lr: float = 0.1
+
+
+class ModuleTrail:
+    """Forward hooks that remember which module is running, to say where a rank failed."""
+
+    def __init__(self, model: nn.Module):
+        self.stack: list[str] = []
+        self.phase = "setup"
+        self.handles = []
+        for path, module in model.named_modules():
+            self.handles.append(module.register_forward_pre_hook(lambda m, a, p=path: self._enter(p)))
+            self.handles.append(module.register_forward_hook(lambda m, a, o: self._leave()))
+
+    def _enter(self, path: str) -> None:
+        self.stack.append(path)
+
+    def _leave(self) -> None:  # returns None: a forward hook's return value would replace the output
+        if self.stack:
+            self.stack.pop()
+
+    def where(self) -> str:
+        """The innermost module running, or the phase."""
+        if self.phase == "forward" and self.stack:
+            return f"module {self.stack[-1] or '(the model)'} during forward"
+        return f"the {self.phase}"
+
+
+def _logits(output: object) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output  # Hugging Face outputs carry .logits
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def run(cfg: RunConfig, out_dir: Path | None) -> dict | None:
+    """Run on an initialised process group; rank 0 returns (and writes) the report.
+
+    An exception leaves with `__dtp_where__` saying which module or phase it came from.
+    """
+    trails: list[ModuleTrail] = []
+    try:
+        return _run(cfg, out_dir, trails)
+    except Exception as err:
+        err.__dtp_where__ = trails[0].where() if trails else "set-up"
+        raise
+
+
+def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail]) -> dict | None:
+    # CommDebugMode's module tracker hooks every module's backward; its warning is noise here.
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % max(torch.cuda.device_count(), 1)) \
+        if cfg.device == "cuda" else torch.device("cpu")
+    dtype = DTYPES[cfg.dtype]
+    mesh = init_device_mesh(device.type, (cfg.tp,), mesh_dim_names=("tp",))
+    plan = syntax.load(cfg.plan)
+    source = models.resolve(cfg.model)
+
+    torch.manual_seed(cfg.seed)  # every rank builds the same weights
+    model = models.build(source, device="cpu", dtype=dtype).to(device)
+    model.train()
+    reference = copy.deepcopy(model) if rank == 0 else None
+    trail = ModuleTrail(model)
+    trails.append(trail)
+    trail.phase = "sharding (apply)"
+    applied = apply(plan, model, mesh)
+
+    vocab = models.vocab_size(model)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    ids = torch.randint(0, vocab, (cfg.batch, cfg.seq + 1), generator=gen).to(device)
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=cfg.lr, momentum=0.9) if reference is not None else None
+    ref_params = dict(reference.named_parameters()) if reference is not None else {}
+    parity = ParityCheck(dtype)
+    loss_ctx = loss_parallel if applied.compiled.loss_parallel else contextlib.nullcontext
+    counters = (CommCounter(), CommCounter())  # forward+backward, optimizer step (comparisons in between)
+    step_times: list[float] = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    for step in range(cfg.steps):
+        counting = step == 0
+        _sync(device)
+        t0 = time.perf_counter()
+        with counters[0] if counting else contextlib.nullcontext():
+            trail.phase = "forward"
+            logits = _logits(model(inputs))
+            trail.phase = "loss and backward"
+            with loss_ctx():
+                loss = _loss(logits, targets)
+                loss.backward()
+            trail.phase = "optimizer step"
+            # The step is applied after the gradients are compared, but timed as part of the step.
+            _sync(device)
+        t_fwd_bwd = time.perf_counter() - t0
+
+        trail.phase = "comparison with the reference"
+        full_logits, full_loss = _full(logits), _full(loss)
+        grads = {n: (applied.full(n, p.grad) if p.grad is not None else None) for n, p in model.named_parameters()}
+        if reference is not None:
+            ref_logits = _logits(reference(inputs))
+            ref_loss = _loss(ref_logits, targets)
+            ref_loss.backward()
+            parity.compare("logits", f"logits (step {step + 1})", full_logits, ref_logits)
+            parity.compare("loss", f"loss (step {step + 1})", full_loss, ref_loss)
+            for n, g in grads.items():
+                parity.compare("grads", f"{n}.grad", g, ref_params[n].grad if n in ref_params else None)
+            ref_opt.step()
+            ref_opt.zero_grad()
+
+        trail.phase = "optimizer step"
+        _sync(device)
+        t1 = time.perf_counter()
+        with counters[1] if counting else contextlib.nullcontext():
+            opt.step()
+            opt.zero_grad()
+            _sync(device)
+        step_time = t_fwd_bwd + time.perf_counter() - t1
+        if not counting or cfg.steps == 1:
+            step_times.append(step_time)
+
+        trail.phase = "comparison with the reference"
+        params = {n: applied.full(n, p.detach()) for n, p in model.named_parameters()}
+        for n, p in params.items():
+            if reference is not None:
+                parity.compare("params", f"{n} (after step {step + 1})", p, ref_params.get(n))
+
+    trail.phase = "report"
+    local_bytes = sum(p.to_local().numel() * p.element_size() if isinstance(p, DTensor) else p.numel() * p.element_size()
+                      for p in model.parameters())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, {"param_bytes": local_bytes, "peak": peak})
+    if rank != 0:
+        return None
+
+    total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    sharded_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
+                        if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements))
+    median = statistics.median(step_times)
+    collectives = merge(list(counters))
+    report = {
+        "plan": {"name": plan.name, "version": plan.plan_version, "file": cfg.plan},
+        "model": cfg.model,
+        "mesh": {"tp": cfg.tp, "dp": cfg.dp},
+        "config": asdict(cfg),
+        "torch": torch.__version__,
+        "backend": dist.get_backend(),
+        "parity": parity.to_json(),
+        "collectives": collectives,
+        "comm_bytes": sum(collectives["bytes"].values()),
+        "param_bytes_unsharded": total_bytes,
+        "param_bytes_per_rank": [g["param_bytes"] for g in gathered],
+        "ideal_param_bytes_per_rank": (total_bytes - sharded_bytes) + sharded_bytes // cfg.tp,
+        "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "rss",
+        "peak_memory_bytes": [g["peak"] for g in gathered],
+        "step_time_ms": median * 1e3,
+        "tokens_per_s": cfg.batch * cfg.seq / median,
+    }
+    if out_dir is not None:
+        (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    return report
