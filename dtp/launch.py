@@ -95,6 +95,11 @@ def _collect_errors(out_dir: Path) -> RunError | None:
     return RunError(f"the sharded run failed on rank {first['rank']} in {first['where']}: {first['error']}{others}")
 
 
+def _start_method(cfg: RunConfig) -> str:
+    # fork saves every rank re-importing torch (seconds on a small CPU machine); CUDA cannot be forked.
+    return "spawn" if cfg.device == "cuda" else "fork"
+
+
 def launch(cfg: RunConfig) -> dict:
     """Start tp×dp local ranks, wait at most cfg.timeout seconds, and return rank 0's report."""
     import torch.multiprocessing as mp
@@ -104,7 +109,7 @@ def launch(cfg: RunConfig) -> dict:
     with tempfile.TemporaryDirectory(prefix="dtp-apply-") as tmp:
         out_dir = Path(tmp)
         ctx = mp.start_processes(_spawned_rank, args=(cfg, tmp, world, _free_port()), nprocs=world, join=False,
-                                 start_method="spawn")
+                                 start_method=_start_method(cfg))
         deadline = time.monotonic() + cfg.timeout
         failed: BaseException | None = None
         try:

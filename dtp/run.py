@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from dtp import models, syntax
-from dtp.apply import apply
+from dtp.apply import apply, tied_groups
 from dtp.comm import CommCounter, merge
 from dtp.parity import ParityCheck
 
@@ -105,6 +105,7 @@ def run(cfg: RunConfig, out_dir: Path | None) -> dict | None:
 def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail]) -> dict | None:
     # CommDebugMode's module tracker hooks every module's backward; its warning is noise here.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    warnings.filterwarnings("ignore", message="For backward hooks to be called")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % max(torch.cuda.device_count(), 1)) \
         if cfg.device == "cuda" else torch.device("cpu")
@@ -209,6 +210,7 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail]) -> dic
         "parity": parity.to_json(),
         "collectives": collectives,
         "comm_bytes": sum(collectives["bytes"].values()),
+        "tied_parameters": [[f"{path}.{name}".lstrip(".") for path, name in group] for group in tied_groups(model)],
         "param_bytes_unsharded": total_bytes,
         "param_bytes_per_rank": [g["param_bytes"] for g in gathered],
         "ideal_param_bytes_per_rank": (total_bytes - sharded_bytes) + sharded_bytes // cfg.tp,

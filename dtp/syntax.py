@@ -171,7 +171,8 @@ class _ToIR(Transformer):
         number, version_pos = version
         if number != LANGUAGE_VERSION:
             self.errors.append(Diagnostic(version_pos, f"unsupported language version {number}; this dtp reads `dtp {LANGUAGE_VERSION}`"))
-        return ir.Plan(number, tuple(body), name, plan_version, mesh, self.file, (), version_pos, mesh_pos, plan_pos)
+        return ir.Plan(number, tuple(body), name, plan_version, mesh, file=self.file, version_pos=version_pos,
+                       mesh_pos=mesh_pos, plan_pos=plan_pos)
 
     def version(self, children):
         (number,) = children

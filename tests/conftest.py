@@ -1,0 +1,40 @@
+"""Shared helpers: the repository root and a way to run the real `dtp` command line."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def dtp_cli(*args: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m dtp ARGS` from the repository root; every process it starts carries a marker."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "DTP_TEST_MARK": uuid.uuid4().hex, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "dtp", *args], cwd=REPO, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def processes_with_mark(mark: str) -> list[int]:
+    """PIDs of live processes whose environment holds DTP_TEST_MARK=mark."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if f"DTP_TEST_MARK={mark}".encode() in (entry / "environ").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.fixture
+def repo(monkeypatch) -> Path:
+    """Run the test from the repository root (plans/ and tests/fixtures/ by relative path)."""
+    monkeypatch.chdir(REPO)
+    return REPO
