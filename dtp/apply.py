@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from dtp import ir
-from dtp.check import Checked
+from dtp.check import Checked, check
 from dtp.compile import Compiled, compile_plan, tp_mesh
 from dtp.styles import unpack_rows
 
@@ -31,6 +31,7 @@ class Applied:
     model: nn.Module
     compiled: Compiled
     tp: int
+    checked: Checked
 
     def full(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (a parameter or its gradient) gathered to the model's unsharded layout (a collective)."""
@@ -43,7 +44,9 @@ class Applied:
 def apply(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh) -> Applied:
     """Shard `model` in place under `plan` on `mesh` (its `tp` dimension); returns how to read it back."""
     mesh = tp_mesh(mesh)
-    compiled = compile_plan(plan, model, mesh)
+    checked = plan if isinstance(plan, Checked) and plan.tp == mesh.size() else check(
+        plan.plan if isinstance(plan, Checked) else plan, model, mesh.size())
+    compiled = compile_plan(checked, model, mesh)
     groups = tied_groups(model)
     parallelize_module(model, mesh, compiled.styles)
     # parallelize_module gives each owner of a tied weight its own DTensor; `check` guaranteed equal
@@ -54,4 +57,4 @@ def apply(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh) -> Applie
             setattr(model.get_submodule(path), name, shared)
     for path, rewrite in compiled.rewrites.items():
         rewrite._apply(model.get_submodule(path), mesh)
-    return Applied(model, compiled, mesh.size())
+    return Applied(model, compiled, mesh.size(), checked)

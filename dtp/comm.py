@@ -25,29 +25,33 @@ class CommCounter(CommDebugMode):
     def __init__(self) -> None:
         super().__init__()
         self.comm_bytes: dict[str, int] = defaultdict(int)
+        self.comm_sizes: dict[str, list[int]] = defaultdict(list)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         before = self.get_total_counts()
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if out is not NotImplemented and self.get_total_counts() > before:
-            self.comm_bytes[op_name(func._overloadpacket)] += max(_bytes((args, kwargs)), _bytes(out))
+            name, size = op_name(func._overloadpacket), max(_bytes((args, kwargs)), _bytes(out))
+            self.comm_bytes[name] += size
+            self.comm_sizes[name].append(size)
         return out
 
-    def summary(self) -> dict:
-        """This counter's collectives (see `merge`)."""
-        return merge([self])
 
+def merge(phases: dict[str, CommCounter], n: int) -> dict:
+    """{"total", "by_op", "forward", "backward", "bytes", "sent_bytes"} over counters keyed by phase; the
+    optimizer's collectives (none under tensor parallelism) count as backward."""
+    from dtp.schedule import sent_bytes
 
-def merge(counters: list[CommCounter]) -> dict:
-    """{"total": n, "by_op": {...}, "forward": {...}, "backward": {...}, "bytes": {...}} over several counters."""
-    out: dict = {"total": 0, "by_op": {}, "forward": {}, "backward": {}, "bytes": {}}
-    for c in counters:
-        passes = c.comm_module_counts.get("Global", {})
+    out: dict = {"total": 0, "by_op": {}, "forward": {}, "backward": {}, "bytes": {}, "sent_bytes": {}}
+    for phase, c in phases.items():
+        key = "forward" if phase == "forward" else "backward"
         out["total"] += c.get_total_counts()
-        for key, counts in (("by_op", c.get_comm_counts()), ("forward", passes.get("forward", {})),
-                            ("backward", passes.get("backward", {})), ("bytes", c.comm_bytes)):
-            for op, n in counts.items():
-                name = op if isinstance(op, str) else op_name(op)
-                out[key][name] = out[key].get(name, 0) + n
+        for op, count in c.get_comm_counts().items():
+            name = op_name(op)
+            out["by_op"][name] = out["by_op"].get(name, 0) + count
+            out[key][name] = out[key].get(name, 0) + count
+        for name, nbytes in c.comm_bytes.items():
+            out["bytes"][name] = out["bytes"].get(name, 0) + nbytes
+        for name, sizes in c.comm_sizes.items():
+            out["sent_bytes"][name] = out["sent_bytes"].get(name, 0) + sum(sent_bytes(name, b, n) for b in sizes)
     return out
-

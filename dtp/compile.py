@@ -1,13 +1,17 @@
 """Checked plan → the `parallelize_module` plan: torch's own ParallelStyles wherever torch has one.
 
-| plan style                 | ParallelStyle                                                          |
-|----------------------------|------------------------------------------------------------------------|
-| colwise                    | ColwiseParallel (PackedColwiseParallel with packed=K)                  |
-| rowwise                    | RowwiseParallel                                                        |
+Two steps. `lower` decides every module's input/output layouts with no process group (so `explain`
+can derive the communication schedule from the same decisions); `compile_plan` turns them into styles.
+
+| plan style                 | ParallelStyle                                                              |
+|----------------------------|----------------------------------------------------------------------------|
+| colwise                    | ColwiseParallel (PackedColwiseParallel with packed=K)                      |
+| rowwise                    | RowwiseParallel                                                            |
 | vocab_parallel, Embedding  | RowwiseParallel: rows sharded, output all-reduced (VocabParallelEmbedding) |
 | vocab_parallel, Linear     | ColwiseParallel(output Shard(-1), DTensor output) + loss under loss_parallel |
-| sequence_parallel          | SequenceParallel                                                        |
-| replicate                  | nothing (the module stays a plain replicated module)                   |
+| sequence_parallel          | SequenceParallel (a plain input read as replicated); switches to Megatron-SP |
+| replicate                  | nothing (the module stays a plain replicated module)                       |
+| colwise siblings           | SharedInput on their parent: one input redistribution for q/k/v, gate/up   |
 """
 from __future__ import annotations
 
@@ -16,11 +20,13 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from dtp import ir
 from dtp.check import Checked, check, evaluate
-from dtp.styles import PackedColwiseParallel, SetAttributes
+from dtp.styles import PackedColwiseParallel, SequenceParallelFromReplicated, SetAttributes, SharedInput
+
+SEQUENCE = Shard(1)
 
 
 def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -37,13 +43,26 @@ def to_placement(layout: ir.Layout) -> Placement:
 
 
 @dataclass(frozen=True)
-class Compiled:
-    """What `apply` needs: the styles, the per-rank attribute rewrites, and facts the run must know."""
+class ModuleLayout:
+    """What one claimed module does with its activations."""
 
-    styles: dict[str, ParallelStyle]
-    rewrites: dict[str, SetAttributes]  # module path ("" = the model) → attribute values at this tp
-    packed: dict[str, int] = field(default_factory=dict)  # module path → parts, for gathering parameters back
-    loss_parallel: bool = False  # the output projection keeps logits sharded on the vocabulary
+    style: str  # plan style
+    embedding: bool  # vocab_parallel on nn.Embedding (else on the output Linear)
+    input: Placement | None  # how its input arrives (None: not a tensor-parallel boundary)
+    output: Placement | None  # what it hands on
+    local: bool  # hand on a local tensor (True) or a DTensor
+    packed: int = 1
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """Every layout decision, made without a process group."""
+
+    modules: dict[str, ModuleLayout]
+    shared_inputs: dict[str, tuple[str, ...]]  # parent → colwise children that share its input
+    rewrites: dict[str, dict[str, int]]  # module path ("" = the model) → attribute values at this tp
+    sequence_parallel: bool  # activations between blocks are sharded on the sequence
+    loss_parallel: bool  # the output projection keeps logits sharded on the vocabulary
 
 
 def _layout(style: ir.Style, key: str, default: Placement) -> Placement:
@@ -51,53 +70,87 @@ def _layout(style: ir.Style, key: str, default: Placement) -> Placement:
     return to_placement(value) if isinstance(value, ir.Layout) else default
 
 
-def _style(style: ir.Style, module: nn.Module) -> ParallelStyle | None:
-    local = style.option("local", True)
-    if style.name == "colwise":
-        kw = dict(input_layouts=_layout(style, "input", Replicate()), output_layouts=_layout(style, "output", Shard(-1)),
-                  use_local_output=local)
-        parts = style.option("packed", 1)
-        return PackedColwiseParallel(parts, **kw) if parts > 1 else ColwiseParallel(**kw)
-    if style.name == "rowwise":
-        return RowwiseParallel(input_layouts=_layout(style, "input", Shard(-1)),
-                               output_layouts=_layout(style, "output", Replicate()), use_local_output=local)
-    if style.name == "vocab_parallel":
-        if isinstance(module, nn.Embedding):
-            return RowwiseParallel(input_layouts=_layout(style, "input", Replicate()),
-                                   output_layouts=_layout(style, "output", Replicate()), use_local_output=local)
-        # Logits stay a DTensor sharded on the vocabulary: the loss runs under loss_parallel.
-        return ColwiseParallel(input_layouts=_layout(style, "input", Replicate()), output_layouts=Shard(-1),
-                               use_local_output=False)
-    if style.name == "sequence_parallel":
-        return SequenceParallel()
+def _module_layout(style: ir.Style, module: nn.Module, sp: bool) -> ModuleLayout | None:
+    # With sequence parallelism the residual stream between blocks is a DTensor sharded on the
+    # sequence: colwise layers all-gather their input, rowwise layers reduce-scatter their output
+    # and hand the residual a DTensor (Megatron-SP's g and ḡ).
+    between = SEQUENCE if sp else Replicate()
+    local = style.option("local", not sp)
+    name = style.name
+    if name == "colwise":
+        return ModuleLayout(name, False, _layout(style, "input", between), _layout(style, "output", Shard(-1)),
+                            style.option("local", True), style.option("packed", 1))
+    if name == "rowwise":
+        return ModuleLayout(name, False, _layout(style, "input", Shard(-1)), _layout(style, "output", between), local)
+    if name == "vocab_parallel" and isinstance(module, nn.Embedding):
+        return ModuleLayout(name, True, _layout(style, "input", Replicate()), _layout(style, "output", between), local)
+    if name == "vocab_parallel":
+        return ModuleLayout(name, False, _layout(style, "input", between), Shard(-1), False)
+    if name == "sequence_parallel":
+        return ModuleLayout(name, False, SEQUENCE, SEQUENCE, False)
     return None  # replicate
 
 
+def lower(checked: Checked, tp: int) -> Lowered:
+    """Layouts for every module the plan claims, the shared-input groups and the `set` values at `tp`."""
+    res = checked.resolution
+    sp = any(rule.style.name == "sequence_parallel" for rule in res.claims.values())
+    modules: dict[str, ModuleLayout] = {}
+    for path, rule in res.claims.items():
+        layout = _module_layout(rule.style, res.modules[path], sp)
+        if layout is not None:
+            modules[path] = layout
+    groups: dict[str, list[str]] = {}
+    for path, rule in res.claims.items():
+        if rule.style.name == "colwise" and rule.style.option("input") is None and "." in path:
+            groups.setdefault(path.rpartition(".")[0], []).append(path)
+    shared = {parent: tuple(c) for parent, c in groups.items() if len(c) > 1 and parent not in modules}
+    rewrites: dict[str, dict[str, int]] = {}
+    for (path, attr), stmt in res.sets.items():
+        attrs = vars(res.modules[path])
+        rewrites.setdefault(path, {})[attr] = evaluate(stmt.expr, lambda v: tp if v.name == "tp" else attrs[v.name])
+    loss = any(m.style == "vocab_parallel" and not m.embedding for m in modules.values())
+    return Lowered(modules, shared, rewrites, sp, loss)
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """What `apply` needs: the styles, the per-rank attribute rewrites, and facts the run must know."""
+
+    styles: dict[str, ParallelStyle]
+    rewrites: dict[str, SetAttributes]
+    lowered: Lowered
+    packed: dict[str, int] = field(default_factory=dict)  # module path → parts, for gathering parameters back
+
+    @property
+    def loss_parallel(self) -> bool:
+        """Whether the loss must run under loss_parallel."""
+        return self.lowered.loss_parallel
+
+
+def _style(m: ModuleLayout) -> ParallelStyle:
+    if m.style == "colwise":
+        kw = dict(input_layouts=m.input, output_layouts=m.output, use_local_output=m.local)
+        return PackedColwiseParallel(m.packed, **kw) if m.packed > 1 else ColwiseParallel(**kw)
+    if m.style == "rowwise" or (m.style == "vocab_parallel" and m.embedding):
+        return RowwiseParallel(input_layouts=m.input, output_layouts=m.output, use_local_output=m.local)
+    if m.style == "vocab_parallel":
+        return ColwiseParallel(input_layouts=m.input, output_layouts=m.output, use_local_output=False)
+    return SequenceParallelFromReplicated()
+
+
 def compile_plan(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh) -> Compiled:
-    """Compile `plan` for `model` on `mesh` (checking it first if it is not a Checked plan yet)."""
+    """Compile `plan` for `model` on `mesh` (checking it first if it is not a Checked plan for this tp)."""
     tp = tp_mesh(mesh).size()
     checked = plan if isinstance(plan, Checked) and plan.tp == tp else check(
         plan.plan if isinstance(plan, Checked) else plan, model, tp)
-    res = checked.resolution
-    styles: dict[str, ParallelStyle] = {}
-    packed: dict[str, int] = {}
-    loss_parallel = False
-    for path, rule in res.claims.items():
-        module = res.modules[path]
-        style = _style(rule.style, module)
-        if style is None:
-            continue
-        styles[path] = style
-        if isinstance(style, PackedColwiseParallel):
-            packed[path] = style.parts
-        if rule.style.name == "vocab_parallel" and isinstance(module, nn.Linear):
-            loss_parallel = True
-    values: dict[str, dict[str, int]] = {}
-    for (path, attr), stmt in res.sets.items():
-        attrs = vars(res.modules[path])
-        values.setdefault(path, {})[attr] = evaluate(stmt.expr, lambda v: tp if v.name == "tp" else attrs[v.name])
-    rewrites = {path: SetAttributes(v) for path, v in values.items()}
-    return Compiled(styles, rewrites, packed, loss_parallel)
+    low = lower(checked, tp)
+    styles = {path: _style(m) for path, m in low.modules.items()}
+    for parent in low.shared_inputs:
+        styles[parent] = SharedInput(SEQUENCE if low.sequence_parallel else Replicate())
+    packed = {path: m.packed for path, m in low.modules.items() if m.packed > 1}
+    rewrites = {path: SetAttributes(v) for path, v in low.rewrites.items()}
+    return Compiled(styles, rewrites, low, packed)
 
 
 def compile(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh) -> dict[str, ParallelStyle]:

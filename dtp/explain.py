@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from dtp.check import Checked
 from dtp.placement import Placement, param_placements
+from dtp.schedule import Collective, NotModeled, schedule, summarize
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,11 @@ class Explanation:
     bytes_per_rank: int
     ideal_bytes_per_rank: int  # replicated + sharded / tp
     untouched: tuple[str, ...]  # modules with parameters that no sharding rule claims (grouped)
+    batch: int = 1
+    seq: int = 1
+    schedule: tuple[Collective, ...] | None = None  # None: a layout the analytic model does not cover
+    schedule_summary: dict | None = None
+    not_modeled: str | None = None
 
     def to_json(self) -> dict:
         """A JSON-ready dict."""
@@ -56,8 +62,9 @@ def _group_paths(paths: list[str]) -> tuple[str, ...]:
 
 
 def explain(checked: Checked, model: nn.Module, model_name: str, tp: int,
-            dtype: torch.dtype = torch.float32) -> Explanation:
-    """Tabulate `model`'s parameters under the checked plan at `tp` (the model may be on meta)."""
+            dtype: torch.dtype = torch.float32, batch: int = 1, seq: int = 1024) -> Explanation:
+    """Tabulate `model`'s parameters under the checked plan at `tp` (the model may be on meta), and the
+    collectives of one training step on `batch` × `seq` tokens."""
     res = checked.resolution
     assert res is not None, "explain needs a plan checked against a model"
     elem = torch.empty((), dtype=dtype).element_size()
@@ -95,9 +102,14 @@ def explain(checked: Checked, model: nn.Module, model_name: str, tp: int,
                                  f"{rule.pos.file}:{rule.pos.line}" if rule else "-", style or "-", str(placement),
                                  shape, local, local_bytes, tuple(names[1:])))
     plan = checked.plan
+    try:
+        steps, not_modeled = tuple(schedule(checked, tp, batch, seq, dtype)), None
+    except NotModeled as err:
+        steps, not_modeled = None, str(err)
     return Explanation(plan.name, plan.plan_version, plan.file, model_name, tp, str(dtype).replace("torch.", ""),
                        tuple(rows), sharded + replicated, sum(r.bytes_per_rank for r in rows),
-                       replicated + sharded // tp, _group_paths(untouched))
+                       replicated + sharded // tp, _group_paths(untouched), batch, seq, steps,
+                       summarize(list(steps), tp) if steps is not None else None, not_modeled)
 
 
 def human_bytes(n: float) -> str:
@@ -130,4 +142,18 @@ def render(ex: Explanation) -> str:
               f"ideal per rank (repl + shard/tp): {human_bytes(ex.ideal_bytes_per_rank):>6}  ({ex.ideal_bytes_per_rank} B)"]
     if ex.untouched:
         lines.append("untouched by any sharding rule (replicated): " + ", ".join(ex.untouched))
+    lines += ["", f"communication per training step (batch {ex.batch} × seq {ex.seq}, analytic):"]
+    if ex.schedule is None:
+        lines.append(f"  not modeled: {ex.not_modeled}")
+        return "\n".join(lines)
+    groups: dict[tuple, list[Collective]] = {}
+    for c in ex.schedule:  # one line per kind of collective, layers folded together
+        key = (c.phase, c.op, re.sub(r"(?<=\.)\d+(?=\.|$)", "*", c.module), c.reason, c.buffer_bytes)
+        groups.setdefault(key, []).append(c)
+    for (phase, op, module, reason, nbytes), cs in groups.items():
+        lines.append(f"  {phase:<8} {len(cs):>4} × {op:<14} {human_bytes(nbytes):>10}  {module}: {reason}")
+    summary = ex.schedule_summary
+    ops = ", ".join(f"{n} {op}" for op, n in sorted(summary["by_op"].items())) or "none"
+    sent = sum(summary["sent_bytes"].values())
+    lines.append(f"  total: {summary['total']} collectives ({ops}); {human_bytes(sent)} sent per rank (ring)")
     return "\n".join(lines)

@@ -59,20 +59,23 @@ class _Writer:
     def _gap_has_blank(self, upto: int) -> bool:
         return any(self.last_line < n < upto for n in self.blank)
 
-    def comments_before(self, line: int, indent: str) -> None:
-        """Standalone comments above source `line`, with a blank line where the source had one."""
+    def comments_before(self, line: int, indent: str, blank: bool = False) -> bool:
+        """Standalone comments above source `line`, with a blank line where the source had one (or where
+        `blank` asks for one before the first); returns whether that blank is still owed."""
         while self.standalone and (line <= 0 or self.standalone[0].pos.line < line):
             comment = self.standalone.pop(0)
-            if self._gap_has_blank(comment.pos.line) and self.lines and self.lines[-1]:
+            if (blank or self._gap_has_blank(comment.pos.line)) and self.lines and self.lines[-1] \
+                    and not self.lines[-1].endswith("{"):
                 self.lines.append("")
+            blank = False
             self.lines.append(indent + comment.text)
             self.last_line = comment.pos.line
+        return blank
 
     def emit(self, text: str, pos: ir.Pos, indent: str, blank_before: bool = False) -> None:
         """A line of code for the statement that started at `pos`."""
         if pos.line > 0:
-            self.comments_before(pos.line, indent)
-            blank_before = blank_before or self._gap_has_blank(pos.line)
+            blank_before = self.comments_before(pos.line, indent, blank_before) or self._gap_has_blank(pos.line)
         if blank_before and self.lines and self.lines[-1] and not self.lines[-1].endswith("{"):
             self.lines.append("")
         comment = self.trailing.pop(pos.line, None) if pos.line > 0 else None

@@ -34,17 +34,22 @@ def render(report: dict) -> str:
         "",
         f"collectives per training step: {coll['total']} ({_ops(coll['by_op'])})",
         f"  forward {_ops(coll['forward'])} · backward {_ops(coll['backward'])}",
-        f"  bytes communicated: {human_bytes(report['comm_bytes'])} ({report['comm_bytes']} B)",
+        f"  bytes sent per rank (ring): {human_bytes(report['comm_bytes'])} ({report['comm_bytes']} B)",
     ]
-    if "analytic_collectives" in report:
-        lines.append(f"  analytic schedule: {report['analytic_collectives']['total']} "
-                     f"({_ops(report['analytic_collectives']['by_op'])})")
+    analytic = report.get("analytic_collectives", {})
+    if "not_modeled" in analytic:
+        lines.append(f"  analytic schedule: not modeled ({analytic['not_modeled']})")
+    elif analytic:
+        same = all(analytic[k] == coll[k] for k in ("by_op", "forward", "backward", "bytes"))
+        lines.append(f"  analytic schedule: {analytic['total']} ({_ops(analytic['by_op'])}) — "
+                     + ("matches the measurement" if same else "DIFFERS from the measurement"))
     per_rank = report["param_bytes_per_rank"]
     peaks = report["peak_memory_bytes"]
     lines += [
         "",
         f"parameters: {human_bytes(report['param_bytes_unsharded'])} unsharded; per rank "
         f"{', '.join(human_bytes(b) for b in per_rank)} (ideal {human_bytes(report['ideal_param_bytes_per_rank'])})",
+        f"activations saved for backward per rank: {', '.join(human_bytes(b) for b in report['activation_bytes_per_rank'])}",
         f"peak memory ({report['peak_memory_kind']}) per rank: {', '.join(human_bytes(b) for b in peaks)}",
         f"step time (median): {report['step_time_ms']:.1f} ms · {report['tokens_per_s']:.0f} tokens/s",
     ]

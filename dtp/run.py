@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from dtp import models, syntax
 from dtp.apply import apply, tied_groups
 from dtp.comm import CommCounter, merge
+from dtp.schedule import NotModeled, schedule, summarize
 from dtp.parity import ParityCheck
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -70,6 +71,33 @@ class ModuleTrail:
         if self.phase == "forward" and self.stack:
             return f"module {self.stack[-1] or '(the model)'} during forward"
         return f"the {self.phase}"
+
+
+class ActivationMeter:
+    """Bytes of the activations a forward pass saves for backward on this rank (parameters excluded,
+    each storage counted once): the memory that sequence parallelism divides."""
+
+    def __init__(self, model: nn.Module):
+        self.params = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+                       for p in model.parameters()}
+        self.storages: dict[int, int] = {}
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        storage = local.untyped_storage()
+        if storage.data_ptr() not in self.params:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def recording(self):
+        """A context that records what autograd saves."""
+        self.storages.clear()
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    @property
+    def nbytes(self) -> int:
+        """Total recorded bytes."""
+        return sum(self.storages.values())
 
 
 def _logits(output: object) -> torch.Tensor:
@@ -133,8 +161,10 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail]) -> dic
     ref_params = dict(reference.named_parameters()) if reference is not None else {}
     parity = ParityCheck(dtype)
     loss_ctx = loss_parallel if applied.compiled.loss_parallel else contextlib.nullcontext
-    counters = (CommCounter(), CommCounter())  # forward+backward, optimizer step (comparisons in between)
+    # One counter per phase (the comparisons run in between, uncounted).
+    counters = {"forward": CommCounter(), "backward": CommCounter(), "optimizer": CommCounter()}
     step_times: list[float] = []
+    activations = ActivationMeter(model)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -142,16 +172,18 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail]) -> dic
         counting = step == 0
         _sync(device)
         t0 = time.perf_counter()
-        with counters[0] if counting else contextlib.nullcontext():
-            trail.phase = "forward"
-            logits = _logits(model(inputs))
-            trail.phase = "loss and backward"
-            with loss_ctx():
+        with loss_ctx():
+            with counters["forward"] if counting else contextlib.nullcontext(), \
+                    activations.recording() if counting else contextlib.nullcontext():
+                trail.phase = "forward"
+                logits = _logits(model(inputs))
+                trail.phase = "loss"
                 loss = _loss(logits, targets)
+            with counters["backward"] if counting else contextlib.nullcontext():
+                trail.phase = "backward"
                 loss.backward()
-            trail.phase = "optimizer step"
-            # The step is applied after the gradients are compared, but timed as part of the step.
-            _sync(device)
+        # The optimizer step is applied after the gradients are compared, but timed as part of the step.
+        _sync(device)
         t_fwd_bwd = time.perf_counter() - t0
 
         trail.phase = "comparison with the reference"
@@ -171,7 +203,7 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail]) -> dic
         trail.phase = "optimizer step"
         _sync(device)
         t1 = time.perf_counter()
-        with counters[1] if counting else contextlib.nullcontext():
+        with counters["optimizer"] if counting else contextlib.nullcontext():
             opt.step()
             opt.zero_grad()
             _sync(device)
@@ -186,12 +218,16 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail]) -> dic
                 parity.compare("params", f"{n} (after step {step + 1})", p, ref_params.get(n))
 
     trail.phase = "report"
+    try:
+        analytic = summarize(schedule(applied.checked, cfg.tp, cfg.batch, cfg.seq, dtype, applied.compiled.lowered), cfg.tp)
+    except NotModeled as err:
+        analytic = {"not_modeled": str(err)}
     local_bytes = sum(p.to_local().numel() * p.element_size() if isinstance(p, DTensor) else p.numel() * p.element_size()
                       for p in model.parameters())
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, {"param_bytes": local_bytes, "peak": peak})
+    dist.all_gather_object(gathered, {"param_bytes": local_bytes, "peak": peak, "activations": activations.nbytes})
     if rank != 0:
         return None
 
@@ -199,7 +235,7 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail]) -> dic
     sharded_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
                         if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements))
     median = statistics.median(step_times)
-    collectives = merge(list(counters))
+    collectives = merge(counters, cfg.tp)
     report = {
         "plan": {"name": plan.name, "version": plan.plan_version, "file": cfg.plan},
         "model": cfg.model,
@@ -209,11 +245,13 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail]) -> dic
         "backend": dist.get_backend(),
         "parity": parity.to_json(),
         "collectives": collectives,
-        "comm_bytes": sum(collectives["bytes"].values()),
+        "comm_bytes": sum(collectives["sent_bytes"].values()),
+        "analytic_collectives": analytic,
         "tied_parameters": [[f"{path}.{name}".lstrip(".") for path, name in group] for group in tied_groups(model)],
         "param_bytes_unsharded": total_bytes,
         "param_bytes_per_rank": [g["param_bytes"] for g in gathered],
         "ideal_param_bytes_per_rank": (total_bytes - sharded_bytes) + sharded_bytes // cfg.tp,
+        "activation_bytes_per_rank": [g["activations"] for g in gathered],
         "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "rss",
         "peak_memory_bytes": [g["peak"] for g in gathered],
         "step_time_ms": median * 1e3,

@@ -1,11 +1,14 @@
-"""The two ParallelStyles torch does not have: packed colwise and per-rank attribute rewrites."""
+"""The ParallelStyles torch does not have: packed colwise, a shared input for sibling colwise layers,
+and per-rank attribute rewrites."""
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
 
 
 def pack_rows(t: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
@@ -58,3 +61,59 @@ class SetAttributes(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"SetAttributes({self.values})"
+
+
+class SharedInput(ParallelStyle):
+    """Redistribute a module's input once, for all of its column-parallel children (q/k/v, gate/up).
+
+    Without it each colwise child turns the same replicated input into a DTensor on its own, so the
+    backward pass all-reduces that input's gradient once per child; here the children receive one
+    Replicate DTensor, their Partial gradients add up first, and one all-reduce follows (Megatron's f).
+    torch's PrepareModuleInput needs to know whether the input arrives positionally or by keyword
+    (Hugging Face passes `hidden_states=`); this hook accepts either.
+    """
+
+    def __init__(self, input_layout: Placement | None = None):
+        super().__init__()
+        self.input_layout = input_layout or Replicate()
+
+    def _prepare(self, x: object, mesh: DeviceMesh) -> object:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [self.input_layout], run_check=False)
+        return x.redistribute(placements=[Replicate()])
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        params = list(inspect.signature(module.forward).parameters)
+        first = params[0] if params else None
+
+        def hook(mod, args, kwargs):
+            if args:
+                return (self._prepare(args[0], device_mesh), *args[1:]), kwargs
+            if first in kwargs:
+                kwargs = {**kwargs, first: self._prepare(kwargs[first], device_mesh)}
+            return args, kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"SharedInput(input_layout={self.input_layout})"
+
+
+class SequenceParallelFromReplicated(SequenceParallel):
+    """torch's SequenceParallel, except that a plain-tensor input is read as the full (replicated)
+    sequence and cut to this rank's shard, instead of being taken for the shard itself.
+
+    In dtp's sequence-parallel layout every sequence shard travels as a DTensor, so a plain tensor
+    reaching a sequence-parallel module is always a replicated activation (GPT's token + position
+    embedding sum before `transformer.drop`).
+    """
+
+    @staticmethod
+    def _prepare_input_fn(sequence_sharding, mod, inputs, device_mesh):
+        x = inputs[0]
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+            x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+        return SequenceParallel._prepare_input_fn(sequence_sharding, mod, (x, *inputs[1:]), device_mesh)

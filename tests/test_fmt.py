@@ -196,7 +196,12 @@ def _parse_or_plan_error(text: str) -> None:
         assert err.diagnostics
         err.render()  # rendering a diagnostic never fails either
         return
-    format_plan(plan, plan.source)  # whatever parses also formats
+    # Whatever parses also formats, to text that parses back to the same plan with the same comments.
+    text = format_plan(plan, plan.source)
+    again = parse(text)
+    assert again == plan
+    assert [c.text for c in again.comments] == [c.text for c in plan.comments]
+    assert format_plan(again, again.source) == text
 
 
 @settings(max_examples=250, deadline=None)

@@ -175,3 +175,8 @@ def heads(model: nn.Module) -> Heads | None:
             head_dim = hidden // n_head[1]
         return Heads(n_head[1], kv or n_head[1], head_dim, f"{attr}.{n_head[0]}")
     return None
+
+
+from dtp.models.llama import Llama, LlamaConfig  # noqa: E402  (after register_family exists)
+
+register_family("llama", LlamaConfig, Llama)

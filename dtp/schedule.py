@@ -1,0 +1,133 @@
+"""The analytic communication schedule of a plan: every collective of one training step, from the
+layouts `compile.lower` chose and the model's shapes, with no process group.
+
+A layout change costs (N tokens × width × element size is the buffer S):
+
+| where                                   | forward            | backward           |
+|-----------------------------------------|--------------------|--------------------|
+| replicated input → colwise region       | -                  | all-reduce S (f)   |
+| sequence-sharded input → colwise region | all-gather S       | reduce-scatter S   |
+| rowwise / embedding → replicated        | all-reduce S (g)   | -                  |
+| rowwise / embedding → sequence-sharded  | reduce-scatter S   | all-gather S       |
+| colwise output gathered (output=replicate) | all-gather S    | -                  |
+| sequence_parallel norm parameter        | -                  | all-reduce of its gradient |
+| vocab-parallel cross-entropy            | 3 all-reduces of N values (max, sum of exponentials, target logit) | - |
+
+Sibling colwise layers that share their parent's input pay the input cost once (Megatron's f).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+
+from dtp.check import Checked
+from dtp.compile import SEQUENCE, Lowered, lower
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a training step."""
+
+    op: str  # all_reduce | all_gather | reduce_scatter
+    phase: str  # forward | backward
+    buffer_bytes: int  # the full buffer (see dtp.comm)
+    module: str
+    reason: str
+
+
+def sent_bytes(op: str, buffer_bytes: int, n: int) -> int:
+    """Bytes each rank sends for one collective under ring algorithms over n ranks."""
+    if n <= 1:
+        return 0
+    factor = 2 if op == "all_reduce" else 1  # all-reduce = reduce-scatter + all-gather
+    return factor * buffer_bytes * (n - 1) // n
+
+
+class NotModeled(Exception):
+    """A layout the analytic model does not cover (e.g. a partial input); explain says so."""
+
+
+def schedule(checked: Checked, tp: int, batch: int, seq: int, dtype: torch.dtype = torch.float32,
+             lowered: Lowered | None = None) -> list[Collective]:
+    """Every collective of one forward + backward pass of the plan at `tp` on `batch` × `seq` tokens."""
+    low = lowered or lower(checked, tp)
+    res = checked.resolution
+    elem = torch.empty((), dtype=dtype).element_size()
+    tokens = batch * seq
+    out: list[Collective] = []
+
+    def add(op: str, phase: str, width: int, module: str, reason: str, nbytes: int | None = None) -> None:
+        out.append(Collective(op, phase, nbytes if nbytes is not None else tokens * width * elem, module, reason))
+
+    if low.loss_parallel:
+        head = next(p for p, m in low.modules.items() if m.style == "vocab_parallel" and not m.embedding)
+        for what in ("max", "sum of exponentials", "target logit"):
+            add("all_reduce", "forward", 1, head, f"vocab-parallel cross-entropy: {what}")
+    if tp == 1:
+        return out  # DTensor skips redistributions over a one-rank mesh
+
+    shared_children = {c: parent for parent, children in low.shared_inputs.items() for c in children}
+    entered: set[str] = set()
+    for path, m in low.modules.items():
+        module = res.modules[path]
+        if m.style in ("colwise", "vocab_parallel") and not m.embedding:
+            key = shared_children.get(path, path)
+            if key not in entered:
+                entered.add(key)
+                _enter_region(add, m.input, module.in_features, key,
+                              "shared input of " + ", ".join(c.rsplit(".", 1)[-1] for c in low.shared_inputs[key])
+                              if key in low.shared_inputs else "input")
+            if m.style == "colwise" and m.output != Shard(-1):
+                if m.output != Replicate():
+                    raise NotModeled(f"{path}: colwise output {m.output}")
+                add("all_gather", "forward", module.out_features, path, "gathered output")
+        elif m.style == "rowwise" or m.embedding:
+            if m.style == "rowwise" and m.input != Shard(-1):
+                raise NotModeled(f"{path}: rowwise input {m.input}")
+            width = module.embedding_dim if m.embedding else module.out_features
+            _leave_region(add, m.output, width, path)
+            if m.embedding and low.sequence_parallel and m.output == Replicate():
+                add("all_gather", "backward", width, path, "gradient of the sequence split after the embedding")
+        elif m.style == "sequence_parallel":
+            for name, p in module.named_parameters(recurse=False):
+                add("all_reduce", "backward", 0, path, f"gradient of replicated {name}", p.numel() * elem)
+    return out
+
+
+def _enter_region(add, placement, width: int, module: str, what: str) -> None:
+    if placement == Replicate():
+        add("all_reduce", "backward", width, module, f"{what}: gradient (f)")
+    elif placement == SEQUENCE:
+        add("all_gather", "forward", width, module, f"{what}: sequence gather")
+        add("reduce_scatter", "backward", width, module, f"{what}: gradient")
+    else:
+        raise NotModeled(f"{module}: input {placement}")
+
+
+def _leave_region(add, placement, width: int, module: str) -> None:
+    if placement == Replicate():
+        add("all_reduce", "forward", width, module, "partial sums (g)")
+    elif placement == SEQUENCE:
+        add("reduce_scatter", "forward", width, module, "partial sums to sequence shards")
+        add("all_gather", "backward", width, module, "gradient")
+    else:
+        raise NotModeled(f"{module}: output {placement}")
+
+
+def summarize(collectives: list[Collective], n: int) -> dict:
+    """The same shape as the measured `collectives` of a `dtp apply` report."""
+    out: dict = {"total": len(collectives), "by_op": {}, "forward": {}, "backward": {}, "bytes": {}, "sent_bytes": {}}
+    for c in collectives:
+        out["by_op"][c.op] = out["by_op"].get(c.op, 0) + 1
+        out[c.phase][c.op] = out[c.phase].get(c.op, 0) + 1
+        out["bytes"][c.op] = out["bytes"].get(c.op, 0) + c.buffer_bytes
+        out["sent_bytes"][c.op] = out["sent_bytes"].get(c.op, 0) + sent_bytes(c.op, c.buffer_bytes, n)
+    return out
+
+
+def to_json(collectives: list[Collective]) -> list[dict]:
+    """Each collective as a dict."""
+    return [asdict(c) for c in collectives]
