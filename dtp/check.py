@@ -132,6 +132,11 @@ def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Repo
                     f"{packed} equal parts")
             continue
         for what, size in sharded_sizes(style.name, module, packed):
+            if style.name == "vocab_parallel":  # uneven vocabulary shards are fine (torch.chunk layout)
+                if tp and size < tp:
+                    rep.add(style.pos, length, path, f"vocab_parallel shards {what} over tp={tp}; every rank needs "
+                            f"at least one row, so tp must be at most {size}")
+                continue
             sizes.append(size)
             if tp and size % tp:
                 rep.add(style.pos, length, path, f"{style.name} shards {what} over tp={tp}, which does not divide it; "

@@ -25,8 +25,9 @@ class ParamRow:
     placement: str
     shape: tuple[int, ...]
     local_shape: tuple[int, ...]
-    bytes_per_rank: int
+    bytes_per_rank: int  # rank 0's (the largest when shards are uneven)
     tied_with: tuple[str, ...]
+    uneven: bool = False  # shards differ in size: the last ranks hold fewer rows
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def explain(checked: Checked, model: nn.Module, model_name: str, tp: int,
             local_bytes = int(torch.Size(local).numel()) * elem
             rows.append(ParamRow(full, path, type(module).__name__,
                                  f"{rule.pos.file}:{rule.pos.line}" if rule else "-", style or "-", str(placement),
-                                 shape, local, local_bytes, tuple(names[1:])))
+                                 shape, local, local_bytes, tuple(names[1:]), placement.is_uneven(shape, tp)))
     plan = checked.plan
     try:
         steps, not_modeled = tuple(schedule(checked, tp, batch, seq, dtype)), None
@@ -129,7 +130,8 @@ def render(ex: Explanation) -> str:
     """The human table."""
     header = ("parameter", "rule", "style", "placement", "shape", "per rank", "bytes/rank")
     body = [(r.name + (f" = {', '.join(r.tied_with)}" if r.tied_with else ""), r.rule.rsplit("/", 1)[-1], r.style,
-             r.placement, _shape(r.shape), _shape(r.local_shape), human_bytes(r.bytes_per_rank)) for r in ex.rows]
+             r.placement, _shape(r.shape), _shape(r.local_shape) + ("*" if r.uneven else ""),
+             human_bytes(r.bytes_per_rank)) for r in ex.rows]
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
     fmt = "  ".join(f"{{:{'>' if i == 6 else '<'}{w}}}" for i, w in enumerate(widths))
     title = f"plan {ex.plan_name or '(unnamed)'}" + (f" version {ex.plan_version}" if ex.plan_version is not None else "")
@@ -138,8 +140,10 @@ def render(ex: Explanation) -> str:
     lines += [fmt.format(*row) for row in body]
     lines += ["",
               f"parameters, unsharded:      {human_bytes(ex.bytes_unsharded):>12}  ({ex.bytes_unsharded} B)",
-              f"parameters per rank:        {human_bytes(ex.bytes_per_rank):>12}  ({ex.bytes_per_rank} B)",
+              f"parameters on rank 0:       {human_bytes(ex.bytes_per_rank):>12}  ({ex.bytes_per_rank} B)",
               f"ideal per rank (repl + shard/tp): {human_bytes(ex.ideal_bytes_per_rank):>6}  ({ex.ideal_bytes_per_rank} B)"]
+    if any(r.uneven for r in ex.rows):
+        lines.append("* uneven shards (torch.chunk layout): rank 0's shape shown; the last ranks hold fewer rows")
     if ex.untouched:
         lines.append("untouched by any sharding rule (replicated): " + ", ".join(ex.untouched))
     lines += ["", f"communication per training step (batch {ex.batch} × seq {ex.seq}, analytic):"]

@@ -61,13 +61,20 @@ class Placement:
             return "Replicate()"
         return f"Shard({self.shard_dim})" + (f" packed×{self.packed}" if self.packed > 1 else "")
 
-    def local_shape(self, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-        """The shape each rank holds (the checks guarantee even division)."""
+    def local_shape(self, shape: tuple[int, ...], tp: int, rank: int = 0) -> tuple[int, ...]:
+        """The shape `rank` holds: torch.chunk's layout, so uneven sizes leave the last ranks shorter
+        (only vocabularies may be uneven; `check` demands even division elsewhere)."""
         if self.shard_dim is None:
             return shape
         out = list(shape)
-        out[self.shard_dim] //= tp
+        n = out[self.shard_dim]
+        chunk = -(-n // tp)
+        out[self.shard_dim] = max(0, min(chunk, n - chunk * rank))
         return tuple(out)
+
+    def is_uneven(self, shape: tuple[int, ...], tp: int) -> bool:
+        """Whether ranks hold different amounts."""
+        return self.shard_dim is not None and shape[self.shard_dim] % tp != 0
 
 
 REPLICATE = Placement()

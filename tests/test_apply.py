@@ -145,3 +145,16 @@ def test_usage_errors_exit_2(repo, args, message):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_vocabulary_that_does_not_divide_shards_unevenly(repo, tp):
+    # 257 rows: torch.chunk gives ceil(257/tp) rows to each rank but the last, which holds the rest.
+    vocab = 257
+    report = _run(tp, model="tests/fixtures/gpt-odd-vocab.yaml")
+    assert report["parity"]["ok"], report["parity"]
+    chunk = -(-vocab // tp)
+    rows = [chunk] * (tp - 1) + [vocab - chunk * (tp - 1)]
+    others = SHARDED - V * C  # the even shards
+    assert report["param_bytes_per_rank"] == [4 * (REPLICATED + others // tp + r * C) for r in rows]
+    assert report["collectives"]["by_op"] == {"all_reduce": 13}
