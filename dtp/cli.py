@@ -73,7 +73,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     dtype = _dtype(args.dtype)
     plan, model, checked = _load_checked(args.plan, args.model, args.tp)
     seq = args.seq or getattr(getattr(model, "config", None), "block_size", None) or 1024
-    ex = explain(checked, model, args.model, args.tp, dtype, args.batch, seq)
+    ex = explain(checked, model, args.model, args.tp, dtype, args.batch, seq, args.dp)
     print(render(ex))
     if args.json:
         _write_json(args.json, ex.to_json())
@@ -115,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("plan")
     e.add_argument("model")
     e.add_argument("--tp", type=positive_int, required=True)
+    e.add_argument("--dp", type=positive_int, default=1, help="data-parallel size (FSDP2) for the schedule")
     e.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     e.add_argument("--batch", type=positive_int, default=1, help="sequences per step, for the schedule (default 1)")
     e.add_argument("--seq", type=positive_int, help="tokens per sequence, for the schedule (default: the block size)")

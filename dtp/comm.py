@@ -8,9 +8,36 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._pytree import tree_flatten
 
 
+_C10D_NAMES = {"allreduce_": "all_reduce", "allgather_": "all_gather", "_allgather_base_": "all_gather",
+               "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+               "allgather_into_tensor_coalesced_": "all_gather", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+               "alltoall_base_": "all_to_all", "broadcast_": "broadcast"}
+
+
 def op_name(op: object) -> str:
-    """`c10d_functional.all_reduce` → `all_reduce`."""
-    return str(op).rsplit(".", 1)[-1].removesuffix("_into_tensor").removesuffix("_tensor")
+    """`c10d_functional.all_reduce` → `all_reduce`; FSDP2's `c10d._allgather_base_` → `all_gather`."""
+    name = str(op).rsplit(".", 1)[-1]
+    return _C10D_NAMES.get(name, name.removesuffix("_into_tensor").removesuffix("_tensor").removesuffix("_single"))
+
+
+def _group_size(tree: object) -> int:
+    from torch.distributed.distributed_c10d import ProcessGroup, _resolve_process_group
+
+    leaves, _ = tree_flatten(tree)
+    for leaf in leaves:
+        if isinstance(leaf, ProcessGroup):
+            return leaf.size()
+        if isinstance(leaf, torch.ScriptObject):  # c10d ops (FSDP2's) carry the group boxed
+            try:
+                return ProcessGroup.unbox(leaf).size()
+            except RuntimeError:
+                continue
+        if isinstance(leaf, str):
+            try:
+                return _resolve_process_group(leaf).size()
+            except (ValueError, RuntimeError, KeyError):
+                continue
+    return 1
 
 
 def _bytes(tree: object) -> int:
@@ -25,7 +52,7 @@ class CommCounter(CommDebugMode):
     def __init__(self) -> None:
         super().__init__()
         self.comm_bytes: dict[str, int] = defaultdict(int)
-        self.comm_sizes: dict[str, list[int]] = defaultdict(list)
+        self.comm_sizes: dict[str, list[tuple[int, int]]] = defaultdict(list)  # (buffer bytes, group size)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         before = self.get_total_counts()
@@ -33,11 +60,11 @@ class CommCounter(CommDebugMode):
         if out is not NotImplemented and self.get_total_counts() > before:
             name, size = op_name(func._overloadpacket), max(_bytes((args, kwargs)), _bytes(out))
             self.comm_bytes[name] += size
-            self.comm_sizes[name].append(size)
+            self.comm_sizes[name].append((size, _group_size((args, kwargs))))
         return out
 
 
-def merge(phases: dict[str, CommCounter], n: int) -> dict:
+def merge(phases: dict[str, CommCounter]) -> dict:
     """{"total", "by_op", "forward", "backward", "bytes", "sent_bytes"} over counters keyed by phase; the
     optimizer's collectives (none under tensor parallelism) count as backward."""
     from dtp.schedule import sent_bytes
@@ -53,5 +80,5 @@ def merge(phases: dict[str, CommCounter], n: int) -> dict:
         for name, nbytes in c.comm_bytes.items():
             out["bytes"][name] = out["bytes"].get(name, 0) + nbytes
         for name, sizes in c.comm_sizes.items():
-            out["sent_bytes"][name] = out["sent_bytes"].get(name, 0) + sum(sent_bytes(name, b, n) for b in sizes)
+            out["sent_bytes"][name] = out["sent_bytes"].get(name, 0) + sum(sent_bytes(name, b, n) for b, n in sizes)
     return out

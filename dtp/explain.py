@@ -63,7 +63,7 @@ def _group_paths(paths: list[str]) -> tuple[str, ...]:
 
 
 def explain(checked: Checked, model: nn.Module, model_name: str, tp: int,
-            dtype: torch.dtype = torch.float32, batch: int = 1, seq: int = 1024) -> Explanation:
+            dtype: torch.dtype = torch.float32, batch: int = 1, seq: int = 1024, dp: int = 1) -> Explanation:
     """Tabulate `model`'s parameters under the checked plan at `tp` (the model may be on meta), and the
     collectives of one training step on `batch` × `seq` tokens."""
     res = checked.resolution
@@ -104,13 +104,13 @@ def explain(checked: Checked, model: nn.Module, model_name: str, tp: int,
                                  shape, local, local_bytes, tuple(names[1:]), placement.is_uneven(shape, tp)))
     plan = checked.plan
     try:
-        steps, not_modeled = tuple(schedule(checked, tp, batch, seq, dtype)), None
+        steps, not_modeled = tuple(schedule(checked, tp, batch, seq, dtype, dp=dp, model=model)), None
     except NotModeled as err:
         steps, not_modeled = None, str(err)
     return Explanation(plan.name, plan.plan_version, plan.file, model_name, tp, str(dtype).replace("torch.", ""),
                        tuple(rows), sharded + replicated, sum(r.bytes_per_rank for r in rows),
                        replicated + sharded // tp, _group_paths(untouched), batch, seq, steps,
-                       summarize(list(steps), tp) if steps is not None else None, not_modeled)
+                       summarize(list(steps), tp, dp) if steps is not None else None, not_modeled)
 
 
 def human_bytes(n: float) -> str:
@@ -146,7 +146,7 @@ def render(ex: Explanation) -> str:
         lines.append("* uneven shards (torch.chunk layout): rank 0's shape shown; the last ranks hold fewer rows")
     if ex.untouched:
         lines.append("untouched by any sharding rule (replicated): " + ", ".join(ex.untouched))
-    lines += ["", f"communication per training step (batch {ex.batch} × seq {ex.seq}, analytic):"]
+    lines += ["", f"communication per training step (batch {ex.batch} × seq {ex.seq} per data-parallel rank, analytic):"]
     if ex.schedule is None:
         lines.append(f"  not modeled: {ex.not_modeled}")
         return "\n".join(lines)

@@ -155,8 +155,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
     torchrun = _under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else None
     tp = args.tp or (world // args.dp if world else 2)
-    if args.dp > 1:
-        raise UsageError("--dp > 1 (model + data parallel) is not supported yet; run with --dp 1")
+    if args.batch % args.dp:
+        raise UsageError(f"--batch {args.batch} (the global batch) must divide by --dp {args.dp}")
     if torchrun and tp * args.dp != world:
         raise UsageError(f"--tp {tp} × --dp {args.dp} = {tp * args.dp} ranks, but torchrun started WORLD_SIZE={world}")
     if device == "cuda" and not torchrun and tp * args.dp > torch.cuda.device_count():

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import os
 import resource
 import statistics
@@ -24,6 +25,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from dtp import models, syntax
 from dtp.apply import apply, tied_groups
 from dtp.comm import CommCounter, merge
+from dtp.data_parallel import data_parallel
 from dtp.schedule import NotModeled, schedule, summarize
 from dtp.parity import ParityCheck
 
@@ -134,11 +136,16 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail]) -> dic
     # CommDebugMode's module tracker hooks every module's backward; its warning is noise here.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     warnings.filterwarnings("ignore", message="For backward hooks to be called")
+    # Gathering FSDP2 + TP parameters for the comparison warns that it takes two all-gathers; it may.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % max(torch.cuda.device_count(), 1)) \
         if cfg.device == "cuda" else torch.device("cpu")
     dtype = DTYPES[cfg.dtype]
-    mesh = init_device_mesh(device.type, (cfg.tp,), mesh_dim_names=("tp",))
+    if cfg.dp > 1:
+        mesh = init_device_mesh(device.type, (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
+    else:
+        mesh = init_device_mesh(device.type, (cfg.tp,), mesh_dim_names=("tp",))
     plan = syntax.load(cfg.plan)
     source = models.resolve(cfg.model)
 
@@ -150,11 +157,17 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail]) -> dic
     trails.append(trail)
     trail.phase = "sharding (apply)"
     applied = apply(plan, model, mesh)
+    if cfg.dp > 1:
+        data_parallel(model, mesh["dp"])
 
     vocab = models.vocab_size(model)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    ids = torch.randint(0, vocab, (cfg.batch, cfg.seq + 1), generator=gen).to(device)
+    ids = torch.randint(0, vocab, (cfg.batch, cfg.seq + 1), generator=gen).to(device)  # the global batch
     inputs, targets = ids[:, :-1], ids[:, 1:]
+    # Data parallelism splits the global batch over dp; logits and loss are compared on this rank's part.
+    per_dp = cfg.batch // cfg.dp
+    mine = slice(mesh["dp"].get_local_rank() * per_dp, (mesh["dp"].get_local_rank() + 1) * per_dp) \
+        if cfg.dp > 1 else slice(None)
 
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=cfg.lr, momentum=0.9) if reference is not None else None
@@ -176,9 +189,9 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail]) -> dic
             with counters["forward"] if counting else contextlib.nullcontext(), \
                     activations.recording() if counting else contextlib.nullcontext():
                 trail.phase = "forward"
-                logits = _logits(model(inputs))
+                logits = _logits(model(inputs[mine]))
                 trail.phase = "loss"
-                loss = _loss(logits, targets)
+                loss = _loss(logits, targets[mine])
             with counters["backward"] if counting else contextlib.nullcontext():
                 trail.phase = "backward"
                 loss.backward()
@@ -193,6 +206,10 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail]) -> dic
             ref_logits = _logits(reference(inputs))
             ref_loss = _loss(ref_logits, targets)
             ref_loss.backward()
+            if cfg.dp > 1:
+                with torch.no_grad():
+                    ref_logits = _logits(reference(inputs[mine]))
+                    ref_loss = _loss(ref_logits, targets[mine])
             parity.compare("logits", f"logits (step {step + 1})", full_logits, ref_logits)
             parity.compare("loss", f"loss (step {step + 1})", full_loss, ref_loss)
             for n, g in grads.items():
@@ -219,7 +236,9 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail]) -> dic
 
     trail.phase = "report"
     try:
-        analytic = summarize(schedule(applied.checked, cfg.tp, cfg.batch, cfg.seq, dtype, applied.compiled.lowered), cfg.tp)
+        steps = schedule(applied.checked, cfg.tp, cfg.batch // cfg.dp, cfg.seq, dtype, applied.compiled.lowered,
+                         cfg.dp, models.build(source, device="meta", dtype=dtype))
+        analytic = summarize(steps, cfg.tp, cfg.dp)
     except NotModeled as err:
         analytic = {"not_modeled": str(err)}
     local_bytes = sum(p.to_local().numel() * p.element_size() if isinstance(p, DTensor) else p.numel() * p.element_size()
@@ -235,7 +254,7 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail]) -> dic
     sharded_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
                         if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements))
     median = statistics.median(step_times)
-    collectives = merge(counters, cfg.tp)
+    collectives = merge(counters)
     report = {
         "plan": {"name": plan.name, "version": plan.plan_version, "file": cfg.plan},
         "model": cfg.model,
@@ -250,7 +269,8 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail]) -> dic
         "tied_parameters": [[f"{path}.{name}".lstrip(".") for path, name in group] for group in tied_groups(model)],
         "param_bytes_unsharded": total_bytes,
         "param_bytes_per_rank": [g["param_bytes"] for g in gathered],
-        "ideal_param_bytes_per_rank": (total_bytes - sharded_bytes) + sharded_bytes // cfg.tp,
+        # tp shards the sharded parameters; FSDP2 then shards everything over dp
+        "ideal_param_bytes_per_rank": ((total_bytes - sharded_bytes) + sharded_bytes // cfg.tp) // cfg.dp,
         "activation_bytes_per_rank": [g["activations"] for g in gathered],
         "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "rss",
         "peak_memory_bytes": [g["peak"] for g in gathered],

@@ -25,6 +25,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from dtp.check import Checked
 from dtp.compile import SEQUENCE, Lowered, lower
+from dtp.data_parallel import unit_bytes
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class Collective:
     buffer_bytes: int  # the full buffer (see dtp.comm)
     module: str
     reason: str
+    group: str = "tp"  # the mesh dimension it runs over
 
 
 def sent_bytes(op: str, buffer_bytes: int, n: int) -> int:
@@ -51,8 +53,24 @@ class NotModeled(Exception):
 
 
 def schedule(checked: Checked, tp: int, batch: int, seq: int, dtype: torch.dtype = torch.float32,
-             lowered: Lowered | None = None) -> list[Collective]:
-    """Every collective of one forward + backward pass of the plan at `tp` on `batch` × `seq` tokens."""
+             lowered: Lowered | None = None, dp: int = 1, model: nn.Module | None = None) -> list[Collective]:
+    """Every collective of one forward + backward pass of the plan at `tp` on `batch` × `seq` tokens per
+    data-parallel rank; with dp > 1 (give `model`) also FSDP2's parameter all-gathers and gradient
+    reduce-scatters."""
+    out = _tensor_parallel(checked, tp, batch, seq, dtype, lowered)
+    if dp > 1:
+        elem = torch.empty((), dtype=dtype).element_size()
+        for path, nbytes in unit_bytes(checked, model, tp, dp, elem):
+            name = path or "(root)"
+            out.append(Collective("all_gather", "forward", nbytes, name, "FSDP2 parameters", "dp"))
+            if path:  # FSDP2 keeps the root's parameters gathered from forward to backward
+                out.append(Collective("all_gather", "backward", nbytes, name, "FSDP2 parameters again", "dp"))
+            out.append(Collective("reduce_scatter", "backward", nbytes, name, "FSDP2 gradients", "dp"))
+    return out
+
+
+def _tensor_parallel(checked: Checked, tp: int, batch: int, seq: int, dtype: torch.dtype,
+                     lowered: Lowered | None) -> list[Collective]:
     low = lowered or lower(checked, tp)
     res = checked.resolution
     elem = torch.empty((), dtype=dtype).element_size()
@@ -117,14 +135,15 @@ def _leave_region(add, placement, width: int, module: str) -> None:
         raise NotModeled(f"{module}: output {placement}")
 
 
-def summarize(collectives: list[Collective], n: int) -> dict:
+def summarize(collectives: list[Collective], tp: int, dp: int = 1) -> dict:
     """The same shape as the measured `collectives` of a `dtp apply` report."""
+    size = {"tp": tp, "dp": dp}
     out: dict = {"total": len(collectives), "by_op": {}, "forward": {}, "backward": {}, "bytes": {}, "sent_bytes": {}}
     for c in collectives:
         out["by_op"][c.op] = out["by_op"].get(c.op, 0) + 1
         out[c.phase][c.op] = out[c.phase].get(c.op, 0) + 1
         out["bytes"][c.op] = out["bytes"].get(c.op, 0) + c.buffer_bytes
-        out["sent_bytes"][c.op] = out["sent_bytes"].get(c.op, 0) + sent_bytes(c.op, c.buffer_bytes, n)
+        out["sent_bytes"][c.op] = out["sent_bytes"].get(c.op, 0) + sent_bytes(c.op, c.buffer_bytes, size[c.group])
     return out
 
 

@@ -77,3 +77,21 @@ def test_sequence_parallel_saves_activation_memory(repo):
     saved = 5 * 2 * 32 * 64 * 4 // 2
     for a, b in zip(plain["activation_bytes_per_rank"], sp["activation_bytes_per_rank"]):
         assert a - b >= saved * 0.9, (a, b)
+
+
+def test_model_and_data_parallel_2x2(repo):
+    # FSDP2 over dp on top of the tp plan: per block unit one parameter all-gather forward, one again in
+    # backward and one gradient reduce-scatter; the root unit (wte = lm_head, wpe, ln_f) is not re-gathered.
+    report = launch(RunConfig(plan="plans/gpt2.tp", model="gpt2-tiny", tp=2, dp=2, batch=4, seq=16, steps=2))
+    assert report["parity"]["ok"], report["parity"]
+    measured, analytic = report["collectives"], report["analytic_collectives"]
+    for key in ("total", "by_op", "forward", "backward", "bytes", "sent_bytes"):
+        assert measured[key] == analytic[key], key
+    assert measured["by_op"] == {"all_reduce": 13, "all_gather": 2 * 2 + 1, "reduce_scatter": 2 + 1}
+    C = 64
+    block = 4 * ((3 * C * C + 3 * C) // 2 + C * C // 2 + C + (4 * C * C + 4 * C) // 2 + 4 * C * C // 2 + C + 4 * C)
+    root = 4 * (256 * C // 2 + 64 * C + 2 * C)
+    assert measured["bytes"]["reduce_scatter"] == 2 * block + root
+    assert measured["bytes"]["all_gather"] == 2 * (2 * block) + root
+    # every rank holds a quarter of the tp-local parameters
+    assert report["param_bytes_per_rank"] == [(2 * block + root) // 2] * 4
