@@ -12,6 +12,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from dtp import ir
 from dtp.check import Checked, check
 from dtp.compile import Compiled, compile_plan, tp_mesh
+from dtp.rng import TensorParallelRNG, track
 from dtp.styles import unpack_rows
 
 
@@ -41,8 +42,11 @@ class Applied:
         return unpack_rows(full, parts, self.tp) if parts else full
 
 
-def apply(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh) -> Applied:
-    """Shard `model` in place under `plan` on `mesh` (its `tp` dimension); returns how to read it back."""
+def apply(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh, seed: int = 0) -> Applied:
+    """Shard `model` in place under `plan` on `mesh` (its `tp` dimension); returns how to read it back.
+
+    Dropout inside the sharded regions draws from a per-rank generator seeded from `seed` (see dtp.rng).
+    """
     mesh = tp_mesh(mesh)
     checked = plan if isinstance(plan, Checked) and plan.tp == mesh.size() else check(
         plan.plan if isinstance(plan, Checked) else plan, model, mesh.size())
@@ -57,4 +61,8 @@ def apply(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh) -> Applie
             setattr(model.get_submodule(path), name, shared)
     for path, rewrite in compiled.rewrites.items():
         rewrite._apply(model.get_submodule(path), mesh)
+    modules = compiled.lowered.modules
+    rng = TensorParallelRNG(seed, mesh.get_local_rank(), torch.device(mesh.device_type))
+    track(model, [p for p, m in modules.items() if m.style == "colwise"],
+          [p for p, m in modules.items() if m.style == "rowwise"], rng)
     return Applied(model, compiled, mesh.size(), checked)

@@ -156,7 +156,7 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail]) -> dic
     trail = ModuleTrail(model)
     trails.append(trail)
     trail.phase = "sharding (apply)"
-    applied = apply(plan, model, mesh)
+    applied = apply(plan, model, mesh, cfg.seed)
     if cfg.dp > 1:
         data_parallel(model, mesh["dp"])
 

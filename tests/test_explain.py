@@ -128,9 +128,9 @@ def test_cli_explain_json(tmp_path, capsys, monkeypatch):
     lines = out.splitlines()
     assert lines[0] == "plan gpt2-megatron version 1 (plans/gpt2.tp) on gpt2-tiny, tp=2, float32"
     assert "parameters, unsharded:         471.0 KiB  (482304 B)" in lines
-    assert "parameters per rank:           245.2 KiB  (251136 B)" in lines
-    assert lines[-1] == ("untouched by any sharding rule (replicated): transformer.wpe, transformer.h.*.ln_1 (×2), "
-                         "transformer.h.*.ln_2 (×2), transformer.ln_f")
+    assert "parameters on rank 0:          245.2 KiB  (251136 B)" in lines
+    assert ("untouched by any sharding rule (replicated): transformer.wpe, transformer.h.*.ln_1 (×2), "
+            "transformer.h.*.ln_2 (×2), transformer.ln_f") in lines
 
     data = json.loads(out_json.read_text(encoding="utf-8"))
     assert (data["bytes_unsharded"], data["bytes_per_rank"], data["ideal_bytes_per_rank"]) == (482304, 251136, 251136)
@@ -148,7 +148,7 @@ def test_cli_explain_errors(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert cli.main(["explain", "plans/gpt2.tp", "gpt2-tiny", "--tp", "3"]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.endswith("\n8 errors\n")
+    assert out == "" and err.endswith("\n6 errors\n")
     missing_dir = tmp_path / "no" / "such" / "dir" / "x.json"
     assert cli.main(["explain", "plans/gpt2.tp", "gpt2-tiny", "--tp", "2", "--json", str(missing_dir)]) == 2
     assert capsys.readouterr().err == f"error: cannot write {missing_dir}: No such file or directory\n"

@@ -362,11 +362,13 @@ def test_absurd_numbers(tmp_path, capsys, model):
 
     rc, err, elapsed = run_check(capsys, str(GPT2_TP), "gpt2-tiny", "--tp", big)
     assert rc == 2 and elapsed < 2.0
-    first = err.splitlines()[0]
-    assert first == (f"{GPT2_TP}:8:18: error: transformer.wte: vocab_parallel shards the vocabulary of 256 rows "
-                     f"(weight dim 0) over tp={big}, which does not divide it; tp values that work: "
-                     "1, 2, 4, 8, 16, 32, 64")
-    assert err.endswith("\n8 errors\n")
+    lines = err.splitlines()
+    assert lines[0].startswith(f"{GPT2_TP}:8:18: error: transformer.wte: vocab_parallel shards the vocabulary of "
+                               f"256 rows (weight dim 0) over tp={big}")
+    assert lines[3] == (f"{GPT2_TP}:11:18: error: transformer.h.0.attn.c_attn (and 1 more module): colwise shards "
+                        f"out_features=192 per packed part (3 parts of 64) (weight dim 0) over tp={big}, which does "
+                        "not divide it; tp values that work: 1, 2, 4, 8, 16, 32, 64")
+    assert lines[-1] == "8 errors"
 
 
 def test_bad_tp_flag_is_a_usage_error(capsys):
