@@ -15,7 +15,7 @@ can derive the communication schedule from the same decisions); `compile_plan` t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -60,6 +60,7 @@ class Lowered:
 
     modules: dict[str, ModuleLayout]
     shared_inputs: dict[str, tuple[str, ...]]  # parent → colwise children that share its input
+    # (the parent receives the block's input layout and hands its children a Replicate DTensor)
     rewrites: dict[str, dict[str, int]]  # module path ("" = the model) → attribute values at this tp
     sequence_parallel: bool  # activations between blocks are sharded on the sequence
     loss_parallel: bool  # the output projection keeps logits sharded on the vocabulary
@@ -105,6 +106,9 @@ def lower(checked: Checked, tp: int) -> Lowered:
         if rule.style.name == "colwise" and rule.style.option("input") is None and "." in path:
             groups.setdefault(path.rpartition(".")[0], []).append(path)
     shared = {parent: tuple(c) for parent, c in groups.items() if len(c) > 1 and parent not in modules}
+    for children in shared.values():  # they receive the parent's input already replicated
+        for path in children:
+            modules[path] = replace(modules[path], input=Replicate())
     rewrites: dict[str, dict[str, int]] = {}
     for (path, attr), stmt in res.sets.items():
         attrs = vars(res.modules[path])

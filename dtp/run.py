@@ -86,9 +86,13 @@ class ActivationMeter:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         local = t.to_local() if isinstance(t, DTensor) else t
-        storage = local.untyped_storage()
-        if storage.data_ptr() not in self.params:
-            self.storages[storage.data_ptr()] = storage.nbytes()
+        try:
+            storage = local.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+        except RuntimeError:  # a tensor without a real storage (e.g. a view DTensor builds): count its size
+            key, nbytes = id(t), local.numel() * local.element_size()
+        if key not in self.params:
+            self.storages[key] = nbytes
         return t
 
     def recording(self):

@@ -95,7 +95,8 @@ def _tensor_parallel(checked: Checked, tp: int, batch: int, seq: int, dtype: tor
             key = shared_children.get(path, path)
             if key not in entered:
                 entered.add(key)
-                _enter_region(add, m.input, module.in_features, key,
+                layout = (SEQUENCE if low.sequence_parallel else Replicate()) if key in low.shared_inputs else m.input
+                _enter_region(add, layout, module.in_features, key,
                               "shared input of " + ", ".join(c.rsplit(".", 1)[-1] for c in low.shared_inputs[key])
                               if key in low.shared_inputs else "input")
             if m.style == "colwise" and m.output != Shard(-1):

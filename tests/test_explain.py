@@ -93,6 +93,24 @@ def test_bfloat16_halves_the_bytes():
     assert (ex.dtype, ex.bytes_unsharded, ex.bytes_per_rank) == ("bfloat16", 482304 // 2, 251136 // 2)
 
 
+def test_uneven_vocabulary_on_gpt2_small():
+    # GPT-2's 50257-row vocabulary does not divide by 2: torch.chunk gives rank 0 ceil(50257 / 2) = 25129 rows.
+    Lg, Cg, Vg, Tg = 12, 768, 50257, 1024
+    even = Lg * ((3 * Cg * Cg + 3 * Cg) + Cg * Cg + (4 * Cg * Cg + 4 * Cg) + 4 * Cg * Cg)  # c_attn, c_proj.w, c_fc, c_proj.w
+    replicated = Tg * Cg + Lg * (2 * Cg + Cg + 2 * Cg + Cg) + 2 * Cg  # wpe; ln_1, c_proj.b, ln_2, c_proj.b; ln_f
+    model = models.build("gpt2")
+    ex = explain(check(load(ROOT / "plans" / "gpt2.tp"), model, 2), model, "gpt2", 2)
+    assert ex.bytes_unsharded == F32 * (Vg * Cg + even + replicated) == F32 * 124_439_808
+    assert ex.bytes_per_rank == F32 * (replicated + even // 2 + 25129 * Cg)
+    assert ex.ideal_bytes_per_rank == F32 * replicated + F32 * (Vg * Cg + even) // 2
+    assert ex.bytes_per_rank - ex.ideal_bytes_per_rank == F32 * Cg // 2  # rank 0 holds the odd row
+    rows = {r.name: r for r in ex.rows}
+    wte = rows["transformer.wte.weight"]
+    assert (wte.shape, wte.local_shape, wte.uneven, wte.bytes_per_rank) == ((Vg, Cg), (25129, Cg), True,
+                                                                          F32 * 25129 * Cg)
+    assert [r.name for r in ex.rows if r.uneven] == ["transformer.wte.weight"]
+
+
 def test_megatron_8_3b_on_meta():
     cfg = dict(n_layer=72, n_head=32, n_embd=3072, vocab_size=51200, block_size=1024)
     Lb, Cb, Vb, Tb = cfg["n_layer"], cfg["n_embd"], cfg["vocab_size"], cfg["block_size"]
