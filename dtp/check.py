@@ -64,7 +64,9 @@ def _check_style(style: ir.Style, diags: list[Diagnostic]) -> None:
             diags.append(Diagnostic(opt.pos, f"option '{opt.key}' given twice", len(opt.key)))
         seen.add(opt.key)
         kind, value = allowed[opt.key], opt.value
-        if kind == "layout" and not isinstance(value, ir.Layout):
+        if kind == "layout" and value == "shard":
+            diags.append(Diagnostic(opt.value_pos, f"option '{opt.key}': shard needs the dimension, e.g. shard(1)", 5))
+        elif kind == "layout" and not isinstance(value, ir.Layout):
             shown = str(value).lower() if isinstance(value, bool) else value
             diags.append(Diagnostic(opt.value_pos, f"option '{opt.key}' takes a layout (replicate, shard(DIM) or "
                                     f"partial), not '{shown}'{did_you_mean(str(shown), ['replicate', 'partial', 'shard'])}",
@@ -72,8 +74,9 @@ def _check_style(style: ir.Style, diags: list[Diagnostic]) -> None:
         elif kind == "bool" and not isinstance(value, bool):
             diags.append(Diagnostic(opt.value_pos, f"option '{opt.key}' takes true or false, not '{value}'", len(str(value))))
         elif kind == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            diags.append(Diagnostic(opt.value_pos, f"option '{opt.key}' takes a positive integer, not '{value}'",
-                                    len(str(value))))
+            shown = str(value).lower() if isinstance(value, bool) else str(value)
+            diags.append(Diagnostic(opt.value_pos, f"option '{opt.key}' takes a positive integer, not '{shown}'",
+                                    len(shown)))
 
 
 def check_syntax_level(plan: ir.Plan) -> list[Diagnostic]:
@@ -133,9 +136,10 @@ def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Repo
             continue
         for what, size in sharded_sizes(style.name, module, packed):
             if style.name == "vocab_parallel":  # uneven vocabulary shards are fine (torch.chunk layout)
-                if tp and size < tp:
-                    rep.add(style.pos, length, path, f"vocab_parallel shards {what} over tp={tp}; every rank needs "
-                            f"at least one row, so tp must be at most {size}")
+                if tp and -(-size // tp) * (tp - 1) >= size:  # torch.chunk would leave the last ranks empty
+                    good = [t for t in range(1, min(size, MAX_TP_SHOWN) + 1) if -(-size // t) * (t - 1) < size]
+                    rep.add(style.pos, length, path, f"vocab_parallel shards {what} over tp={tp}, which leaves the "
+                            f"last ranks without rows (torch.chunk layout); tp values up to {good[-1]} work")
                 continue
             sizes.append(size)
             if tp and size % tp:
@@ -146,10 +150,12 @@ def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Repo
             if width % info.head_dim == 0:
                 n = width // info.head_dim
                 sizes.append(n)
-                what = "key/value heads" if n == info.n_kv_head != info.n_head else "attention heads"
+                kv = n == info.n_kv_head != info.n_head
+                what = "key/value heads" if kv else "attention heads"
+                source = info.kv_source if kv else info.source
                 if tp and n % tp:
                     per = " per packed part" if packed > 1 else ""
-                    rep.add(style.pos, length, path, f"{n} {what}{per} (head size {info.head_dim}, {info.source}) do not "
+                    rep.add(style.pos, length, path, f"{n} {what}{per} (head size {info.head_dim}, {source}) do not "
                             f"divide by tp={tp}; each rank must hold whole heads; tp values that work: {working_tp(n)}")
 
 
@@ -229,7 +235,7 @@ def _check_sets(res: Resolution, tp: int | None, rep: _Reporter) -> None:
         try:
             value = evaluate(stmt.expr, lookup)
         except _ExprError as err:
-            extra = f" at tp={tp}" if tp else ""
+            extra = f" at tp={tp}" if tp and err.message.endswith(("exactly", "zero")) else ""
             rep.add(err.pos, err.length, shown, err.message + extra)
             continue
         if value is not None and value < 1:

@@ -19,10 +19,10 @@ class Diagnostic:
         head = f"{self.pos}: error: {self.message}"
         if not source or self.pos.line <= 0:
             return head
-        lines = source.splitlines()
+        lines = source.split("\n")  # as the grammar counts lines
         if self.pos.line > len(lines):
             return head
-        line = lines[self.pos.line - 1].expandtabs(1)
+        line = lines[self.pos.line - 1].rstrip("\r").expandtabs(1)
         if len(line) > 200:  # a 1 MB line is not worth echoing
             start = max(0, self.pos.column - 60)
             line = line[start:start + 120]

@@ -52,7 +52,7 @@ class _Writer:
         self.lines: list[str] = []
         self.standalone = sorted((c for c in plan.comments if not c.trailing), key=lambda c: c.pos.line)
         self.trailing = {c.pos.line: c.text for c in plan.comments if c.trailing}
-        src = source.splitlines() if source is not None else []
+        src = source.split("\n") if source is not None else []
         self.blank = {n for n, line in enumerate(src, 1) if not line.strip()}
         self.last_line = 0  # last source line accounted for
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-import functools
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -28,17 +27,18 @@ def _segment_matches(seg: ir.Segment, name: str) -> bool:
 def matches(pattern: ir.Pattern, path: str) -> bool:
     """Whether `pattern` matches the dotted module path (`**` spans any number of segments)."""
     names = tuple(path.split(".")) if path else ()
-    segs = pattern.segments
-
-    @functools.cache
-    def go(i: int, j: int) -> bool:
-        if i == len(segs):
-            return j == len(names)
-        if segs[i] == "**":
-            return go(i + 1, j) or (j < len(names) and go(i, j + 1))
-        return j < len(names) and _segment_matches(segs[i], names[j]) and go(i + 1, j + 1)
-
-    return go(0, 0)
+    # reach[j]: the segments seen so far can consume exactly the first j names (iterative: no recursion
+    # limit however many `**` a pattern holds)
+    reach = [True] + [False] * len(names)
+    for seg in pattern.segments:
+        if seg == "**":
+            for j in range(1, len(names) + 1):
+                reach[j] = reach[j] or reach[j - 1]
+        else:
+            reach = [False] + [reach[j] and _segment_matches(seg, names[j]) for j in range(len(names))]
+        if not any(reach):
+            return False
+    return reach[len(names)]
 
 
 def specificity(pattern: ir.Pattern) -> tuple[int, ...]:

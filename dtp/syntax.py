@@ -82,7 +82,7 @@ def _describe_expected(expected: set[str]) -> str:
 def _syntax_diagnostic(err: UnexpectedInput, text: str, file: str) -> Diagnostic:
     line, column = max(err.line, 1), max(err.column, 1)
     if isinstance(err, UnexpectedEOF) or (isinstance(err, UnexpectedToken) and err.token.type == "$END"):
-        lines = text.splitlines() or [""]
+        lines = text.rstrip("\n").split("\n")
         line, column = len(lines), len(lines[-1]) + 1
     if isinstance(err, UnexpectedCharacters):
         char = text[err.pos_in_stream]
@@ -135,7 +135,8 @@ class _ToIR(Transformer):
         for seg in _split_pattern(str(token)):
             m = _RANGE.fullmatch(seg)
             if m:
-                lo, hi = int(m.group(1)[:19]), int(m.group(2)[:19])
+                lo, hi = self._int(Token("INT", m.group(1), line=token.line, column=token.column)), \
+                    self._int(Token("INT", m.group(2), line=token.line, column=token.column))
                 if lo > hi:
                     self.errors.append(Diagnostic(self._pos(token), f"empty index range [{lo}..{hi}]", len(token)))
                 segments.append(ir.IndexRange(lo, hi))
@@ -176,7 +177,9 @@ class _ToIR(Transformer):
 
     def version(self, children):
         (number,) = children
-        return self._int(number), self._pos(number)
+        errors = len(self.errors)
+        value = self._int(number)
+        return (value if len(self.errors) == errors else LANGUAGE_VERSION), self._pos(number)
 
     @v_args(meta=True)
     def plan_decl(self, meta, children):
@@ -262,7 +265,7 @@ def _split_pattern(text: str) -> list[str]:
 def _comments(text: str, file: str) -> tuple[ir.Comment, ...]:
     # The language has no string literals, so every '#' starts a comment.
     out = []
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in enumerate(text.split("\n"), 1):  # the grammar breaks lines at \n only
         idx = line.find("#")
         if idx >= 0:
             out.append(ir.Comment(line[idx:].rstrip(), ir.Pos(file, n, idx + 1), bool(line[:idx].strip())))

@@ -136,7 +136,7 @@ def test_plan_error_exits_2_before_any_rank_starts(repo, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["plans/gpt2.tp", "no-such-model"], "unknown model 'no-such-model'"),
     (["plans/gpt2.tp", "gpt2-tiny", "--tp", "0"], "expected a positive integer"),
-    (["plans/gpt2.tp", "gpt2-tiny", "--dp", "2"], "not supported yet"),
+    (["plans/gpt2.tp", "gpt2-tiny", "--dp", "2", "--batch", "3"], "--batch 3 (the global batch) must divide by --dp 2"),
     (["plans/gpt2.tp", "nosuchpkg.mod:factory"], "cannot import 'nosuchpkg.mod'"),
     (["missing.tp", "gpt2-tiny"], "plan file missing.tp does not exist"),
 ])

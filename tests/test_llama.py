@@ -117,7 +117,7 @@ def test_check_names_key_value_heads(repo, capsys):
     lines = capsys.readouterr().err.splitlines()
     for line, proj in ((12, "k_proj"), (13, "v_proj")):
         assert (f"plans/llama.tp:{line}:23: error: model.layers.0.self_attn.{proj} (and 1 more module): 2 key/value "
-                "heads (head size 16, config.n_head) do not divide by tp=4; each rank must hold whole heads; "
+                "heads (head size 16, config.n_kv_head) do not divide by tp=4; each rank must hold whole heads; "
                 "tp values that work: 1, 2") in lines
     assert lines[-1] == "2 errors"
     assert cli.main(["check", "plans/llama.tp", "llama-tiny", "--tp", "2"]) == 0

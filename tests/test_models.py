@@ -92,7 +92,7 @@ def test_untied_config(tmp_path):
 def test_vocab_and_heads_helpers():
     model = models.build("gpt2-tiny")
     assert models.vocab_size(model) == 256
-    assert models.heads(model) == models.Heads(4, 4, 16, "config.n_head")
+    assert models.heads(model) == models.Heads(4, 4, 16, "config.n_head", "config.n_head")
     assert models.vocab_size(nn.Sequential(nn.Embedding(7, 2), nn.Embedding(9, 2))) == 9
     assert models.heads(nn.Linear(2, 2)) is None
 

@@ -155,6 +155,7 @@ class Heads:
     n_kv_head: int
     head_dim: int
     source: str  # e.g. "config.n_head"
+    kv_source: str = ""  # e.g. "config.num_key_value_heads"
 
 
 def heads(model: nn.Module) -> Heads | None:
@@ -166,14 +167,15 @@ def heads(model: nn.Module) -> Heads | None:
         n_head = next(((k, getattr(config, k)) for k in _HEAD_KEYS if isinstance(getattr(config, k, None), int)), None)
         if n_head is None:
             continue
-        kv = next((getattr(config, k) for k in _KV_KEYS if isinstance(getattr(config, k, None), int)), None)
+        kv = next(((k, getattr(config, k)) for k in _KV_KEYS if isinstance(getattr(config, k, None), int)), None)
         head_dim = getattr(config, "head_dim", None)
         if not isinstance(head_dim, int):
             hidden = next((getattr(config, k) for k in _HIDDEN_KEYS if isinstance(getattr(config, k, None), int)), None)
             if hidden is None:
                 continue
             head_dim = hidden // n_head[1]
-        return Heads(n_head[1], kv or n_head[1], head_dim, f"{attr}.{n_head[0]}")
+        source = f"{attr}.{n_head[0]}"
+        return Heads(n_head[1], kv[1] if kv else n_head[1], head_dim, source, f"{attr}.{kv[0]}" if kv else source)
     return None
 
 
