@@ -122,12 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     e.set_defaults(func=cmd_explain)
 
-    try:
-        from dtp.launch import add_apply_parser
-    except ImportError:  # pragma: no cover - apply lands with the runtime
-        pass
-    else:
-        add_apply_parser(sub)
+    from dtp.fuzz.cli import add_fuzz_parser
+    from dtp.launch import add_apply_parser
+
+    add_apply_parser(sub)
+    add_fuzz_parser(sub)
     return p
 
 

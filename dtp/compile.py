@@ -101,11 +101,15 @@ def lower(checked: Checked, tp: int) -> Lowered:
         layout = _module_layout(rule.style, res.modules[path], sp)
         if layout is not None:
             modules[path] = layout
+    # A shared input changes what every child of the parent receives, so only a parent whose colwise
+    # children all take the default input layout (written or not) gets one.
+    between = SEQUENCE if sp else Replicate()
     groups: dict[str, list[str]] = {}
-    for path, rule in res.claims.items():
-        if rule.style.name == "colwise" and rule.style.option("input") is None and "." in path:
+    for path, layout in modules.items():
+        if layout.style == "colwise" and "." in path:
             groups.setdefault(path.rpartition(".")[0], []).append(path)
-    shared = {parent: tuple(c) for parent, c in groups.items() if len(c) > 1 and parent not in modules}
+    shared = {parent: tuple(c) for parent, c in groups.items()
+              if len(c) > 1 and parent not in modules and all(modules[p].input == between for p in c)}
     for children in shared.values():  # they receive the parent's input already replicated
         for path in children:
             modules[path] = replace(modules[path], input=Replicate())

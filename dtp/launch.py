@@ -134,6 +134,16 @@ def launch(cfg: RunConfig) -> dict:
         raise RunError(f"a rank died without a report: {' '.join(str(failed).split())[:300] if failed else 'no exit status'}")
 
 
+def sequence_shape_problem(checked, tp: int, seq: int) -> str | None:
+    """Why a sequence-parallel plan cannot run on `seq` tokens at `tp`, if it cannot."""
+    from dtp.compile import lower
+
+    if seq < tp and lower(checked, tp).sequence_parallel:
+        return (f"--seq {seq} is shorter than tp={tp}: sequence parallelism gives every rank a part of the "
+                f"sequence, so use --seq {tp} or more")
+    return None
+
+
 def _under_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
@@ -164,7 +174,10 @@ def cmd_apply(args: argparse.Namespace) -> int:
                          f"{torch.cuda.device_count()}. Use --device cpu, or torchrun across machines")
 
     plan = load(args.plan)
-    check(plan, models.build(models.resolve(args.model), device="meta"), tp)  # plan errors exit 2 before any rank starts
+    checked = check(plan, models.build(models.resolve(args.model), device="meta"), tp)  # exit 2 before any rank starts
+    shape_problem = sequence_shape_problem(checked, tp, args.seq)
+    if shape_problem:
+        raise UsageError(shape_problem)
     if args.seq < 1 or args.batch < 1 or args.steps < 1:
         raise UsageError("--batch, --seq and --steps must be positive")
     cfg = RunConfig(plan=args.plan, model=args.model, tp=tp, dp=args.dp, batch=args.batch, seq=args.seq,

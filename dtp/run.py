@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -123,20 +123,28 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def run(cfg: RunConfig, out_dir: Path | None) -> dict | None:
+def make_mesh(cfg: RunConfig) -> DeviceMesh:
+    """The (tp) or (dp, tp) mesh over the initialised world."""
+    device = "cuda" if cfg.device == "cuda" else "cpu"
+    if cfg.dp > 1:
+        return init_device_mesh(device, (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(device, (cfg.tp,), mesh_dim_names=("tp",))
+
+
+def run(cfg: RunConfig, out_dir: Path | None, mesh: DeviceMesh | None = None) -> dict | None:
     """Run on an initialised process group; rank 0 returns (and writes) the report.
 
     An exception leaves with `__dtp_where__` saying which module or phase it came from.
     """
     trails: list[ModuleTrail] = []
     try:
-        return _run(cfg, out_dir, trails)
+        return _run(cfg, out_dir, trails, mesh or make_mesh(cfg))
     except Exception as err:
         err.__dtp_where__ = trails[0].where() if trails else "set-up"
         raise
 
 
-def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail]) -> dict | None:
+def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: DeviceMesh) -> dict | None:
     # CommDebugMode's module tracker hooks every module's backward; its warning is noise here.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     warnings.filterwarnings("ignore", message="For backward hooks to be called")
@@ -147,10 +155,6 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail]) -> dic
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % max(torch.cuda.device_count(), 1)) \
         if cfg.device == "cuda" else torch.device("cpu")
     dtype = DTYPES[cfg.dtype]
-    if cfg.dp > 1:
-        mesh = init_device_mesh(device.type, (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
-    else:
-        mesh = init_device_mesh(device.type, (cfg.tp,), mesh_dim_names=("tp",))
     plan = syntax.load(cfg.plan)
     source = models.resolve(cfg.model)
 

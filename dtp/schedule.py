@@ -77,8 +77,13 @@ def _tensor_parallel(checked: Checked, tp: int, batch: int, seq: int, dtype: tor
     tokens = batch * seq
     out: list[Collective] = []
 
-    def add(op: str, phase: str, width: int, module: str, reason: str, nbytes: int | None = None) -> None:
-        out.append(Collective(op, phase, nbytes if nbytes is not None else tokens * width * elem, module, reason))
+    # Sequence shards follow torch.chunk: a sequence that does not divide is padded for the collective.
+    padded = batch * -(-seq // tp) * tp
+
+    def add(op: str, phase: str, width: int, module: str, reason: str, nbytes: int | None = None,
+            sequence: bool = False) -> None:
+        n = padded if sequence else tokens
+        out.append(Collective(op, phase, nbytes if nbytes is not None else n * width * elem, module, reason))
 
     if low.loss_parallel:
         head = next(p for p, m in low.modules.items() if m.style == "vocab_parallel" and not m.embedding)
@@ -108,20 +113,33 @@ def _tensor_parallel(checked: Checked, tp: int, batch: int, seq: int, dtype: tor
                 raise NotModeled(f"{path}: rowwise input {m.input}")
             width = module.embedding_dim if m.embedding else module.out_features
             _leave_region(add, m.output, width, path)
-            if m.embedding and low.sequence_parallel and m.output == Replicate():
-                add("all_gather", "backward", width, path, "gradient of the sequence split after the embedding")
         elif m.style == "sequence_parallel":
             for name, p in module.named_parameters(recurse=False):
                 add("all_reduce", "backward", 0, path, f"gradient of replicated {name}", p.numel() * elem)
+    if low.sequence_parallel and not any(m.embedding and m.output == SEQUENCE for m in low.modules.values()):
+        # A replicated activation (e.g. GPT-2's token + position sum) is cut into sequence shards where it
+        # enters the first sequence-parallel module; the backward pass gathers its gradient.
+        first = next(p for p, m in low.modules.items() if m.style == "sequence_parallel")
+        add("all_gather", "backward", _hidden(res.modules, low), first, "gradient of the split into sequence shards",
+            sequence=True)
     return out
+
+
+def _hidden(modules: dict[str, nn.Module], low: Lowered) -> int:
+    """The width of the sequence-parallel activations: a sequence-parallel norm's size."""
+    for path, m in low.modules.items():
+        weight = getattr(modules[path], "weight", None) if m.style == "sequence_parallel" else None
+        if weight is not None:
+            return weight.shape[-1]
+    raise NotModeled("sequence parallelism without a norm to read the hidden size from")
 
 
 def _enter_region(add, placement, width: int, module: str, what: str) -> None:
     if placement == Replicate():
         add("all_reduce", "backward", width, module, f"{what}: gradient (f)")
     elif placement == SEQUENCE:
-        add("all_gather", "forward", width, module, f"{what}: sequence gather")
-        add("reduce_scatter", "backward", width, module, f"{what}: gradient")
+        add("all_gather", "forward", width, module, f"{what}: sequence gather", sequence=True)
+        add("reduce_scatter", "backward", width, module, f"{what}: gradient", sequence=True)
     else:
         raise NotModeled(f"{module}: input {placement}")
 
@@ -130,8 +148,8 @@ def _leave_region(add, placement, width: int, module: str) -> None:
     if placement == Replicate():
         add("all_reduce", "forward", width, module, "partial sums (g)")
     elif placement == SEQUENCE:
-        add("reduce_scatter", "forward", width, module, "partial sums to sequence shards")
-        add("all_gather", "backward", width, module, "gradient")
+        add("reduce_scatter", "forward", width, module, "partial sums to sequence shards", sequence=True)
+        add("all_gather", "backward", width, module, "gradient", sequence=True)
     else:
         raise NotModeled(f"{module}: output {placement}")
 

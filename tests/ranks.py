@@ -5,6 +5,7 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -32,8 +33,11 @@ def on_ranks(fn, world: int, *args, timeout: float = 120) -> list:
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.start_processes(_entry, args=(fn, world, _free_port(), out, args), nprocs=world, join=False,
                                  start_method="fork")
+        deadline = time.monotonic() + timeout
         try:
-            ctx.join(timeout=timeout)
+            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):  # True once every rank is done
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks did not finish within {timeout} s")
         finally:
             for p in ctx.processes:
                 if p.is_alive():

@@ -1,0 +1,90 @@
+"""`dtp fuzz [PLAN MODEL] [--examples N] [--seed S] [--max-world W] [--save DIR] [--replay CASE] [--parser]`."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dtp.errors import UsageError
+
+
+def cmd_fuzz(args: argparse.Namespace) -> int:
+    """Exit 0 when every example held, 1 when one failed (saved under --save), 2 on usage errors."""
+    from tqdm import tqdm
+
+    from dtp.fuzz.cases import mutated_texts, user_cases, zoo_cases
+    from dtp.fuzz.pool import Pools
+    from dtp.fuzz.runner import evaluate, fuzz, fuzz_parser, load_case, save
+
+    if args.parser:
+        seeds = [p.read_text() for p in sorted(Path("plans").glob("*.tp"))] or ["dtp 1\na: colwise\n"]
+        failures = fuzz_parser(mutated_texts(seeds), args.examples, args.seed)
+        print(f"parser fuzz: {args.examples} texts, {len(failures)} not a clean plan error")
+        for f in failures[:5]:
+            print(f"  {f[:300]}")
+        return 1 if failures else 0
+
+    pools = Pools()
+    try:
+        if args.replay:
+            case, saved_error = load_case(args.replay)
+            print(f"replaying {args.replay}: {case.describe()}")
+            if saved_error:
+                print(f"  saved with: {saved_error}")
+            outcome = evaluate(case, pools, args.timeout)
+            print(f"  now: {outcome.kind}" + (f": {outcome.message}" if outcome.message else ""))
+            return 1 if outcome.kind == "failed" else 0
+
+        if (args.plan is None) != (args.model is None):
+            raise UsageError("give both PLAN and MODEL, or neither (to fuzz random plans on zoo models)")
+        if args.plan:
+            try:
+                text = Path(args.plan).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as err:
+                raise UsageError(f"cannot read plan {args.plan}: {err}") from None
+            strategy = user_cases(text, args.model, args.max_world)
+        else:
+            strategy = zoo_cases(args.max_world)
+        bar = tqdm(total=args.examples, unit="ex", desc="fuzz", disable=not sys.stderr.isatty() and not args.progress)
+
+        def progress(outcome) -> None:
+            bar.update(1)
+            bar.set_postfix_str(outcome.kind)
+
+        summary = fuzz(strategy, args.examples, args.seed, pools, shrink=not args.no_shrink, progress=progress,
+                       timeout=args.timeout)
+        bar.close()
+        c = summary.counts
+        rate = summary.examples / summary.seconds * 60 if summary.seconds else 0.0
+        print(f"fuzz: {summary.examples} examples in {summary.seconds:.1f} s ({rate:.0f}/min): "
+              f"{c['passed']} passed, {c['rejected']} rejected by check, {c['failed']} failed")
+        if summary.failure:
+            case, message = summary.failure
+            print(f"FAILED (shrunk): {message}\n  {case.describe()}\n  plan:\n" +
+                  "".join(f"    {line}\n" for line in case.plan.splitlines()))
+            if args.save:
+                path = save(case, message, Path(args.save))
+                print(f"  saved as {path}; rerun with: dtp fuzz --replay {path}")
+            return 1
+        return 0
+    finally:
+        pools.close()
+
+
+def add_fuzz_parser(sub) -> None:
+    """Register `dtp fuzz`."""
+    from dtp.cli import positive_int
+
+    f = sub.add_parser("fuzz", help="property-based fuzzing of sharding correctness")
+    f.add_argument("plan", nargs="?", help="a plan to fuzz meshes and shapes for (with MODEL)")
+    f.add_argument("model", nargs="?", help="zoo name, model YAML, or package.module:factory")
+    f.add_argument("--examples", type=positive_int, default=100)
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--max-world", type=positive_int, default=4, help="largest tp × dp to draw (≤ 4 recommended)")
+    f.add_argument("--save", metavar="DIR", help="save a failing (shrunk) case here")
+    f.add_argument("--replay", metavar="CASE", help="rerun one saved case")
+    f.add_argument("--parser", action="store_true", help="fuzz the parser with random and mutated plan text")
+    f.add_argument("--no-shrink", action="store_true", help="report the first failure as found")
+    f.add_argument("--timeout", type=float, default=120.0, help="seconds per example before it counts as hung")
+    f.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
+    f.set_defaults(func=cmd_fuzz)

@@ -1,0 +1,149 @@
+"""A persistent pool of gloo ranks for one mesh shape: started once, then fed one case after another.
+
+Starting ranks costs seconds (process start, process group); a fuzz example costs a fraction of one. A
+case that crashes or hangs a rank costs the pool: it is stopped and the next case starts a fresh one.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+from dtp.run import RunConfig
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, jobs, results, tp: int, dp: int) -> None:
+    import ctypes
+
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    from dtp import run as run_mod
+
+    try:  # die with the parent
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    mesh = run_mod.make_mesh(RunConfig(plan="", model="", tp=tp, dp=dp))
+    while True:
+        cfg = jobs.get()
+        if cfg is None:
+            break
+        try:
+            report = run_mod.run(cfg, None, mesh)
+            results.put((rank, report, None))
+        except Exception as err:  # noqa: BLE001 - the fuzzer reports it
+            where = getattr(err, "__dtp_where__", "")
+            message = " ".join(f"{type(err).__name__}: {err}".split())[:500]
+            results.put((rank, None, f"rank {rank} failed in {where}: {message}"))
+    dist.destroy_process_group()
+
+
+class Hang(Exception):
+    """The pool did not answer within the timeout."""
+
+
+class RankPool:
+    """`world = dp × tp` forked ranks with one gloo process group and one (dp, tp) mesh."""
+
+    def __init__(self, tp: int, dp: int = 1):
+        self.tp, self.dp, self.world = tp, dp, tp * dp
+        ctx = mp.get_context("fork")
+        self.jobs = [ctx.Queue() for _ in range(self.world)]
+        self.results = ctx.Queue()
+        port = _free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, self.world, port, self.jobs[r], self.results, tp, dp),
+                                  daemon=True) for r in range(self.world)]
+        for p in self.procs:
+            p.start()
+        self.tmp = tempfile.TemporaryDirectory(prefix="dtp-fuzz-")
+
+    def run(self, cfg: RunConfig, timeout: float = 120.0) -> dict:
+        """Rank 0's report for `cfg`; raises RuntimeError (a rank failed) or Hang. Either closes the pool."""
+        for q in self.jobs:
+            q.put(cfg)
+        deadline = time.monotonic() + timeout
+        report, errors, answered = None, [], 0
+        while answered < self.world:
+            try:
+                rank, rep, err = self.results.get(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() > deadline or (errors and time.monotonic() > grace):
+                    self.close()
+                    if errors:
+                        raise RuntimeError(errors[0]) from None
+                    raise Hang(f"no answer within {timeout:g} s") from None
+                if any(not p.is_alive() for p in self.procs):
+                    self.close()
+                    raise RuntimeError(errors[0] if errors else "a rank died") from None
+                continue
+            answered += 1
+            if err:
+                errors.append(err)
+                grace = time.monotonic() + 3.0  # the other ranks may be stuck in a collective
+            if rank == 0:
+                report = rep
+        if errors:
+            self.close()
+            raise RuntimeError(errors[0])
+        return report
+
+    @property
+    def alive(self) -> bool:
+        """Whether every rank is still running."""
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self) -> None:
+        """Stop every rank."""
+        for q in self.jobs:
+            try:
+                q.put_nowait(None)
+            except (ValueError, OSError):
+                pass
+        for p in self.procs:
+            p.join(timeout=0.5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=2)
+        self.tmp.cleanup()
+
+    def path(self, name: str) -> Path:
+        """A scratch file for case inputs."""
+        return Path(self.tmp.name) / name
+
+
+class Pools:
+    """One RankPool per mesh shape, started on first use and restarted after a failure."""
+
+    def __init__(self) -> None:
+        self.pools: dict[tuple[int, int], RankPool] = {}
+
+    def get(self, tp: int, dp: int) -> RankPool:
+        """The live pool for (tp, dp)."""
+        pool = self.pools.get((tp, dp))
+        if pool is None or not pool.alive:
+            pool = self.pools[(tp, dp)] = RankPool(tp, dp)
+        return pool
+
+    def close(self) -> None:
+        """Stop every pool."""
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
