@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -93,6 +94,18 @@ def _write_json(path: str, data: dict) -> None:
         raise UsageError(f"cannot write {path}: {err.strerror}") from None
 
 
+def cmd_bench(argv: list[str]) -> int:
+    """`dtp bench ...`: the benchmarks live in the checkout's bench/ (they compare against a baseline kept
+    outside the package), so this runs from a dtp checkout."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        from bench.run import main as bench_main
+    except ImportError:
+        raise UsageError("dtp bench runs from a dtp checkout (it needs bench/): cd into the repository") from None
+    return bench_main(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand."""
     p = argparse.ArgumentParser(prog="dtp", description="Declarative tensor parallelism on PyTorch DTensor.")
@@ -132,6 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `dtp` console script."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        try:
+            return cmd_bench(argv[1:])
+        except DtpError as err:
+            print(err.render(), file=sys.stderr)
+            return err.exit_code
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

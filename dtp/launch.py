@@ -6,38 +6,19 @@ under torchrun (WORLD_SIZE set) this process is one rank of the launched world.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
-import signal
-import socket
 import sys
 import tempfile
 import time
 import traceback
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
 from dtp.errors import RunError, UsageError
+from dtp.ranks import die_with_parent, free_port
 from dtp.run import DTYPES, RunConfig
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    # A rank must not outlive `dtp apply`, even if the parent is killed with SIGKILL.
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
 
 
 def _error_summary(err: BaseException, where: str, rank: int) -> dict:
@@ -78,7 +59,7 @@ def _run_rank(cfg: RunConfig, out_dir: Path, rank: int, world: int) -> int:
 
 
 def _spawned_rank(rank: int, cfg: RunConfig, out_dir: str, world: int, port: int) -> None:
-    _die_with_parent()
+    die_with_parent()  # a rank must not outlive `dtp apply`, even one killed with SIGKILL
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     code = _run_rank(cfg, Path(out_dir), rank, world)
@@ -108,7 +89,7 @@ def launch(cfg: RunConfig) -> dict:
     world = cfg.tp * cfg.dp
     with tempfile.TemporaryDirectory(prefix="dtp-apply-") as tmp:
         out_dir = Path(tmp)
-        ctx = mp.start_processes(_spawned_rank, args=(cfg, tmp, world, _free_port()), nprocs=world, join=False,
+        ctx = mp.start_processes(_spawned_rank, args=(cfg, tmp, world, free_port()), nprocs=world, join=False,
                                  start_method=_start_method(cfg))
         deadline = time.monotonic() + cfg.timeout
         failed: BaseException | None = None

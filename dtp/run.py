@@ -11,7 +11,6 @@ import statistics
 import time
 import warnings
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from dtp.apply import apply
 from dtp.models.gpt import GPT, GPTConfig
 from dtp.syntax import load
-from ranks import on_ranks
+from dtp.ranks import on_ranks
 
 
 def _masks(rank: int, world: int) -> dict:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from dtp import cli, ir
 from dtp.errors import PlanError
 from dtp.fmt import format_expr, format_plan
-from dtp.syntax import load, parse
+from dtp.syntax import parse
 from plan_strategies import plans
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-import torch
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor.parallel import RowwiseParallel
 

@@ -1,7 +1,6 @@
 """The analytic communication schedule equals what CommDebugMode measures, for every shipped plan."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 

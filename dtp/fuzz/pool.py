@@ -7,36 +7,25 @@ from __future__ import annotations
 
 import os
 import queue
-import signal
-import socket
 import tempfile
 import time
 from pathlib import Path
 
 import torch.multiprocessing as mp
 
+from dtp.ranks import die_with_parent, free_port
 from dtp.run import RunConfig
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _worker(rank: int, world: int, port: int, jobs, results, tp: int, dp: int) -> None:
-    import ctypes
-
     import torch
     import torch.distributed as dist
     from datetime import timedelta
 
     from dtp import run as run_mod
 
-    try:  # die with the parent
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+    die_with_parent()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -68,7 +57,7 @@ class RankPool:
         ctx = mp.get_context("fork")
         self.jobs = [ctx.Queue() for _ in range(self.world)]
         self.results = ctx.Queue()
-        port = _free_port()
+        port = free_port()
         self.procs = [ctx.Process(target=_worker, args=(r, self.world, port, self.jobs[r], self.results, tp, dp),
                                   daemon=True) for r in range(self.world)]
         for p in self.procs:
@@ -80,7 +69,7 @@ class RankPool:
         for q in self.jobs:
             q.put(cfg)
         deadline = time.monotonic() + timeout
-        report, errors, answered = None, [], 0
+        report, errors, answered, grace = None, [], 0, 0.0
         while answered < self.world:
             try:
                 rank, rep, err = self.results.get(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
