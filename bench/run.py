@@ -104,7 +104,7 @@ def plots(result: dict, out: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     names = []
-    strong, weak = result["strong"], result["weak"]
+    strong = result["strong"]
     tps = [r["config"]["tp"] for r in strong]
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     for key, label in (("dtp_ms", "dtp"), ("megatron_ms", "Megatron-style"), ("handwritten_ms", "hand-written")):

@@ -123,12 +123,12 @@ def measure(rank: int, world: int, cfg: Config) -> dict:
     applied = apply(load(cfg.plan), model, mesh)
     opt = sgd(model.parameters())
 
-    def dtp_step():
-        logits = model(x)
+    def train_step(net, optimizer):
+        logits = net(x)
         with loss_parallel():
             F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
-        opt.step()
-        opt.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
 
     counters = {"forward": CommCounter(), "backward": CommCounter()}
     with loss_parallel():
@@ -149,21 +149,13 @@ def measure(rank: int, world: int, cfg: Config) -> dict:
     sharded = sum(p.numel() * 4 for p in model.parameters()
                   if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements))
     out["ideal_param_bytes_per_rank"] = out["param_bytes_unsharded"] - sharded + sharded // world
-    out["dtp_ms"], _ = _time(dtp_step, cfg.warmup, cfg.steps)
+    out["dtp_ms"], _ = _time(lambda: train_step(model, opt), cfg.warmup, cfg.steps)
 
     # the hand-written plan with the same placements
     hand = copy.deepcopy(base)
     handwritten(hand, mesh)
     hopt = sgd(hand.parameters())
-
-    def hand_step():
-        logits = hand(x)
-        with loss_parallel():
-            F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
-        hopt.step()
-        hopt.zero_grad()
-
-    out["handwritten_ms"], _ = _time(hand_step, cfg.warmup, cfg.steps)
+    out["handwritten_ms"], _ = _time(lambda: train_step(hand, hopt), cfg.warmup, cfg.steps)
 
     # the Megatron-style baseline, checked equal to dtp before timing
     meg = MegatronGPT(cfg.gpt(), rank, world)

@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -60,6 +61,7 @@ def _run_rank(cfg: RunConfig, out_dir: Path, rank: int, world: int) -> int:
 
 def _spawned_rank(rank: int, cfg: RunConfig, out_dir: str, world: int, port: int) -> None:
     die_with_parent()  # a rank must not outlive `dtp apply`, even one killed with SIGKILL
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops every rank
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     code = _run_rank(cfg, Path(out_dir), rank, world)

@@ -158,3 +158,43 @@ def test_vocabulary_that_does_not_divide_shards_unevenly(repo, tp):
     others = SHARDED - V * C  # the even shards
     assert report["param_bytes_per_rank"] == [4 * (REPLICATED + others // tp + r * C) for r in rows]
     assert report["collectives"]["by_op"] == {"all_reduce": 13}
+
+
+def test_ctrl_c_stops_every_rank(repo):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    mark = "ctrl-c-test-mark"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DTP_TEST_MARK": mark}
+    proc = subprocess.Popen([sys.executable, "-m", "dtp", "apply", "plans/gpt2.tp",
+                             "tests.fixtures.broken_models:hang_on_rank1", "--tp", "2", "--timeout", "120"],
+                            cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(processes_with_mark(mark)) < 3 and time.monotonic() < deadline:  # the parent and both ranks
+        time.sleep(0.2)
+    time.sleep(3)  # well inside the run
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    time.sleep(0.5)
+    assert processes_with_mark(mark) == []
+
+
+def test_under_torchrun_uses_the_launched_world(repo, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "r.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", "0", "-m", "dtp", "apply", "plans/gpt2.tp", "gpt2-tiny", "--steps", "1",
+                           "--json", str(out)], cwd=repo, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["mesh"] == {"tp": 2, "dp": 1}  # --tp defaults to WORLD_SIZE
+    assert report["parity"]["ok"]
+    assert report["collectives"]["by_op"] == {"all_reduce": 13}

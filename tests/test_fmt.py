@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from dtp import cli, ir
 from dtp.errors import PlanError
 from dtp.fmt import format_expr, format_plan
+from dtp.fuzz.cases import PIECES, mutated_texts
 from dtp.syntax import parse
 from plan_strategies import plans
 
@@ -169,24 +170,7 @@ def test_format_then_parse_is_identity(plan):
 
 
 _GPT2 = GPT2_TP.read_text(encoding="utf-8")
-_ALPHABET = st.sampled_from(list("abc_.*?:{}()[]=,+-/#0123456789 \t\n\r\"'\\;@") + ["dtp", "set", "\x00", "é", "**",
-                                                                                   "..", "\u2028", "\x0c"])
-
-
-@st.composite
-def mutated_gpt2(draw) -> str:
-    text = _GPT2
-    for _ in range(draw(st.integers(1, 4))):
-        i = draw(st.integers(0, len(text)))
-        kind = draw(st.sampled_from(["insert", "delete", "replace"]))
-        piece = draw(st.lists(_ALPHABET, min_size=1, max_size=3).map("".join))
-        if kind == "insert":
-            text = text[:i] + piece + text[i:]
-        elif kind == "delete":
-            text = text[:i] + text[i + draw(st.integers(1, 8)):]
-        else:
-            text = text[:i] + piece + text[i + len(piece):]
-    return text
+_ALPHABET = st.sampled_from(PIECES + list("abc_.*?:{}()[]=,+-/#0123456789 \t\n"))
 
 
 def test_comment_after_a_form_feed_survives_fmt():
@@ -211,7 +195,7 @@ def _parse_or_plan_error(text: str) -> None:
 
 
 @settings(max_examples=250, deadline=None)
-@given(mutated_gpt2())
+@given(mutated_texts([_GPT2]))
 def test_mutated_plans_only_raise_plan_error(text):
     _parse_or_plan_error(text)
 

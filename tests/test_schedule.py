@@ -94,3 +94,10 @@ def test_model_and_data_parallel_2x2(repo):
     assert measured["bytes"]["all_gather"] == 2 * (2 * block) + root
     # every rank holds a quarter of the tp-local parameters
     assert report["param_bytes_per_rank"] == [(2 * block + root) // 2] * 4
+
+
+def test_sequence_parallel_at_tp_4(repo):
+    report = launch(RunConfig(plan="plans/gpt2-sp.tp", model="gpt2-tiny", tp=4, batch=2, seq=8, steps=2))
+    assert report["parity"]["ok"], report["parity"]
+    for key in ("by_op", "forward", "backward", "bytes", "sent_bytes"):
+        assert report["collectives"][key] == report["analytic_collectives"][key], key

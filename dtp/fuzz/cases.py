@@ -167,21 +167,22 @@ def user_cases(draw, plan: str, model: str, max_world: int = 4) -> Case:
 
 # ---- plan text for the parser fuzz ------------------------------------------------------------------
 
-_PIECES = ["dtp 1", "\n", " ", "{", "}", ":", "(", ")", ",", "=", ".", "*", "**", "[0..2]", "colwise", "rowwise",
+PIECES = ["dtp 1", "\n", " ", "{", "}", ":", "(", ")", ",", "=", ".", "*", "**", "[0..2]", "colwise", "rowwise",
            "vocab_parallel", "packed=3", "shard(-1)", "set", "plan", "mesh", "version", "tp", "#", "/", "\t",
-           "\x00", "\xff", "é", "99999999999999999999999999", "transformer.h.*"]
+           "\x00", "\xff", "é", "99999999999999999999999999", "transformer.h.*", "\r", "\r\n", "\u2028", "\x0c",
+           "'", '"', "\\", ";", "@", "-", "+", ".."]
 
 
 @st.composite
 def mutated_texts(draw, seeds: list[str]) -> str:
     """A shipped plan with random insertions, deletions and replacements, or random pieces glued."""
     if draw(st.booleans()):
-        return "".join(draw(st.lists(st.sampled_from(_PIECES) | st.text(max_size=3), max_size=30)))
+        return "".join(draw(st.lists(st.sampled_from(PIECES) | st.text(max_size=3), max_size=30)))
     text = draw(st.sampled_from(seeds))
     for _ in range(draw(st.integers(1, 6))):
         i = draw(st.integers(0, len(text)))
         op = draw(st.sampled_from(["insert", "delete", "replace"]))
-        piece = draw(st.sampled_from(_PIECES) | st.text(max_size=4))
+        piece = draw(st.sampled_from(PIECES) | st.text(max_size=4))
         if op == "insert":
             text = text[:i] + piece + text[i:]
         elif op == "delete":
