@@ -191,7 +191,7 @@ def test_under_torchrun_uses_the_launched_world(repo, tmp_path):
     out = tmp_path / "r.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", "0", "-m", "dtp", "apply", "plans/gpt2.tp", "gpt2-tiny", "--steps", "1",
+                           "--standalone", "-m", "dtp", "apply", "plans/gpt2.tp", "gpt2-tiny", "--steps", "1",
                            "--json", str(out)], cwd=repo, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
