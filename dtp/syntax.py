@@ -53,8 +53,9 @@ _EXAMPLES: dict[str, list[str]] = {
     "unclosed block: expected '}'": ["dtp 1\na {\n", "dtp 1\na {\nb: colwise\n"],
     "a statement must end at the end of its line": ["dtp 1 2", "dtp 1\na: colwise rowwise", "dtp 1\na: colwise(packed=3) x"],
     "incomplete set statement; expected `set MODULE.ATTR = EXPRESSION`": [
-        "dtp 1\nset", "dtp 1\nset a.b", "dtp 1\nset a.b =", "dtp 1\nset a.b = 1 +", "dtp 1\nset a.b = (1",
+        "dtp 1\nset", "dtp 1\nset a.b", "dtp 1\nset a.b =", "dtp 1\nset a.b = 1 +",
     ],
+    "unclosed '(' in the expression; expected ')'": ["dtp 1\nset a.b = (1", "dtp 1\nset a.b = (a * 2"],
 }
 
 _TOKEN_NAMES = {
@@ -62,6 +63,35 @@ _TOKEN_NAMES = {
     "PLAN_NAME": "a plan name", "_NL": "end of line", "$END": "end of file", "ADD_OP": "'+' or '-'",
     "MUL_OP": "'*' or '/'",
 }
+
+
+@functools.cache
+def _example_errors() -> list[tuple[int, frozenset, str]]:
+    """(parser state, acceptable tokens, label) for each labelled bad snippet."""
+    out = []
+    for label, examples in _EXAMPLES.items():
+        for text in examples:
+            try:
+                parser().parse(text)
+            except UnexpectedInput as ut:
+                state = getattr(ut, "state", None)
+                if state is not None:
+                    out.append((state.position, frozenset(getattr(ut, "accepts", None) or ()), label))
+    return out
+
+
+def _label(err: UnexpectedInput) -> str | None:
+    # Lark's match_examples also demands the same parser *stack depth*, so a label learnt on a first
+    # statement would miss the same mistake inside a block or after a comment; the state and the
+    # acceptable tokens are what identify the mistake.
+    state = getattr(err, "state", None)
+    if state is None:
+        return None
+    accepts = frozenset(getattr(err, "accepts", None) or ())
+    for position, acc, label in _example_errors():
+        if position == state.position and acc == accepts:
+            return label
+    return None
 
 
 def _describe_expected(expected: set[str]) -> str:
@@ -88,7 +118,7 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str, file: str) -> Diagnostic
         char = text[err.pos_in_stream]
         shown = repr(char) if char.isprintable() else f"byte {ord(char):#04x}"
         return Diagnostic(ir.Pos(file, line, column), f"unexpected character {shown}")
-    label = err.match_examples(parser().parse, _EXAMPLES, use_accepts=True)
+    label = _label(err)
     found = "end of file" if isinstance(err, UnexpectedEOF) else _found(err.token)
     expected = getattr(err, "accepts", None) or getattr(err, "expected", set())
     msg = f"unexpected {found}"

@@ -344,7 +344,7 @@ def test_five_thousand_unclosed_parens(tmp_path, capsys, model):
     path = write(tmp_path, "dtp 1\nset a.b = " + "(" * 5000 + "1\n")
     rc, err, elapsed = run_check(capsys, path, "gpt2-tiny")
     assert rc == 2
-    assert err.splitlines()[0].startswith(f"{path}:2:5012: error: unexpected end of line; expected ')'")
+    assert err.splitlines()[0] == f"{path}:2:5012: error: unexpected end of line: unclosed '(' in the expression; expected ')'"
     assert elapsed < 2.0
 
 
@@ -377,3 +377,13 @@ def test_bad_tp_flag_is_a_usage_error(capsys):
             cli.main(["check", str(GPT2_TP), "gpt2-tiny", "--tp", value])
         assert info.value.code == 2
         assert "--tp: expected a positive integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["dtp 1\na colwise\n", "# a comment first\ndtp 1\na colwise\n",
+                                  "dtp 1\nb: rowwise\na colwise\n", "dtp 1\nx {\n    a colwise\n}\n"])
+def test_labelled_syntax_message_wherever_the_mistake_stands(text):
+    # the label identifies the mistake by parser state, not by how deep the parser's stack is
+    with pytest.raises(PlanError) as info:
+        parse(text)
+    assert info.value.diagnostics[0].message == (
+        "unexpected 'colwise': expected ':' and a style after the pattern, or '{' to open a block")
