@@ -87,8 +87,11 @@ def _tensor_parallel(checked: Checked, tp: int, batch: int, seq: int, dtype: tor
 
     if low.loss_parallel:
         head = next(p for p, m in low.modules.items() if m.style == "vocab_parallel" and not m.embedding)
-        for what in ("max", "sum of exponentials", "target logit"):
-            add("all_reduce", "forward", 1, head, f"vocab-parallel cross-entropy: {what}")
+        # torch's vocab-parallel log-softmax keeps its statistics in at least float32 (bf16 logits are
+        # upcast); the target logit travels in the logits' own dtype
+        stats = max(elem, 4)
+        for what, size in (("max", stats), ("sum of exponentials", stats), ("target logit", elem)):
+            add("all_reduce", "forward", 1, head, f"vocab-parallel cross-entropy: {what}", tokens * size)
     if tp == 1:
         return out  # DTensor skips redistributions over a one-rank mesh
 

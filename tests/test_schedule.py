@@ -101,3 +101,13 @@ def test_sequence_parallel_at_tp_4(repo):
     assert report["parity"]["ok"], report["parity"]
     for key in ("by_op", "forward", "backward", "bytes", "sent_bytes"):
         assert report["collectives"][key] == report["analytic_collectives"][key], key
+
+
+def test_bfloat16_run_matches_its_schedule(repo):
+    # in bfloat16 the cross-entropy's max and sum of exponentials travel as float32, the target logit as bf16
+    report = launch(RunConfig(plan="plans/gpt2.tp", model="gpt2-tiny", tp=2, batch=2, seq=8, steps=1,
+                              dtype="bfloat16"))
+    assert report["parity"]["ok"], report["parity"]
+    activation = 2 * 8 * 64 * 2
+    assert report["collectives"]["bytes"] == {"all_reduce": 10 * activation + 2 * (16 * 4) + 16 * 2}
+    assert report["collectives"]["bytes"] == report["analytic_collectives"]["bytes"]

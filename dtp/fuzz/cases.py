@@ -139,6 +139,8 @@ def plans(draw, model: dict) -> tuple[str, dict]:
 
 
 MESHES = [(1, 1), (2, 1), (3, 1), (4, 1), (2, 2)]  # (tp, dp)
+# float64 now and then: its tolerance (1e-10) sharpens the check where float32's rounding could hide a slip
+_DTYPES = st.sampled_from(["float32", "float32", "float64"])
 
 
 @st.composite
@@ -154,7 +156,8 @@ def zoo_cases(draw, max_world: int = 4) -> Case:
     plan, chose = draw(plans(model))
     tp, dp = draw(meshes(max_world))
     batch = dp * draw(st.integers(1, 2))
-    return Case(plan, model, tp, dp, batch, draw(st.integers(1, 12)), draw(st.integers(0, 2**16)), meta=chose)
+    return Case(plan, model, tp, dp, batch, draw(st.integers(1, 12)), draw(st.integers(0, 2**16)), draw(_DTYPES),
+                meta=chose)
 
 
 @st.composite
@@ -162,7 +165,7 @@ def user_cases(draw, plan: str, model: str, max_world: int = 4) -> Case:
     """The user's plan and model on a random mesh, shape and seed."""
     tp, dp = draw(meshes(max_world))
     batch = dp * draw(st.integers(1, 2))
-    return Case(plan, model, tp, dp, batch, draw(st.integers(1, 16)), draw(st.integers(0, 2**16)))
+    return Case(plan, model, tp, dp, batch, draw(st.integers(1, 16)), draw(st.integers(0, 2**16)), draw(_DTYPES))
 
 
 # ---- plan text for the parser fuzz ------------------------------------------------------------------
