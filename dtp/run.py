@@ -143,6 +143,44 @@ def run(cfg: RunConfig, out_dir: Path | None, mesh: DeviceMesh | None = None) ->
         raise
 
 
+def _tp_sharded(p: torch.Tensor) -> bool:
+    """Whether the plan shards `p` (its mesh's tp dimension holds a Shard; FSDP2 puts plain parameters on
+    a dp-only mesh)."""
+    if not isinstance(p, DTensor):
+        return False
+    names = p.device_mesh.mesh_dim_names or ()
+    return "tp" in names and p.placements[names.index("tp")].is_shard()
+
+
+def _report(cfg: RunConfig, plan, parity: ParityCheck, collectives: dict, analytic: dict, model: nn.Module,
+            gathered: list[dict], step_times: list[float], device: torch.device) -> dict:
+    """The report dict (the JSON of `dtp apply --json`)."""
+    total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    sharded_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if _tp_sharded(p))
+    median = statistics.median(step_times)
+    return {
+        "plan": {"name": plan.name, "version": plan.plan_version, "file": cfg.plan},
+        "model": cfg.model,
+        "mesh": {"tp": cfg.tp, "dp": cfg.dp},
+        "config": asdict(cfg),
+        "torch": torch.__version__,
+        "backend": dist.get_backend(),
+        "parity": parity.to_json(),
+        "collectives": collectives,
+        "comm_bytes": sum(collectives["sent_bytes"].values()),
+        "analytic_collectives": analytic,
+        "tied_parameters": [[f"{path}.{name}".lstrip(".") for path, name in group] for group in tied_groups(model)],
+        "param_bytes_unsharded": total_bytes,
+        "param_bytes_per_rank": [g["param_bytes"] for g in gathered],
+        "ideal_param_bytes_per_rank": ((total_bytes - sharded_bytes) + sharded_bytes // cfg.tp) // cfg.dp,
+        "activation_bytes_per_rank": [g["activations"] for g in gathered],
+        "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "rss",
+        "peak_memory_bytes": [g["peak"] for g in gathered],
+        "step_time_ms": median * 1e3,
+        "tokens_per_s": cfg.batch * cfg.seq / median,
+    }
+
+
 def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: DeviceMesh) -> dict | None:
     # CommDebugMode's module tracker hooks every module's backward; its warning is noise here.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -258,33 +296,7 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: 
     if rank != 0:
         return None
 
-    total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    sharded_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
-                        if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements))
-    median = statistics.median(step_times)
-    collectives = merge(counters)
-    report = {
-        "plan": {"name": plan.name, "version": plan.plan_version, "file": cfg.plan},
-        "model": cfg.model,
-        "mesh": {"tp": cfg.tp, "dp": cfg.dp},
-        "config": asdict(cfg),
-        "torch": torch.__version__,
-        "backend": dist.get_backend(),
-        "parity": parity.to_json(),
-        "collectives": collectives,
-        "comm_bytes": sum(collectives["sent_bytes"].values()),
-        "analytic_collectives": analytic,
-        "tied_parameters": [[f"{path}.{name}".lstrip(".") for path, name in group] for group in tied_groups(model)],
-        "param_bytes_unsharded": total_bytes,
-        "param_bytes_per_rank": [g["param_bytes"] for g in gathered],
-        # tp shards the sharded parameters; FSDP2 then shards everything over dp
-        "ideal_param_bytes_per_rank": ((total_bytes - sharded_bytes) + sharded_bytes // cfg.tp) // cfg.dp,
-        "activation_bytes_per_rank": [g["activations"] for g in gathered],
-        "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "rss",
-        "peak_memory_bytes": [g["peak"] for g in gathered],
-        "step_time_ms": median * 1e3,
-        "tokens_per_s": cfg.batch * cfg.seq / median,
-    }
+    report = _report(cfg, plan, parity, merge(counters), analytic, model, gathered, step_times, device)
     if out_dir is not None:
         (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
     return report

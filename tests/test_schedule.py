@@ -94,6 +94,7 @@ def test_model_and_data_parallel_2x2(repo):
     assert measured["bytes"]["all_gather"] == 2 * (2 * block) + root
     # every rank holds a quarter of the tp-local parameters
     assert report["param_bytes_per_rank"] == [(2 * block + root) // 2] * 4
+    assert report["ideal_param_bytes_per_rank"] == (2 * block + root) // 2
 
 
 def test_sequence_parallel_at_tp_4(repo):
