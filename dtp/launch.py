@@ -193,7 +193,7 @@ def add_apply_parser(sub) -> None:
     a.add_argument("plan")
     a.add_argument("model", help="zoo name, model YAML, or package.module:factory")
     a.add_argument("--tp", type=positive_int, help="tensor-parallel size (default 2; under torchrun WORLD_SIZE/dp)")
-    a.add_argument("--dp", type=positive_int, default=1, help="data-parallel size (not supported yet)")
+    a.add_argument("--dp", type=positive_int, default=1, help="data-parallel size: FSDP2 over a (dp, tp) mesh; --batch is the global batch")
     a.add_argument("--batch", type=positive_int, default=2)
     a.add_argument("--seq", type=positive_int, default=16)
     a.add_argument("--steps", type=positive_int, default=3)
