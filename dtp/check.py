@@ -39,11 +39,6 @@ class Checked:
     tp: int | None
     admissible_tp: tuple[int, ...]  # every tp ≤ MAX_TP_SHOWN that satisfies all divisibility rules
 
-    def style_of(self, path: str) -> ir.Style | None:
-        """The style claiming module `path`, if any."""
-        rule = self.resolution.claims.get(path) if self.resolution else None
-        return rule.style if rule else None
-
 
 # ---- model-independent checks ----------------------------------------------------------------------
 
