@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 from bench.megatron import BASELINE_VERSION, MegatronGPT, allclose_report, flops_per_token
-from dtp.apply import apply
+from dtp.shard import apply
 from dtp.comm import CommCounter, merge
 from dtp.models.gpt import GPT, GPTConfig
 from dtp.schedule import schedule, summarize

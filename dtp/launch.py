@@ -119,7 +119,7 @@ def launch(cfg: RunConfig) -> dict:
 
 def sequence_shape_problem(checked, tp: int, seq: int) -> str | None:
     """Why a sequence-parallel plan cannot run on `seq` tokens at `tp`, if it cannot."""
-    from dtp.compile import lower
+    from dtp.compiler import lower
 
     if seq < tp and lower(checked, tp).sequence_parallel:
         return (f"--seq {seq} is shorter than tp={tp}: sequence parallelism gives every rank a part of the "

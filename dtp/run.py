@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from dtp import models, syntax
-from dtp.apply import apply, tied_groups
+from dtp.shard import apply, tied_groups
 from dtp.comm import CommCounter, merge
 from dtp.data_parallel import data_parallel
 from dtp.schedule import NotModeled, schedule, summarize

@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
 from dtp.check import Checked
-from dtp.compile import SEQUENCE, Lowered, lower
+from dtp.compiler import SEQUENCE, Lowered, lower
 from dtp.data_parallel import unit_bytes
 
 

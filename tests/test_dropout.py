@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from dtp.apply import apply
+from dtp.shard import apply
 from dtp.models.gpt import GPT, GPTConfig
 from dtp.syntax import load
 from dtp.ranks import on_ranks

@@ -7,8 +7,8 @@ import pytest
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor.parallel import RowwiseParallel
 
-import dtp.apply
-import dtp.compile
+import dtp.shard
+import dtp.compiler
 import dtp.styles
 from conftest import REPO, dtp_cli
 from dtp.fuzz.cases import Case, mutated_texts, user_cases, zoo_cases
@@ -76,21 +76,21 @@ def test_finds_model_that_depends_on_its_local_width(pools):
 
 
 def test_finds_compiler_that_drops_a_reduction(pools, monkeypatch):
-    original = dtp.compile._style
+    original = dtp.compiler._style
 
     def no_all_reduce(m):
         if m.style == "rowwise":  # hands on partial sums as if they were the result
             return RowwiseParallel(input_layouts=m.input, output_layouts=Partial(), use_local_output=True)
         return original(m)
 
-    monkeypatch.setattr(dtp.compile, "_style", no_all_reduce)
+    monkeypatch.setattr(dtp.compiler, "_style", no_all_reduce)
     assert _finds(pools, zoo_cases(max_world=2), 30).startswith(("parity failed", "collectives differ"))
 
 
 def test_finds_compiler_that_mispacks_qkv(pools, monkeypatch):
     # contiguous rows instead of one slice of each of q, k and v: consistent gathering, wrong attention
     monkeypatch.setattr(dtp.styles, "pack_rows", lambda t, parts, tp: t)
-    monkeypatch.setattr(dtp.apply, "unpack_rows", lambda t, parts, tp: t)
+    monkeypatch.setattr(dtp.shard, "unpack_rows", lambda t, parts, tp: t)
     assert _finds(pools, zoo_cases(max_world=2), 30).startswith("parity failed")
 
 

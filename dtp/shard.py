@@ -11,7 +11,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from dtp import ir
 from dtp.check import Checked, check
-from dtp.compile import Compiled, compile_plan, tp_mesh
+from dtp.compiler import Compiled, compile_plan, tp_mesh
 from dtp.rng import TensorParallelRNG, track
 from dtp.styles import unpack_rows
 
