@@ -110,3 +110,13 @@ def test_cli_summary(repo):
     proc = dtp_cli("fuzz", "--examples", "4", "--seed", "3", "--max-world", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "fuzz: 4 examples" in proc.stdout and "failed" in proc.stdout
+
+
+def test_replay_of_something_that_is_not_a_case_exits_2(repo, tmp_path):
+    bad = tmp_path / "case.json"
+    bad.write_text('{"plan": "dtp 1\\n"}')
+    for path in (bad, tmp_path / "missing.json"):
+        proc = dtp_cli("fuzz", "--replay", str(path))
+        assert proc.returncode == 2
+        assert proc.stderr.startswith(f"error: cannot replay {path}: not a saved dtp fuzz case")
+        assert "Traceback" not in proc.stderr

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, Phase, given, seed as hseed, settings
 
 from dtp import models
 from dtp.check import check
-from dtp.errors import DtpError, PlanError
+from dtp.errors import DtpError, PlanError, UsageError
 from dtp.fuzz.cases import Case
 from dtp.fuzz.pool import Hang, Pools
 from dtp.placement import param_placements
@@ -167,8 +167,11 @@ def save(case: Case, message: str, directory: Path) -> Path:
 
 def load_case(path: Path) -> tuple[Case, str]:
     """A saved case and the error it was saved with."""
-    data = json.loads(Path(path).read_text())
-    return Case.from_json(data), data.get("error", "")
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return Case.from_json(data), data.get("error", "")
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError) as err:
+        raise UsageError(f"cannot replay {path}: not a saved dtp fuzz case ({type(err).__name__}: {err})") from None
 
 
 def fuzz_parser(strategy, examples: int, seed: int) -> list[str]:
