@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from dtp import ir, models
 from dtp.errors import Diagnostic, PlanError
-from dtp.placement import OPTIONS, STYLES, Placement, module_fits, param_placements, sharded_sizes
+from dtp.placement import OPTIONS, STYLES, Placement, module_fits, sharded_sizes
 from dtp.resolve import Resolution, resolve
 
 MAX_TP_SHOWN = 64  # "tp values that work" lists divisors up to this
@@ -158,8 +158,7 @@ def _check_ties(res: Resolution, model: nn.Module, diags: list[Diagnostic]) -> N
     owners: dict[int, list[tuple[str, str, Placement, ir.FlatRule | None]]] = {}
     for path, module in res.modules.items():
         rule = res.claims.get(path)
-        style = rule.style.name if rule and rule.style.name in STYLES else None
-        placements = param_placements(style, module, _packed(rule.style) if rule else 1)
+        placements = res.placements(path)
         for name, param in module.named_parameters(recurse=False):
             owners.setdefault(id(param), []).append((path, name, placements[name], rule))
     for group in owners.values():
@@ -257,3 +256,10 @@ def check(plan: ir.Plan, model: nn.Module | None = None, tp: int | None = None) 
     g = math.gcd(*sizes) if sizes else 0
     admissible = tuple(d for d in range(1, MAX_TP_SHOWN + 1) if g % d == 0)
     return Checked(plan, res, tp, admissible)
+
+
+def checked_for(plan: ir.Plan | Checked, model: nn.Module, tp: int) -> Checked:
+    """`plan` checked against `model` at `tp`, reusing an earlier check made for the same tp."""
+    if isinstance(plan, Checked):
+        return plan if plan.tp == tp else check(plan.plan, model, tp)
+    return check(plan, model, tp)

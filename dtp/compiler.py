@@ -23,7 +23,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from dtp import ir
-from dtp.check import Checked, check, evaluate
+from dtp.check import Checked, checked_for, evaluate
 from dtp.styles import PackedColwiseParallel, SequenceParallelFromReplicated, SetAttributes, SharedInput
 
 SEQUENCE = Shard(1)
@@ -150,8 +150,7 @@ def _style(m: ModuleLayout) -> ParallelStyle:
 def compile_plan(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh) -> Compiled:
     """Compile `plan` for `model` on `mesh` (checking it first if it is not a Checked plan for this tp)."""
     tp = tp_mesh(mesh).size()
-    checked = plan if isinstance(plan, Checked) and plan.tp == tp else check(
-        plan.plan if isinstance(plan, Checked) else plan, model, tp)
+    checked = checked_for(plan, model, tp)
     low = lower(checked, tp)
     styles = {path: _style(m) for path, m in low.modules.items()}
     for parent in low.shared_inputs:

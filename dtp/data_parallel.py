@@ -9,7 +9,6 @@ import torch
 import torch.nn as nn
 
 from dtp.check import Checked
-from dtp.placement import param_placements
 
 
 def units(model: nn.Module) -> list[str]:
@@ -38,9 +37,7 @@ def unit_bytes(checked: Checked, model: nn.Module, tp: int, dp: int, elem: int) 
     res = checked.resolution
     local: dict[int, tuple[int, ...]] = {}
     for path, module in model.named_modules():
-        rule = res.claims.get(path)
-        placements = param_placements(rule.style.name if rule else None, module,
-                                      rule.style.option("packed", 1) if rule else 1)
+        placements = res.placements(path)
         for name, p in module.named_parameters(recurse=False):
             local.setdefault(id(p), placements[name].local_shape(tuple(p.shape), tp))
     seen: set[int] = set()

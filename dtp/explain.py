@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from dtp.check import Checked
-from dtp.placement import Placement, param_placements
+from dtp.placement import Placement
 from dtp.schedule import Collective, NotModeled, schedule, summarize
 
 
@@ -81,8 +81,7 @@ def explain(checked: Checked, model: nn.Module, model_name: str, tp: int,
             continue
         rule = res.claims.get(path)
         style = rule.style.name if rule else None
-        packed = rule.style.option("packed", 1) if rule else 1
-        placements = param_placements(style, module, packed)
+        placements = res.placements(path)
         if style in (None, "replicate"):
             untouched.append(path)
         for pname, p in own:

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from dtp import ir
 from dtp.errors import Diagnostic
+from dtp.placement import Placement, param_placements
 
 
 def _segment_matches(seg: ir.Segment, name: str) -> bool:
@@ -66,6 +67,15 @@ class Resolution:
     claims: Mapping[str, ir.FlatRule]  # module path → the rule that claims it
     sets: Mapping[tuple[str, str], ir.FlatSet]  # (module path, attribute) → the set statement
     diagnostics: list[Diagnostic] = field(default_factory=list)
+
+    def placements(self, path: str) -> dict[str, Placement]:
+        """Where each of module `path`'s own parameters lives under the rule claiming it (if any)."""
+        rule = self.claims.get(path)
+        if rule is None:
+            return param_placements(None, self.modules[path])
+        packed = rule.style.option("packed", 1)
+        valid = isinstance(packed, int) and not isinstance(packed, bool) and packed >= 1
+        return param_placements(rule.style.name, self.modules[path], packed if valid else 1)
 
 
 def _suggest(pattern: ir.Pattern, paths: list[str]) -> str:

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from dtp import ir
-from dtp.check import Checked, check
+from dtp.check import Checked, checked_for
 from dtp.compiler import Compiled, compile_plan, tp_mesh
 from dtp.rng import TensorParallelRNG, track
 from dtp.styles import unpack_rows
@@ -48,8 +48,7 @@ def apply(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh, seed: int
     Dropout inside the sharded regions draws from a per-rank generator seeded from `seed` (see dtp.rng).
     """
     mesh = tp_mesh(mesh)
-    checked = plan if isinstance(plan, Checked) and plan.tp == mesh.size() else check(
-        plan.plan if isinstance(plan, Checked) else plan, model, mesh.size())
+    checked = checked_for(plan, model, mesh.size())
     compiled = compile_plan(checked, model, mesh)
     groups = tied_groups(model)
     parallelize_module(model, mesh, compiled.styles)

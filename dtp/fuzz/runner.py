@@ -25,7 +25,6 @@ from dtp.check import check
 from dtp.errors import DtpError, PlanError, UsageError
 from dtp.fuzz.cases import Case
 from dtp.fuzz.pool import Hang, Pools
-from dtp.placement import param_placements
 from dtp.launch import sequence_shape_problem
 from dtp.run import RunConfig
 from dtp.syntax import parse
@@ -53,9 +52,7 @@ def expected_param_bytes(checked, model, tp: int, elem: int) -> list[int]:
     out = [0] * tp
     seen: set[int] = set()
     for path, module in model.named_modules():
-        rule = checked.resolution.claims.get(path)
-        placements = param_placements(rule.style.name if rule else None, module,
-                                      rule.style.option("packed", 1) if rule else 1)
+        placements = checked.resolution.placements(path)
         for name, p in module.named_parameters(recurse=False):
             if id(p) in seen:
                 continue
