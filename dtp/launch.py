@@ -40,7 +40,6 @@ def _run_rank(cfg: RunConfig, out_dir: Path, rank: int, world: int) -> int:
     from dtp import run as run_mod
 
     torch.set_num_threads(1)
-    trail_where = "start-up"
     try:
         backend = "nccl" if cfg.device == "cuda" else "gloo"
         if cfg.device == "cuda":
@@ -50,8 +49,7 @@ def _run_rank(cfg: RunConfig, out_dir: Path, rank: int, world: int) -> int:
         ok = bool(report["parity"]["ok"]) if report else True
         return 0 if ok else 1
     except Exception as err:  # noqa: BLE001 - every failure is reported as one paragraph
-        trail = getattr(err, "__dtp_where__", None) or trail_where
-        summary = _error_summary(err, trail, rank)
+        summary = _error_summary(err, getattr(err, "__dtp_where__", None) or "start-up", rank)
         (out_dir / f"error-{rank}.json").write_text(json.dumps(summary))
         return 1
     finally:
@@ -76,6 +74,11 @@ def _collect_errors(out_dir: Path) -> RunError | None:
     first = errors[0]
     others = f" ({len(errors) - 1} other rank(s) failed too)" if len(errors) > 1 else ""
     return RunError(f"the sharded run failed on rank {first['rank']} in {first['where']}: {first['error']}{others}")
+
+
+def _read_report(out_dir: Path) -> dict | None:
+    path = out_dir / "report.json"  # written by rank 0 only
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def _start_method(cfg: RunConfig) -> str:
@@ -107,13 +110,12 @@ def launch(cfg: RunConfig) -> dict:
                 if proc.is_alive():
                     proc.kill()
                 proc.join(timeout=5)
-        report_path = out_dir / "report.json"
-        report = json.loads(report_path.read_text()) if report_path.exists() else None
-        if report is not None and not _collect_errors(out_dir):
-            return report  # parity may have failed: ranks exit 1 then, but the report says why
         error = _collect_errors(out_dir)
         if error:
             raise error
+        report = _read_report(out_dir)
+        if report is not None:
+            return report  # parity may have failed: ranks exit 1 then, but the report says why
         raise RunError(f"a rank died without a report: {' '.join(str(failed).split())[:300] if failed else 'no exit status'}")
 
 
@@ -161,8 +163,6 @@ def cmd_apply(args: argparse.Namespace) -> int:
     shape_problem = sequence_shape_problem(checked, tp, args.seq)
     if shape_problem:
         raise UsageError(shape_problem)
-    if args.seq < 1 or args.batch < 1 or args.steps < 1:
-        raise UsageError("--batch, --seq and --steps must be positive")
     cfg = RunConfig(plan=args.plan, model=args.model, tp=tp, dp=args.dp, batch=args.batch, seq=args.seq,
                     steps=args.steps, seed=args.seed, dtype=args.dtype, device=device, timeout=args.timeout, lr=args.lr)
 
@@ -173,8 +173,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
             error = _collect_errors(Path(tmp))
             if error:
                 raise error
-            report_path = Path(tmp) / "report.json"
-            report = json.loads(report_path.read_text()) if report_path.exists() else None
+            report = _read_report(Path(tmp))
         if report is None:
             return code
     else:
