@@ -1,0 +1,63 @@
+"""Build the model side of a simulation once: the meta-device model, its FLOPs, and per tp the plan's
+check, analytic schedule and parameters per rank."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from dtp import models
+from dtp.errors import UsageError
+from dtp.simulate import flops as fl
+from dtp.simulate.memory import Shape, params_per_rank
+from dtp.simulate.model import Workload, workload
+
+
+def shape_of(model: nn.Module) -> Shape:
+    """Layers, hidden size, heads and vocabulary of a transformer, from its config and structure."""
+    cfg = getattr(model, "config", None)
+    hidden = getattr(cfg, "n_embd", None) or getattr(cfg, "hidden_size", None)
+    h = models.heads(model)
+    heads = getattr(h, "heads", None) or getattr(cfg, "n_head", None) or getattr(cfg, "num_attention_heads", None)
+    vocab = models.vocab_size(model)
+    layers = len(fl._block_paths(model))
+    if not (hidden and heads and vocab and layers):
+        raise UsageError("dtp simulate needs a transformer whose config gives its hidden size and heads "
+                         "(n_embd/hidden_size, n_head/num_attention_heads) and a ModuleList of blocks")
+    return Shape(layers, int(hidden), int(heads), int(vocab))
+
+
+@dataclass
+class Prepared:
+    """One plan on one model, with workloads cached per (tp, micro-batch, precision)."""
+
+    plan_path: str
+    model_spec: str
+    seq: int
+    plan: object = None
+    model: nn.Module | None = None
+    flops: fl.Flops | None = None
+    shape: Shape | None = None
+    _cache: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from dtp.check import check
+        from dtp.syntax import load
+
+        self.plan = load(self.plan_path)
+        self.model = models.build(models.resolve(self.model_spec), device="meta")
+        checked = check(self.plan, self.model, None)  # syntax and model checks, any tp
+        self.shape = shape_of(self.model)
+        self.flops = fl.count(self.model, self.seq, checked.resolution)
+
+    def workload(self, tp: int, micro_batch: int, precision: str) -> Workload:
+        """The workload at `tp` (a plan that does not fit tp is a positioned plan error, exit 2)."""
+        from dtp.check import check
+
+        key = (tp, micro_batch, precision)
+        if key not in self._cache:
+            checked = check(self.plan, self.model, tp)
+            per_rank = params_per_rank(self.model, checked.resolution, tp)
+            self._cache[key] = workload(checked, self.model, tp, self.seq, micro_batch, precision, self.flops,
+                                        per_rank, self.shape)
+        return self._cache[key]

@@ -1,0 +1,180 @@
+"""Hardware profiles: YAML data (never code), strict keys, bounded values.
+
+A profile describes one node type: its accelerators' peak and achieved GEMM rate, memory, and the
+links collectives run over (α-β: latency per ring step, bus bandwidth × an efficiency). Shipped
+profiles live in `profiles/` (inside the wheel as `dtp/profiles/`); any other path is read as a file.
+"""
+from __future__ import annotations
+
+import importlib.resources
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from dtp.errors import UsageError
+
+MAX_BYTES = 64 * 1024
+PRECISIONS = ("fp16", "bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class Link:
+    """A network that collectives run over: bus bandwidth (GB/s, nccl-tests' busBW) × efficiency, and a
+    latency per ring step (µs)."""
+
+    busbw_GBps: float
+    latency_us: float
+    efficiency: float = 1.0
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Effective bus bandwidth in bytes per second."""
+        return self.busbw_GBps * 1e9 * self.efficiency
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One node type. `inter.busbw_GBps` is the node's total inter-node bandwidth (all NICs, one
+    direction); `intra` is per GPU. `compute_slots`: how many ranks compute at full rate at once (GPUs:
+    all of them; a CPU: its cores)."""
+
+    name: str
+    description: str
+    gpu_name: str
+    peak_tflops: dict[str, float]
+    achieved_fraction: float
+    memory_GiB: float
+    hbm_GBps: float
+    gpus_per_node: int
+    compute_slots: int
+    intra: Link
+    inter: Link
+    dp_overlap: bool
+    calibrated: str
+
+    def flops_per_s(self, precision: str) -> float:
+        """Achieved dense GEMM FLOP/s of one accelerator at `precision`."""
+        if precision not in self.peak_tflops:
+            raise UsageError(f"profile {self.name} has no peak_tflops for {precision} "
+                             f"(it has: {', '.join(self.peak_tflops)})")
+        return self.peak_tflops[precision] * 1e12 * self.achieved_fraction
+
+
+# key → (type, lower bound, upper bound); nested dicts are sections.
+_LINK = {"busbw_GBps": (float, 1e-6, 1e6), "latency_us": (float, 0.0, 1e7), "efficiency": (float, 1e-3, 1.0)}
+_SCHEMA = {
+    "name": (str, 1, 100),
+    "description": (str, 0, 2000),
+    "calibrated": (str, 0, 2000),
+    "gpu": {"name": (str, 1, 100), "peak_tflops": {p: (float, 1e-6, 1e5) for p in PRECISIONS},
+            "achieved_fraction": (float, 1e-3, 1.0), "memory_GiB": (float, 1e-3, 1e5),
+            "hbm_GBps": (float, 1e-3, 1e6)},
+    "node": {"gpus": (int, 1, 4096), "compute_slots": (int, 1, 4096), "intra": _LINK, "inter": _LINK},
+    "dp_overlap": (bool, None, None),
+}
+_REQUIRED = {"name", "gpu", "gpu.name", "gpu.peak_tflops", "gpu.achieved_fraction", "gpu.memory_GiB",
+             "gpu.hbm_GBps", "node", "node.gpus", "node.intra", "node.inter", "node.intra.busbw_GBps",
+             "node.intra.latency_us", "node.inter.busbw_GBps", "node.inter.latency_us"}
+
+
+def shipped() -> list[str]:
+    """Names of the profiles that ship with dtp."""
+    return sorted(p.name[:-5] for p in _shipped_dir().iterdir() if p.name.endswith(".yaml"))
+
+
+def _shipped_dir():
+    # Installed wheels carry the profiles inside the package; a source checkout keeps them at top level.
+    packaged = importlib.resources.files("dtp") / "profiles"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parent.parent.parent / "profiles"
+
+
+def load(spec: str) -> Profile:
+    """A shipped profile by name, or a YAML file by path; every problem is a UsageError (exit 2)."""
+    folder = _shipped_dir()
+    candidate = folder / f"{spec}.yaml"
+    if "/" not in spec and not spec.endswith((".yaml", ".yml")) and candidate.is_file():
+        return parse(candidate.read_text(encoding="utf-8"), spec)
+    path = Path(spec)
+    if not path.is_file():
+        raise UsageError(f"profile '{spec}' is neither a file nor a shipped profile "
+                         f"(shipped: {', '.join(shipped())})")
+    if path.stat().st_size > MAX_BYTES:
+        raise UsageError(f"{spec}: a profile is at most {MAX_BYTES // 1024} KiB")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"{spec}: cannot read the profile: {err}") from None
+    return parse(text, spec)
+
+
+def parse(text: str, where: str) -> Profile:
+    """Validate profile YAML text (safe_load; unknown keys, wrong types, out-of-range values are errors)."""
+    if len(text) > MAX_BYTES:
+        raise UsageError(f"{where}: a profile is at most {MAX_BYTES // 1024} KiB")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        raise UsageError(f"{where}{at}: not valid YAML: {getattr(err, 'problem', err)}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{where}: a profile is a mapping of keys (see profiles/dgx2h-v100.yaml)")
+    _validate(data, _SCHEMA, "", where)
+    missing = sorted(k for k in _REQUIRED if _get(data, k) is None)
+    if missing:
+        raise UsageError(f"{where}: missing key{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
+    gpu, node = data["gpu"], data["node"]
+    if not gpu["peak_tflops"]:
+        raise UsageError(f"{where}: gpu.peak_tflops needs at least one of {', '.join(PRECISIONS)}")
+    return Profile(
+        name=data["name"], description=data.get("description", ""), gpu_name=gpu["name"],
+        peak_tflops={k: float(v) for k, v in gpu["peak_tflops"].items()},
+        achieved_fraction=float(gpu["achieved_fraction"]), memory_GiB=float(gpu["memory_GiB"]),
+        hbm_GBps=float(gpu["hbm_GBps"]), gpus_per_node=node["gpus"],
+        compute_slots=node.get("compute_slots", node["gpus"]),
+        intra=Link(**{k: float(v) for k, v in node["intra"].items()}),
+        inter=Link(**{k: float(v) for k, v in node["inter"].items()}),
+        dp_overlap=bool(data.get("dp_overlap", False)), calibrated=data.get("calibrated", ""))
+
+
+def _get(data: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return None
+        data = data[part]
+    return data
+
+
+def _validate(data: dict, schema: dict, prefix: str, where: str) -> None:
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if not isinstance(key, str) or key not in schema:
+            allowed = ", ".join(schema)
+            raise UsageError(f"{where}: unknown key '{name}' (allowed here: {allowed})")
+        rule = schema[key]
+        if isinstance(rule, dict):
+            if not isinstance(value, dict):
+                raise UsageError(f"{where}: '{name}' must be a mapping")
+            _validate(value, rule, name + ".", where)
+            continue
+        kind, low, high = rule
+        _check_value(value, kind, low, high, name, where)
+
+
+def _check_value(value, kind: type, low, high, name: str, where: str) -> None:
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise UsageError(f"{where}: '{name}' must be true or false, got {value!r}")
+        return
+    if kind is str:
+        if not isinstance(value, str) or not low <= len(value) <= high:
+            raise UsageError(f"{where}: '{name}' must be a string of {low}–{high} characters")
+        return
+    numeric = (int,) if kind is int else (int, float)
+    if isinstance(value, bool) or not isinstance(value, numeric):
+        raise UsageError(f"{where}: '{name}' must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    if not low <= value <= high:  # NaN fails both comparisons
+        raise UsageError(f"{where}: '{name}' = {value} is out of range [{low}, {high}]")
