@@ -33,7 +33,7 @@ class Prepared:
 
     plan_path: str
     model_spec: str
-    seq: int
+    seq: int | None  # None: the model's block size (1024 if it has none)
     plan: object = None
     model: nn.Module | None = None
     flops: fl.Flops | None = None
@@ -47,6 +47,7 @@ class Prepared:
         self.plan = load(self.plan_path)
         self.model = models.build(models.resolve(self.model_spec), device="meta")
         checked = check(self.plan, self.model, None)  # syntax and model checks, any tp
+        self.seq = self.seq or getattr(getattr(self.model, "config", None), "block_size", None) or 1024
         self.shape = shape_of(self.model)
         self.flops = fl.count(self.model, self.seq, checked.resolution)
 

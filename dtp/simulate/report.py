@@ -1,0 +1,34 @@
+"""The human report of one simulated iteration."""
+from __future__ import annotations
+
+from dtp.simulate.flops import narayanan_flops
+from dtp.simulate.model import Result
+
+GiB = 1024 ** 3
+
+
+def render(r: Result, prepared, args, prof, seconds: float) -> str:
+    """A few aligned lines: what ran, time breakdown, throughput, memory, the FLOP cross-check."""
+    run, mem, shape = r.run, r.memory, prepared.shape
+    overlap = "overlapped with backward" if run.dp_overlap else "after backward"
+    lines = [
+        f"{args.model} with {args.plan} on {prof.name}: tp {run.tp} × dp {run.dp} = {run.gpus} GPUs, "
+        f"micro-batch {run.micro_batch} × {run.microbatches}, global batch {run.global_batch}, seq {run.seq}, "
+        f"{run.precision}, recompute {run.recompute}, {run.optimizer}",
+        f"iteration    {r.iteration_s:.4g} s = compute {r.compute_s:.4g} + TP comm {r.tp_comm_s:.4g} "
+        f"+ DP comm {r.dp_comm_s:.4g} + optimizer {r.optimizer_s:.4g}",
+        f"TP comm      {r.tp_collectives} collectives per rank, {r.tp_sent_bytes / GiB:.3f} GiB sent per rank",
+        f"DP comm      gradient all-reduce {r.dp_sent_bytes / GiB:.3f} GiB sent per rank, "
+        f"{r.dp_comm_total_s:.4g} s, {overlap}",
+        f"throughput   {r.tflops_per_gpu:.2f} TFLOP/s per GPU (hardware FLOPs, recompute counted), "
+        f"{r.aggregate_pflops:.4g} PFLOP/s aggregate; model FLOPs {r.model_flops_per_iteration:.4g} per iteration",
+        f"memory/GPU   weights {mem.weights / GiB:.2f} + grads {mem.grads / GiB:.2f} + optimizer "
+        f"{mem.optimizer / GiB:.2f} + activations {mem.activations / GiB:.2f} = {mem.total / GiB:.2f} GiB of "
+        f"{mem.capacity / GiB:.0f}: {'fits' if mem.fits else 'DOES NOT FIT'}",
+    ]
+    if run.recompute == "full":
+        eq3 = narayanan_flops(run.global_batch, run.seq, shape.layers, shape.hidden, shape.vocab)
+        lines.append(f"FLOPs        counted on the model = {r.flops_per_iteration / eq3:.4f} × Narayanan et al. eq. 3, "
+                     f"96·B·s·l·h²(1 + s/6h + V/16lh)")
+    lines.append(f"({seconds:.1f} s, meta device; profile calibrated: {prof.calibrated or 'nothing'})")
+    return "\n".join(lines)
