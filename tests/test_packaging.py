@@ -17,11 +17,14 @@ def test_wheel_carries_and_loads_the_grammar(tmp_path):
         names = zf.namelist()
         assert "dtp/grammar/tp.lark" in names
         assert zf.read("dtp/grammar/tp.lark") == (REPO / "grammar" / "tp.lark").read_bytes()
+        assert "dtp/profiles/dgx2h-v100.yaml" in names  # dtp simulate's shipped profiles
         site = tmp_path / "site"
         zf.extractall(site)
     code = ("import dtp, dtp.syntax as s; from pathlib import Path; "
             "assert Path(dtp.__file__).is_relative_to(Path(r'%s')), dtp.__file__; "
-            "print(len(s.parse('dtp 1\\nlm_head: vocab_parallel\\n').body))" % site)
+            "import dtp.simulate.profile as p; assert Path(str(p._shipped_dir())).is_relative_to(Path(r'%s')); "
+            "assert p.load('h200-sxm').name == 'h200-sxm'; "
+            "print(len(s.parse('dtp 1\\nlm_head: vocab_parallel\\n').body))" % (site, site))
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(site)})
     assert out.returncode == 0, out.stderr

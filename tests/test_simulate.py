@@ -65,7 +65,7 @@ def test_activation_formula_against_apply_measurement(repo, applied):
     report, work = applied
     predicted = activation_bytes(work.shape, 2, 16, 2, elem=4, recompute="none", dropout=False, flash=True)
     measured = report["activation_bytes_per_rank"][0]
-    assert predicted == pytest.approx(measured, rel=0.15), (predicted, measured)
+    assert predicted == pytest.approx(measured, rel=0.02), (predicted, measured)  # 0.3 % off on larger models
 
 
 @pytest.mark.parametrize("text, message", [
