@@ -85,7 +85,7 @@ def test_profile_validation(text, message):
     assert type(err.value).__name__ == "UsageError" and message in str(err.value), str(err.value)
 
 
-def test_profile_errors_exit_2(repo, tmp_path, capsys):
+def test_usage_errors_exit_2(repo, tmp_path, capsys):
     from dtp.cli import main
 
     bad = tmp_path / "bad.yaml"
@@ -94,6 +94,8 @@ def test_profile_errors_exit_2(repo, tmp_path, capsys):
                              (str(bad), "'node.gpus' = 0 is out of range [1, 4096]")):
         assert main(["simulate", "plans/gpt2.tp", "gpt2-tiny", "--profile", profile]) == 2
         assert message in capsys.readouterr().err
+    assert main(["simulate", "plans/gpt2.tp", "gpt2-tiny", "--profile", "dgx2h-v100", "--seq", "65"]) == 2
+    assert "--seq 65 exceeds gpt2-tiny's block size 64" in capsys.readouterr().err
 
 
 def test_shipped_profiles_load():

@@ -49,7 +49,14 @@ class Prepared:
         checked = check(self.plan, self.model, None)  # syntax and model checks, any tp
         self.seq = self.seq or getattr(getattr(self.model, "config", None), "block_size", None) or 1024
         self.shape = shape_of(self.model)
-        self.flops = fl.count(self.model, self.seq, checked.resolution)
+        block = getattr(getattr(self.model, "config", None), "block_size", None)
+        if isinstance(block, int) and self.seq > block:
+            raise UsageError(f"--seq {self.seq} exceeds {self.model_spec}'s block size {block}")
+        try:
+            self.flops = fl.count(self.model, self.seq, checked.resolution)
+        except Exception as err:  # a user's model that cannot run on meta tensors: say so, no traceback
+            raise UsageError(f"{self.model_spec}: its forward pass failed on the meta device "
+                             f"({type(err).__name__}: {err}); dtp simulate counts FLOPs there") from None
 
     def workload(self, tp: int, micro_batch: int, precision: str) -> Workload:
         """The workload at `tp` (a plan that does not fit tp is a positioned plan error, exit 2)."""

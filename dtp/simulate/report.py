@@ -29,6 +29,6 @@ def render(r: Result, prepared, args, prof, seconds: float) -> str:
     if run.recompute == "full":
         eq3 = narayanan_flops(run.global_batch, run.seq, shape.layers, shape.hidden, shape.vocab)
         lines.append(f"FLOPs        counted on the model = {r.flops_per_iteration / eq3:.4f} × Narayanan et al. eq. 3, "
-                     f"96·B·s·l·h²(1 + s/6h + V/16lh)")
+                     f"96·B·s·l·h²(1 + s/6h + V/16lh) (a GPT's: 4h MLP, tied head)")
     lines.append(f"({seconds:.1f} s, meta device; profile calibrated: {prof.calibrated or 'nothing'})")
     return "\n".join(lines)

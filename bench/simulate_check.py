@@ -1,0 +1,61 @@
+"""`python -m bench.simulate_check`: calibrate this machine, then run `dtp apply` (plans/gpt2.tp, fp32,
+SGD, batch 8 × 128) at tp 1, 2, 4 on two GPT sizes and set `dtp simulate`'s prediction next to each
+measured step time and activation size. Calibration and measurement run back to back so that they see
+the same machine; on a shared machine both carry its contention (the load average is recorded)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from dtp.launch import launch
+from dtp.run import RunConfig
+from dtp.simulate.calibrate import profile_yaml
+from dtp.simulate.memory import activation_bytes
+from dtp.simulate.model import Run, simulate
+from dtp.simulate.prepare import Prepared
+from dtp.simulate.profile import parse
+
+MODELS = {"gpt-4x256": dict(n_layer=4, n_head=4, n_embd=256, vocab_size=4096),
+          "gpt-4x512": dict(n_layer=4, n_head=8, n_embd=512, vocab_size=8192)}
+BATCH, SEQ = 8, 128
+
+
+def main(out: str) -> None:
+    """Measure, predict, write Markdown and JSON under `out`."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    text, raw = profile_yaml("this-machine")
+    Path(out, "this-machine.yaml").write_text(text)
+    prof = parse(text, "this-machine")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, cfg in MODELS.items():
+            spec = Path(tmp, f"{name}.yaml")
+            spec.write_text("".join(f"{k}: {v}\n" for k, v in {**cfg, "block_size": SEQ, "dropout": 0.0}.items()))
+            prepared = Prepared("plans/gpt2.tp", str(spec), SEQ)
+            for tp in (1, 2, 4):
+                load = os.getloadavg()[0]
+                report = launch(RunConfig("plans/gpt2.tp", str(spec), tp=tp, batch=BATCH, seq=SEQ, steps=5, timeout=900))
+                work = prepared.workload(tp, BATCH, "fp32")
+                sim = simulate(work, Run(tp, 1, BATCH, BATCH, SEQ, "fp32", "none", "sgd"), prof)
+                acts = activation_bytes(work.shape, BATCH, SEQ, tp, elem=4, recompute="none", dropout=False, flash=True)
+                rows.append({"model": name, "tp": tp, "load": load, "measured_ms": report["step_time_ms"],
+                             "predicted_ms": sim.iteration_s * 1e3, "compute_ms": sim.compute_s * 1e3,
+                             "tp_comm_ms": sim.tp_comm_s * 1e3, "measured_activation_bytes":
+                             report["activation_bytes_per_rank"][0], "predicted_activation_bytes": acts})
+                print(rows[-1], flush=True)
+    lines = ["| model | tp | load avg | measured ms | predicted ms (compute + TP comm) | error | activations measured → predicted |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['tp']} | {r['load']:.1f} | {r['measured_ms']:.0f} | {r['predicted_ms']:.0f} "
+                     f"({r['compute_ms']:.0f} + {r['tp_comm_ms']:.0f}) | {100 * (r['predicted_ms'] / r['measured_ms'] - 1):+.0f} % "
+                     f"| {r['measured_activation_bytes'] / 2**20:.1f} → {r['predicted_activation_bytes'] / 2**20:.1f} MiB |")
+    Path(out, "this-machine.md").write_text("\n".join(lines) + "\n")
+    Path(out, "this-machine.json").write_text(json.dumps({"calibration": raw, "rows": rows}, indent=2, default=str))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "bench/results/simulate-check")
