@@ -138,3 +138,19 @@ def test_paper_reproduction_within_stated_bands(paper):
     assert paper["megatron-8.3b", 64, True].aggregate_pflops == pytest.approx(15.1, rel=0.10)
     assert paper["megatron-8.3b", 64, False].aggregate_pflops == pytest.approx(13.0, rel=0.02)
     assert all(r.memory.fits for r in paper.values())
+
+
+@pytest.mark.parametrize("recompute, sp, per_layer", [
+    ("none", False, lambda s, b, h, a, t: s * b * h * (10 + 24 / t + 5 * a * s / (h * t))),
+    ("none", True, lambda s, b, h, a, t: s * b * h * (34 / t + 5 * a * s / (h * t))),
+    ("selective", False, lambda s, b, h, a, t: s * b * h * (10 + 24 / t)),
+    ("selective", True, lambda s, b, h, a, t: s * b * h * 34 / t),
+    ("full", False, lambda s, b, h, a, t: 2 * s * b * h),
+])
+def test_activation_formula_is_korthikanti_table_2(recompute, sp, per_layer):
+    from dtp.simulate.memory import Shape
+
+    s, b, h, a, t = 1024, 4, 3072, 32, 8
+    one, two = (activation_bytes(Shape(layers, h, a, 51200), b, s, t, elem=2, recompute=recompute,
+                                 sequence_parallel=sp) for layers in (1, 2))
+    assert two - one == pytest.approx(per_layer(s, b, h, a, t), rel=1e-12)  # bytes per added layer

@@ -66,7 +66,7 @@ def count(model: nn.Module, seq: int, resolution: Resolution | None = None) -> F
     with counter, torch.no_grad():
         model(ids)
     totals = {_strip(k): v for k, v in counter.get_flop_counts().items() if k != "Global"}
-    blocks = _block_paths(model)
+    blocks = block_paths(model)
     sharded = {p for p, rule in (resolution.claims.items() if resolution else ()) if rule.style.name in SHARDING_STYLES}
     own = {path: dict(ops) for path, ops in totals.items()}
     for path, ops in totals.items():  # FlopCounterMode counts a module's children in it: take them out
@@ -106,7 +106,7 @@ def _tracked_parent(path: str, tracked: dict) -> str | None:
     return ""
 
 
-def _block_paths(model: nn.Module) -> list[str]:
+def block_paths(model: nn.Module) -> list[str]:
     """The repeated blocks: children of every ModuleList (what Megatron checkpoints, one per layer)."""
     return [f"{path}.{name}" if path else name for path, m in model.named_modules() if isinstance(m, nn.ModuleList)
             for name, _ in m.named_children()]

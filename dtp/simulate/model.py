@@ -181,10 +181,10 @@ def workload(checked, model, tp: int, seq: int, micro_batch: int, precision: str
              params_per_rank: float, shape: Shape) -> Workload:
     """The model side for one tp: the analytic schedule of one micro-batch and what memory needs."""
     from dtp.compiler import lower
-    from dtp.simulate.flops import _block_paths
+    from dtp.simulate.flops import block_paths
 
     low = lower(checked, tp)
     colls = schedule(checked, tp, micro_batch, seq, DTYPE[precision], low)
     total = float(sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()))
     return Workload(flops, params_per_rank, total, shape, low.sequence_parallel, tuple(colls),
-                    tuple(_block_paths(model)))
+                    tuple(block_paths(model)))

@@ -20,7 +20,7 @@ def shape_of(model: nn.Module) -> Shape:
     h = models.heads(model)
     heads = getattr(h, "heads", None) or getattr(cfg, "n_head", None) or getattr(cfg, "num_attention_heads", None)
     vocab = models.vocab_size(model)
-    layers = len(fl._block_paths(model))
+    layers = len(fl.block_paths(model))
     if not (hidden and heads and vocab and layers):
         raise UsageError("dtp simulate needs a transformer whose config gives its hidden size and heads "
                          "(n_embd/hidden_size, n_head/num_attention_heads) and a ModuleList of blocks")
