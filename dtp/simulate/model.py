@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from dtp.schedule import Collective, schedule, sent_bytes
-from dtp.simulate.flops import Flops
+from dtp.simulate.flops import Flops, block_paths
 from dtp.simulate.memory import Memory, activation_bytes, memory, Shape
 from dtp.simulate.profile import Link, Profile
 
@@ -181,7 +181,6 @@ def workload(checked, model, tp: int, seq: int, micro_batch: int, precision: str
              params_per_rank: float, shape: Shape) -> Workload:
     """The model side for one tp: the analytic schedule of one micro-batch and what memory needs."""
     from dtp.compiler import lower
-    from dtp.simulate.flops import block_paths
 
     low = lower(checked, tp)
     colls = schedule(checked, tp, micro_batch, seq, DTYPE[precision], low)
