@@ -56,8 +56,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return _calibrate(args)
     if not (args.plan and args.model and args.profile):
         raise UsageError("dtp simulate needs PLAN, MODEL and --profile (or --calibrate -o PROFILE)")
-    if args.plot and not args.sweep:
-        raise UsageError("--plot draws the --sweep tables; add --sweep")
+    if (args.plot or args.markdown) and not args.sweep:
+        raise UsageError("--plot and --markdown write the --sweep tables; add --sweep")
     from dtp.simulate import profile
 
     prof = profile.load(args.profile)
