@@ -19,13 +19,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtp.canonical import View, chunk_range, packed_parts, view
-from dtp.checkpoint_files import CheckpointError, FORMAT, LAYOUT, VERSION, finalize, plan_label, prepare, read_meta
+from dtp.checkpoint_files import (CheckpointError, FORMAT, LAYOUT, VERSION, SafeReader, finalize, plan_label, prepare,
+                                  read_meta)
 from dtp.compiler import tp_mesh
 from dtp.errors import DtpError
 from dtp.fingerprint import chunk_sums, finish
@@ -215,7 +216,13 @@ def _check_plan(meta: dict, plan_text: str, directory: Path, convert: bool) -> N
                           "to re-cut its tensors for this plan")
 
 
-def _match(meta: dict, views: dict[str, View], directory: Path, convert: bool) -> set[str]:
+def _model_shape(key: str, shape: tuple[int, ...], parts: dict[str, int]) -> tuple[int, ...]:
+    """The shape in the model of the tensor stored under `key` with `shape`, under packing `parts`."""
+    name = key.split("/")[1]
+    return (shape[0] * shape[1], *shape[2:]) if parts.get(name, 1) > 1 else shape
+
+
+def _match(meta: dict, views: dict[str, View], parts: dict[str, int], directory: Path, convert: bool) -> set[str]:
     """Compare the checkpoint's tensors with the model's; the keys whose stored shape differs only by packing
     (re-cut when converting). Anything else that differs is a CheckpointError naming the tensors."""
     saved = meta["tensors"]
@@ -232,7 +239,7 @@ def _match(meta: dict, views: dict[str, View], directory: Path, convert: bool) -
         if saved[key]["dtype"] != dtype:
             problems.append(f"{key} is {saved[key]['dtype']} in the checkpoint, {dtype} here")
         elif s_shape != shape:
-            if convert and torch.Size(s_shape).numel() == torch.Size(shape).numel() and s_shape[-1] == shape[-1]:
+            if convert and _model_shape(key, s_shape, meta["packed"]) == _model_shape(key, shape, parts):
                 recut.add(key)  # packed differently: same elements in the model's order
             else:
                 problems.append(f"{key} has shape {list(s_shape)} in the checkpoint, {list(shape)} here")
@@ -267,7 +274,7 @@ def load_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimize
     if any(k.startswith("optim/") for k in meta["tensors"]):
         _init_state(optimizer)
     views, objects = _views(model, optimizer, plan_text, mesh)
-    recut = _match(meta, views, directory, convert)
+    recut = _match(meta, views, packed_parts(plan_text, model), directory, convert)
     state: dict[str, Any] = {k: v.stored for k, v in views.items() if k not in recut}
     for key in recut:  # read whole on every rank, then cut for this layout
         state[key] = torch.empty(meta["tensors"][key]["shape"], dtype=views[key].stored.dtype)
@@ -279,7 +286,7 @@ def load_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimize
             raise CheckpointError(f"checkpoint {directory} does not fit this optimizer: it has no {key}")
         state[key] = torch.empty(meta["objects"][key], dtype=torch.uint8)
     try:
-        dcp.load(state, storage_reader=FileSystemReader(directory))
+        dcp.load(state, storage_reader=SafeReader(directory))
     except (Exception, CheckpointException) as err:
         raise CheckpointError(f"checkpoint {directory} is corrupt or unreadable: {_reason(err)}") from None
     for key in recut:

@@ -11,9 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import secrets
 import shutil
 from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from dtp.errors import UsageError
 
@@ -77,17 +81,23 @@ def prepare(directory: Path) -> Path:
     return tmp
 
 
+def seal(directory: Path) -> int:
+    """Sync every file of a written checkpoint and write its completion marker, last; its total bytes."""
+    files = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file() and p.name != MARKER}
+    for name in files:  # DCP's writer syncs its files; this also covers dtp.json
+        with (directory / name).open("rb") as f:
+            os.fsync(f.fileno())
+    marker = {"format": FORMAT, "files": files, "sha256": {n: _sha256(directory / n) for n in (META, DCP_META)}}
+    _write_synced(directory / MARKER, json.dumps(marker, indent=1, sort_keys=True) + "\n")
+    _fsync_dir(directory)
+    return sum(files.values()) + (directory / MARKER).stat().st_size
+
+
 def finalize(tmp: Path, directory: Path, meta: dict) -> int:
     """Write dtp.json and the completion marker into `tmp`, sync, and rename it to `directory`; its bytes."""
     try:
         _write_synced(tmp / META, json.dumps(meta, indent=1, sort_keys=True, default=str) + "\n")
-        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-        for name in files:  # DCP's writer syncs its files; this also covers dtp.json and anything else
-            with (tmp / name).open("rb") as f:
-                os.fsync(f.fileno())
-        marker = {"format": FORMAT, "files": files, "sha256": {n: _sha256(tmp / n) for n in (META, DCP_META)}}
-        _write_synced(tmp / MARKER, json.dumps(marker, indent=1, sort_keys=True) + "\n")
-        _fsync_dir(tmp)
+        nbytes = seal(tmp)
         old = None
         if directory.exists():
             old = directory.parent / f"{directory.name}.old-{tmp.name.rpartition('-')[2]}"
@@ -98,7 +108,7 @@ def finalize(tmp: Path, directory: Path, meta: dict) -> int:
         raise CheckpointError(f"cannot write checkpoint {directory}: {err.strerror or err}") from None
     for stale in _leftovers(directory):  # this save's old copy, and what killed saves left behind
         shutil.rmtree(stale, ignore_errors=True)
-    return sum(files.values()) + (directory / MARKER).stat().st_size
+    return nbytes
 
 
 def _missing(directory: Path) -> CheckpointError:
@@ -160,3 +170,35 @@ def plan_label(name: str | None, version: int | None, digest: str) -> str:
     """How an error names a plan: its name and version from the header, and its hash."""
     label = f"plan '{name}'" if name else "an unnamed plan"
     return f"{label}{f' version {version}' if version is not None else ''} (sha256 {digest[:12]})"
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP pickles its `.metadata`; this unpickler accepts only the classes such a file holds, so that
+    loading a checkpoint never runs code named by it."""
+
+    def find_class(self, module: str, name: str):
+        attr = getattr(torch, name, None) if module == "torch" else None
+        if (module == "torch.distributed.checkpoint.metadata"
+                or (module, name) in {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                                      ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                                      ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("torch", "Size")}
+                or isinstance(attr, (torch.dtype, torch.layout, torch.memory_format))):
+            return super().find_class(module, name)
+        raise CheckpointError(f"{DCP_META} refers to {module}.{name}, which DCP metadata never does; "
+                              "refusing to unpickle it")
+
+
+class SafeReader(FileSystemReader):
+    """torch's FileSystemReader, reading `.metadata` with an unpickler restricted to DCP's own classes."""
+
+    def read_metadata(self, *args, **kwargs):
+        """The checkpoint's DCP metadata (the top-level `.metadata` only)."""
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        with open(Path(self.path) / DCP_META, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        if hasattr(self, "load_id"):
+            metadata.storage_meta.load_id = self.load_id
+        return metadata

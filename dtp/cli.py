@@ -135,11 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     e.set_defaults(func=cmd_explain)
 
+    from dtp.export import add_export_parser
     from dtp.fuzz.cli import add_fuzz_parser
     from dtp.launch import add_apply_parser
 
     add_apply_parser(sub)
     add_fuzz_parser(sub)
+    add_export_parser(sub)
     return p
 
 
