@@ -118,9 +118,12 @@ def view(t: torch.Tensor, parts: int, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh |
     dims, placements = _mesh_info(t)
     dp_dim = None
     if "dp" in dims:  # FSDP2: gather the dp shards into the tp-local tensor
+        if dp_mesh is None:
+            raise ValueError("the model is sharded over dp (FSDP2): pass the (dp, tp) mesh, not its tp part")
         fsdp = placements[dims["dp"]]
         dp_dim = fsdp.dim if isinstance(fsdp, (Shard, _StridedShard)) else None
-        gathered = t.redistribute(t.device_mesh, [Replicate() if i == dims["dp"] else p for i, p in enumerate(placements)])
+        gathered = t.redistribute(t.device_mesh,
+                                  [Replicate() if i == dims["dp"] else p for i, p in enumerate(placements)])
         tp_local = gathered.to_local()
     else:
         tp_local = t.to_local()

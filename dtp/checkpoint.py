@@ -9,8 +9,6 @@ content does not match what dtp wrote is refused instead of loaded scrambled. On
 from __future__ import annotations
 
 import hashlib
-import io
-import pickle
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -26,15 +24,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dtp.canonical import View, chunk_range, packed_parts, view
 from dtp.checkpoint_files import (CheckpointError, FORMAT, LAYOUT, VERSION, SafeReader, finalize, plan_label, prepare,
-                                  read_meta)
+                                  read_meta, some)
 from dtp.compiler import tp_mesh
+from dtp.optim_state import GROUPS, init_state, pack, restore_optimizer, unpack
 from dtp.errors import DtpError
 from dtp.fingerprint import chunk_sums, finish
 from dtp.shard import tied_groups
 from dtp.syntax import parse
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint"]
-GROUPS = "optim/param_groups"
 
 
 def _meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh | None]:
@@ -67,40 +65,6 @@ def _reason(err: BaseException) -> str:
     else:
         text = f"{type(err).__name__}: {err}"
     return text.splitlines()[0][:400] if text else type(err).__name__
-
-
-def _pack(obj: Any) -> torch.Tensor:
-    """Plain data as a byte tensor: DCP stores it like any tensor, and reading it back runs no code."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-
-
-def _unpack(t: torch.Tensor, what: str) -> Any:
-    """The inverse of `_pack`, with torch.load's weights_only unpickler (tensors, numbers, strings, containers)."""
-    try:
-        return torch.load(io.BytesIO(t.numpy().tobytes()), weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as err:
-        raise CheckpointError(f"{what} cannot be read back as plain data: {str(err).splitlines()[0][:300]}") from None
-
-
-def _init_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state where it has none, so that DCP can load into it in place: one step at
-    learning rate 0 on zero gradients (as torchtitan does), leaving the parameters bit-for-bit unchanged."""
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    if all(optimizer.state.get(p) for p in params):
-        return
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    grads = [p.grad for p in params]
-    for g in optimizer.param_groups:
-        g["lr"] = 0.0
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    for g, lr in zip(optimizer.param_groups, lrs):
-        g["lr"] = lr
-    for p, grad in zip(params, grads):
-        p.grad = grad
 
 
 def _views(model: nn.Module, optimizer: torch.optim.Optimizer, plan_text: str,
@@ -141,6 +105,8 @@ def _fingerprints(views: dict[str, View]) -> dict[str, str]:
         v = views[key]
         if v.lead:
             sums[i] = torch.tensor(chunk_sums(v.local, v.offsets, tuple(v.stored.shape)))
+    if dist.get_backend() == "nccl":  # NCCL reduces CUDA tensors only
+        sums = sums.cuda()
     dist.all_reduce(sums)
     return {key: finish(sums[i].tolist()) for i, key in enumerate(keys)}
 
@@ -168,10 +134,10 @@ def save_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimize
     directory = Path(directory)
     views, objects = _views(model, optimizer, plan_text, mesh)
     state: dict[str, Any] = {k: v.stored for k, v in views.items()}
-    state.update({k: _pack(v) for k, v in objects.items()})
-    mine = state[f"extra/rank{dist.get_rank()}"] = _pack(extra)
+    state.update({k: pack(v) for k, v in objects.items()})
+    mine = state[f"extra/rank{dist.get_rank()}"] = pack(extra)
     try:  # refuse now what a resume could not read back
-        _unpack(mine, "`extra` (it must hold plain data: numbers, strings, lists, dicts, tuples, tensors)")
+        unpack(mine, "`extra` (it must hold plain data: numbers, strings, lists, dicts, tuples, tensors)")
         problem = None
     except CheckpointError as err:
         problem = str(err)
@@ -183,7 +149,9 @@ def save_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimize
     tmp = Path(_agree(lambda: str(prepare(directory))))
     prints = _fingerprints(views)
     try:
-        dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+        # Replicated chunks are written by the lowest rank holding them: the one `_fingerprints` hashes.
+        dcp.save(state, storage_writer=FileSystemWriter(tmp),
+                 planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
         raise CheckpointError(f"cannot save checkpoint {directory}: {_reason(err)}") from None
     tp, dp = _meshes(mesh)
@@ -211,7 +179,8 @@ def _check_plan(meta: dict, plan_text: str, directory: Path, convert: bool) -> N
     if saved["sha256"] == digest or convert:
         return
     plan = parse(plan_text)
-    raise CheckpointError(f"checkpoint {directory} was written by {plan_label(saved['name'], saved['version'], saved['sha256'])}, "
+    written = plan_label(saved["name"], saved["version"], saved["sha256"])
+    raise CheckpointError(f"checkpoint {directory} was written by {written}, "
                           f"not by {plan_label(plan.name, plan.plan_version, digest)}; load it with convert=True "
                           "to re-cut its tensors for this plan")
 
@@ -229,10 +198,10 @@ def _match(meta: dict, views: dict[str, View], parts: dict[str, int], directory:
     problems, recut = [], set()
     missing = sorted(set(views) - set(saved))
     if missing:
-        problems.append(f"it has no {', '.join(missing[:4])}{' …' if len(missing) > 4 else ''}")
+        problems.append(f"it has no {some(missing)}")
     unexpected = sorted(set(saved) - set(views))
     if unexpected:
-        problems.append(f"this model and optimizer have no {', '.join(unexpected[:4])}{' …' if len(unexpected) > 4 else ''}")
+        problems.append(f"this model and optimizer have no {some(unexpected)}")
     for key in sorted(set(views) & set(saved)):
         shape, dtype = tuple(views[key].stored.shape), str(views[key].stored.dtype).removeprefix("torch.")
         s_shape = tuple(saved[key]["shape"])
@@ -272,7 +241,7 @@ def load_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimize
     meta = _agree(lambda: read_meta(directory))
     _check_plan(meta, plan_text, directory, convert)
     if any(k.startswith("optim/") for k in meta["tensors"]):
-        _init_state(optimizer)
+        init_state(optimizer)
     views, objects = _views(model, optimizer, plan_text, mesh)
     recut = _match(meta, views, packed_parts(plan_text, model), directory, convert)
     state: dict[str, Any] = {k: v.stored for k, v in views.items() if k not in recut}
@@ -296,29 +265,11 @@ def load_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimize
     prints = _fingerprints(views)
     bad = sorted(k for k in views if prints[k] != meta["tensors"][k]["fingerprint"])
     if bad:
-        raise CheckpointError(f"checkpoint {directory}: {', '.join(bad[:4])}{' …' if len(bad) > 4 else ''} "
-                              "do not match the fingerprints recorded at save (corrupt data, or tensors not in "
-                              "dtp's canonical layout, e.g. packed rows in a tp-dependent order); do not resume from it")
-    _restore_optimizer(optimizer, {k: _unpack(state[k], f"{directory}: {k}") for k in objects}, model)
+        raise CheckpointError(f"checkpoint {directory}: {some(bad)} do not match the fingerprints recorded at "
+                              "save (corrupt data, or tensors not in dtp's canonical layout, e.g. packed rows in "
+                              "a tp-dependent order); do not resume from it")
+    restore_optimizer(optimizer, {k: unpack(state[k], f"{directory}: {k}") for k in objects}, model)
     if stats is not None:
         stats.update(path=str(directory), bytes=sum(p.stat().st_size for p in directory.iterdir() if p.is_file()),
                      seconds=time.perf_counter() - t0)
-    return _unpack(state[extra_key], f"{directory}: {extra_key}")
-
-
-def _restore_optimizer(optimizer: torch.optim.Optimizer, objects: dict, model: nn.Module) -> None:
-    """Hyperparameters of each param group and non-tensor per-parameter state, from the checkpoint."""
-    groups = objects[GROUPS]
-    if len(groups) != len(optimizer.param_groups):
-        raise CheckpointError(f"the checkpoint's optimizer has {len(groups)} parameter groups, this one "
-                              f"{len(optimizer.param_groups)}")
-    params = dict(model.named_parameters())
-    names = {id(p): n for n, p in params.items()}
-    for i, (saved, group) in enumerate(zip(groups, optimizer.param_groups)):
-        if saved["params"] != [names[id(p)] for p in group["params"]]:
-            raise CheckpointError(f"parameter group {i} of the checkpoint's optimizer holds other parameters than this one's")
-        group.update({k: v for k, v in saved.items() if k != "params"})
-    for key, value in objects.items():
-        if key != GROUPS:
-            _, name, field = key.split("/", 2)
-            optimizer.state[params[name]][field] = value
+    return unpack(state[extra_key], f"{directory}: {extra_key}")

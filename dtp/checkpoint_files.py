@@ -62,7 +62,8 @@ def _leftovers(directory: Path) -> list[Path]:
     parent = directory.parent
     if not parent.is_dir():
         return []
-    return sorted(p for p in parent.iterdir() if p.name.startswith((f"{directory.name}.tmp-", f"{directory.name}.old-")))
+    prefixes = (f"{directory.name}.tmp-", f"{directory.name}.old-")
+    return sorted(p for p in parent.iterdir() if p.name.startswith(prefixes))
 
 
 def prepare(directory: Path) -> Path:
@@ -126,7 +127,8 @@ def _read_json(path: Path, what: str) -> dict:
             raise CheckpointError(f"{path} is larger than {MAX_META_BYTES >> 20} MiB: not a dtp {what}")
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"checkpoint {path.parent} is corrupt: cannot read its {what} {path.name} ({err})") from None
+        raise CheckpointError(f"checkpoint {path.parent} is corrupt: cannot read its {what} {path.name} "
+                              f"({err})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"checkpoint {path.parent} is corrupt: its {what} {path.name} is not a JSON object")
     return data
@@ -164,6 +166,11 @@ def read_meta(directory: Path | str) -> dict:
         raise CheckpointError(f"{directory}: tensors are stored in layout {meta.get('layout')!r}; this dtp reads "
                               f"{LAYOUT!r} only (loading another layout would scramble packed rows)")
     return meta
+
+
+def some(names: list[str]) -> str:
+    """The first few of `names` for a message."""
+    return ", ".join(names[:4]) + (" …" if len(names) > 4 else "")
 
 
 def plan_label(name: str | None, version: int | None, digest: str) -> str:

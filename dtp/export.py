@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dtp.checkpoint_files import CheckpointError, SafeReader, read_meta
+from dtp.checkpoint_files import CheckpointError, SafeReader, read_meta, some
 from dtp.errors import UsageError
 from dtp.fingerprint import fingerprint
 
@@ -49,7 +49,7 @@ def read_model(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise CheckpointError(f"checkpoint {directory} is corrupt or unreadable: {reason}") from None
     bad = sorted(k for k, t in state.items() if fingerprint(t) != tensors[k]["fingerprint"])
     if bad:
-        raise CheckpointError(f"checkpoint {directory}: {', '.join(bad[:4])}{' …' if len(bad) > 4 else ''} do not "
+        raise CheckpointError(f"checkpoint {directory}: {some(bad)} do not "
                               "match the fingerprints recorded at save (corrupt data or a layout dtp did not write)")
     out: dict[str, torch.Tensor] = {}
     for key, t in state.items():
@@ -103,11 +103,13 @@ def export(checkpoint: str, fmt: str | None, output: str | None, hf_dir: str | N
         except OSError as err:
             raise UsageError(f"cannot create {target}: {err.strerror}") from None
         fmt = fmt or "safetensors"
-        _replace_atomically(target / "config.json", lambda tmp: tmp.write_text(json.dumps(config, indent=2, default=str) + "\n"))
+        text = json.dumps(config, indent=2, default=str) + "\n"
+        _replace_atomically(target / "config.json", lambda tmp: tmp.write_text(text))
         path = target / ("model.safetensors" if fmt == "safetensors" else "pytorch_model.bin")
     else:
         fmt = fmt or "torch"
-        path = Path(output) if output else Path(f"{str(checkpoint).rstrip('/')}.{'pt' if fmt == 'torch' else 'safetensors'}")
+        suffix = "pt" if fmt == "torch" else "safetensors"
+        path = Path(output) if output else Path(f"{str(checkpoint).rstrip('/')}.{suffix}")
     _save(state, path, fmt)
     return (path if hf_dir is None else Path(hf_dir)), len(state)
 

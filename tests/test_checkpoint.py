@@ -112,6 +112,17 @@ def test_load_at_tp2_is_bit_exact_and_resumes(at_tp4, at_tp2):
     _assert_resumed(at_tp2, at_tp4[1])
 
 
+def _flip(path, key: str) -> None:
+    """Flip one byte in the middle of the stored bytes of tensor `key` (the files keep their sizes)."""
+    md = SafeReader(path).read_metadata()
+    info = next(v for k, v in md.storage_data.items() if k.fqn == key)
+    with (path / info.relative_path).open("r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 def _scramble(src, dst) -> None:
     """Rewrite a checkpoint with gpt's c_attn rows in tp 4's packed order (what a naive DCP save stores),
     keeping shapes and metadata and resealing it: only the content is wrong."""
@@ -154,12 +165,7 @@ def at_tp1(at_tp4):
     root, _ = at_tp4
     _scramble(root / "gpt", root / "scrambled")
     shutil.copytree(root / "gpt", root / "flipped")
-    data = max((root / "flipped").glob("*.distcp"), key=lambda p: p.stat().st_size)
-    with data.open("r+b") as f:  # flip one byte in the middle of the tensor data
-        f.seek(data.stat().st_size // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    _flip(root / "flipped", "model/transformer.wte.weight")
     return on_ranks(_refusals, 1, str(root), timeout=300)[0]
 
 
@@ -172,9 +178,11 @@ def test_scrambled_corrupt_and_other_plan_checkpoints_are_refused(at_tp4, at_tp1
     res = at_tp1
     assert "model/transformer.h.0.attn.c_attn.weight" in res["scrambled"]
     assert "do not match the fingerprints recorded at save" in res["scrambled"]
-    assert "fingerprints" in res["flipped"] or "corrupt" in res["flipped"]
+    assert res["flipped"].startswith(f"checkpoint {root}/flipped: model/transformer.wte.weight do not match the "
+                                     "fingerprints recorded at save")
     text = (REPO / "plans/gpt2.tp").read_text()
-    other = text.replace("plan gpt2-megatron version 1", "plan gpt2-unpacked version 2").replace("colwise(packed=3)", "colwise")
+    other = text.replace("plan gpt2-megatron version 1", "plan gpt2-unpacked version 2").replace(
+        "colwise(packed=3)", "colwise")
     digest = [hashlib.sha256(t.encode()).hexdigest()[:12] for t in (text, other)]
     assert res["plan"] == (f"checkpoint {root}/gpt was written by plan 'gpt2-megatron' version 1 (sha256 {digest[0]}), "
                            f"not by plan 'gpt2-unpacked' version 2 (sha256 {digest[1]}); load it with convert=True "
@@ -277,12 +285,7 @@ def _damage(path, how: str) -> None:
     elif how == "edited metadata":
         (path / "dtp.json").write_text((path / "dtp.json").read_text().replace('"tp": 4', '"tp": 2'))
     elif how == "flipped":
-        data = max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
-        with data.open("r+b") as f:
-            f.seek(data.stat().st_size // 2)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0xFF]))
+        _flip(path, "model/transformer.wte.weight")
 
 
 @pytest.mark.parametrize("how, message", [
@@ -292,7 +295,8 @@ def _damage(path, how: str) -> None:
                   "did not finish, or it is not a dtp checkpoint)\n"),
     ("no metadata", "error: checkpoint {ck} is incomplete: .metadata is missing\n"),
     ("edited metadata", "error: checkpoint {ck} is corrupt: dtp.json does not match its recorded hash\n"),
-    ("flipped", "error: checkpoint {ck}"),
+    ("flipped", "error: checkpoint {ck}: model/transformer.wte.weight do not match the fingerprints recorded at save "
+                "(corrupt data or a layout dtp did not write)\n"),
 ])
 def test_damaged_checkpoints_are_clean_errors(at_tp4, tmp_path, capsys, how, message):
     from dtp import cli
