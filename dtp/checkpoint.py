@@ -240,8 +240,10 @@ def load_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimize
     directory = Path(directory)
     meta = _agree(lambda: read_meta(directory))
     _check_plan(meta, plan_text, directory, convert)
-    if any(k.startswith("optim/") for k in meta["tensors"]):
-        init_state(optimizer)
+    if meta["optimizer"] != type(optimizer).__name__:
+        raise CheckpointError(f"checkpoint {directory} holds {meta['optimizer']} state; this optimizer is "
+                              f"{type(optimizer).__name__}")
+    init_state(optimizer, model, meta["tensors"])
     views, objects = _views(model, optimizer, plan_text, mesh)
     recut = _match(meta, views, packed_parts(plan_text, model), directory, convert)
     state: dict[str, Any] = {k: v.stored for k, v in views.items() if k not in recut}

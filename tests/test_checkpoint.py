@@ -17,9 +17,16 @@ from dtp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from dtp.checkpoint_files import SafeReader, seal
 from dtp.ranks import on_ranks
 from dtp.styles import pack_rows
+from dtp.syntax import parser
 
 RTOL = 1e-4  # float32 parity tolerance (README): resuming at another tp reorders sums
 NAMES = ("gpt", "llama")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_parser():
+    """Build the plan parser once here: the forked ranks inherit it instead of each building its own."""
+    parser()
 
 
 def _save_at_tp4(rank, world, root):
@@ -310,3 +317,13 @@ def test_damaged_checkpoints_are_clean_errors(at_tp4, tmp_path, capsys, how, mes
     err = capsys.readouterr().err
     assert err.startswith(message.format(ck=ck)) and "Traceback" not in err
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_hf_dir_needs_a_hugging_face_model(at_tp4, tmp_path, capsys):
+    from dtp import cli
+
+    root, _ = at_tp4
+    assert cli.main(["export", str(root / "gpt"), "--hf-dir", str(tmp_path / "hf")]) == 2
+    assert capsys.readouterr().err == (f"error: {root / 'gpt'} holds a GPT model, not a Hugging Face one (no config "
+                                       "was saved); --hf-dir needs one — use -o for a plain state dict\n")
+    assert not (tmp_path / "hf").exists()
