@@ -135,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     e.set_defaults(func=cmd_explain)
 
+    from dtp.export import add_export_parser
     from dtp.fuzz.cli import add_fuzz_parser
     from dtp.launch import add_apply_parser
     from dtp.simulate.cli import add_simulate_parser
@@ -142,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_apply_parser(sub)
     add_fuzz_parser(sub)
     add_simulate_parser(sub)
+    add_export_parser(sub)
     return p
 
 
