@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_apply_parser(sub)
     add_fuzz_parser(sub)
+    from dtp.train.cli import add_train_parser
+
+    add_train_parser(sub)
     return p
 
 
