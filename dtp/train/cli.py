@@ -216,6 +216,7 @@ def _compare(args, corpus, out: Path, device: str) -> int:
         print(f"training at tp={tp} …", file=sys.stderr, flush=True)
         try:
             runs[tp] = summary(cfg, corpus, run_training(cfg, corpus))
+            _write(Path(cfg.out, "summary.json"), runs[tp])
         except KeyboardInterrupt:
             print(f"interrupted; the metrics so far are in {out}/tp*/metrics.jsonl", file=sys.stderr)
             return 130

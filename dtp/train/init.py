@@ -24,7 +24,7 @@ from dtp.shard import Applied, apply
 from dtp.styles import pack_rows
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_BLOCK = 1 << 22  # elements drawn at once: bounds the transient index arrays to 32 MiB
+_BLOCK = 1 << 16  # elements drawn at once: transient arrays stay near 2 MiB, whatever the model
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
