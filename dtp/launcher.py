@@ -61,8 +61,11 @@ def launch_local(fn, world: int, *args, timeout: float, device: str = "cpu", pre
     """Start `world` local ranks (fork+gloo on CPU, spawn+NCCL on CUDA), rendezvous on loopback only, init the
     process group on each, call fn(rank, world, *args), return the results in rank order (pickled back).
     Raises RunError (one paragraph) on failure/timeout; cleans up everything, also on Ctrl-C."""
+    import logging
+
     import torch.multiprocessing as mp
 
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # failures are reported here
     with tempfile.TemporaryDirectory(prefix=prefix) as out:
         ctx = mp.start_processes(_entry, args=(fn, world, _free_port(), out, device, timeout, args), nprocs=world,
                                  join=False, start_method="spawn" if device == "cuda" else "fork")

@@ -33,6 +33,8 @@ def validate(args: argparse.Namespace) -> None:
     _finite("clip", args.clip)
     if args.min_lr > args.lr:
         raise UsageError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    if args.warmup is None:
+        args.warmup = args.steps // 10
     if args.warmup < 0:
         raise UsageError(f"--warmup must be 0 or more steps, got {args.warmup}")
     if args.warmup > args.steps:
@@ -262,7 +264,7 @@ def add_train_parser(sub) -> None:
     t.add_argument("--seq", type=positive_int, default=64, help="tokens per sequence (default 64)")
     t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
     t.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at the end of the cosine (default 3e-4)")
-    t.add_argument("--warmup", type=int, default=30, help="linear warm-up steps (default 30)")
+    t.add_argument("--warmup", type=int, help="linear warm-up steps (default: 10%% of --steps)")
     t.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay on matrices (default 0.1)")
     t.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip, 0 for none (default 1.0)")
     t.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import math
 import time
 import warnings
@@ -24,12 +25,12 @@ from torch.utils.checkpoint import checkpoint
 
 from dtp import models, syntax
 from dtp.check import check
-from dtp.comm import CommCounter, merge
+from dtp.comm import merge
 from dtp.data_parallel import units
 from dtp.schedule import NotModeled, schedule, summarize
 from dtp.train import data
 from dtp.train.init import build_sharded
-from dtp.train.meter import CommTimer, peak_memory, recompute_collectives, sync
+from dtp.train.meter import CommTimer, PhaseCounter, peak_memory, recompute_collectives, sync
 from dtp.train.optim import Schedule, adamw, clip_, set_lr
 
 
@@ -69,11 +70,14 @@ def make_mesh(cfg: TrainConfig) -> DeviceMesh:
 
 
 def _checkpoint_blocks(model: torch.nn.Module) -> list[str]:
-    """Recompute each block's forward in backward (torch.utils.checkpoint), keeping parameter names."""
+    """Recompute each block's forward in backward (torch.utils.checkpoint), keeping parameter names.
+
+    early_stop=False recomputes the whole block as Megatron does, so every forward collective of a block
+    runs again in backward (torch's early stop would skip the last one, whose output nothing saves)."""
     blocks = units(model)
     for path in blocks:
         block = model.get_submodule(path)
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, early_stop=False)
     return blocks
 
 
@@ -99,6 +103,8 @@ class Trainer:
         self.dp_group = mesh["dp"].get_group() if cfg.dp > 1 else None
         self.loss_ctx = loss_parallel if self.applied.compiled.loss_parallel else contextlib.nullcontext
         self.step = 0
+        self.param_bytes = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+                               for p in self.model.parameters())
         self.val = data.val_batches(corpus, self.tokens, cfg.batch, cfg.seq, cfg.dp, self.dp_rank, cfg.eval_batches)
 
     def train_state(self) -> dict:
@@ -142,7 +148,7 @@ class Trainer:
                     loss = self._loss(inputs, targets)
                 with counters["backward"] if counters else contextlib.nullcontext():
                     loss.backward()
-            norm = clip_(self.model.parameters(), cfg.clip)
+            norm = clip_(self.model.parameters(), cfg.clip)  # not counted: see analytic()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             sync(self.device)
@@ -163,7 +169,10 @@ class Trainer:
         return total / len(self.val)
 
     def analytic(self) -> dict:
-        """The analytic collectives of one training step (recomputation included)."""
+        """The analytic collectives of forward + backward (recomputed forwards included), as counted on the
+        first step. Clipping and the optimizer step are not counted: the gradient norm's scalar reductions
+        run there, and sequence-parallel norms' gradients (DTensor Partial) are reduced there lazily, so for
+        sequence-parallel plans the schedule's norm-gradient all-reduces are not seen by the count."""
         try:
             dtype = torch.bfloat16 if self.cfg.dtype == "bfloat16" else torch.float32
             steps = schedule(self.checked, self.cfg.tp, self.cfg.batch // self.cfg.dp, self.cfg.seq, dtype,
@@ -186,10 +195,12 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
     """Train on an initialised process group; rank 0 appends metrics to OUT/metrics.jsonl as it goes.
     Returns this rank's summary (rank 0's carries the loss curve)."""
     warnings.filterwarnings("ignore", message=".*(backward hook|returned a view tensor).*")
+    # The clip norm of FSDP2 + tp gradients reduces over dp then tp, which torch calls suboptimal; it is one scalar.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     trainer = Trainer(cfg, corpus, make_mesh(cfg))
     metrics = Path(cfg.out, "metrics.jsonl") if rank == 0 else None
     bar = _progress(cfg, rank)
-    counters = {"forward": CommCounter(), "backward": CommCounter()}
+    counters = {"forward": PhaseCounter(), "backward": PhaseCounter()}
     losses, val_losses, times, shares = [], [], [], []
     if trainer.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(trainer.device)
@@ -219,9 +230,8 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
             elif rank == 0 and "val_loss" in row:
                 print(f"step {row['step']}/{cfg.steps}: loss {row['loss']:.4f} · val loss {row['val_loss']:.4f} · "
                       f"{row['tokens_per_s']:.0f} tokens/s", flush=True)
-    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * 4 for p in trainer.model.parameters())
     peak, kind = peak_memory(trainer.device)
-    out = {"rank": rank, "param_bytes": local, "peak_memory_bytes": peak, "peak_memory_kind": kind}
+    out = {"rank": rank, "param_bytes": trainer.param_bytes, "peak_memory_bytes": peak, "peak_memory_kind": kind}
     if rank == 0:
         times = times or [row["step_time_ms"]]
         median = sorted(times)[len(times) // 2]

@@ -7,6 +7,8 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dtp.comm import CommCounter
+
 _COMM_NAMESPACES = ("_c10d_functional", "c10d", "c10d_functional")
 
 
@@ -26,6 +28,21 @@ class CommTimer(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.seconds += time.perf_counter() - t0
         return out
+
+
+class PhaseCounter(CommCounter):
+    """dtp's collective counter without CommDebugMode's module tracker (its per-module bookkeeping breaks
+    on forwards recomputed by activation checkpointing; a counter per phase needs no module names)."""
+
+    def __enter__(self):
+        self.comm_counts.clear()
+        tracker = self.advanced_module_tracker  # never entered: it stays at one name with no parents
+        tracker.module_parents_dict.setdefault(tracker.name, set())
+        TorchDispatchMode.__enter__(self)
+        return self
+
+    def __exit__(self, *args):
+        TorchDispatchMode.__exit__(self, *args)
 
 
 def peak_memory(device: torch.device) -> tuple[int, str]:
@@ -49,3 +66,4 @@ def recompute_collectives(collectives: list, blocks: list[str]) -> list:
     inside = [c for c in collectives if c.phase == "forward" and c.group == "tp"
               and any(c.module.startswith(b + ".") or c.module == b for b in blocks)]
     return [replace(c, phase="backward", reason=f"recomputed forward: {c.reason}") for c in inside]
+
