@@ -143,7 +143,7 @@ def prepare(data: str | None, cache_dir: Path, *, tokenizer: str = "bytes", mode
         if model_vocab < 256:
             raise UsageError(f"byte-level tokens need a vocabulary of at least 256; the model has {model_vocab}")
         ids, vocab = np.frombuffer(text, dtype=np.uint8).astype(TOKEN_DTYPE), 256
-    out = cache_dir / f"tokens-{tokenizer}-{key}.bin"
+    out = cache_dir / (f"tokens-bpe-{key}-{vocab}.bin" if tokenizer == "bpe" else f"tokens-bytes-{key}.bin")
     if not out.exists():
         tmp = out.with_suffix(".tmp")
         ids.tofile(tmp)
