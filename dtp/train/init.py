@@ -8,6 +8,7 @@ tp and dp, and no rank ever holds more than its shards (plus one parameter's ind
 """
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
@@ -35,7 +36,7 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 def _key(seed: int, name: str) -> np.uint64:
-    h = int.from_bytes(__import__("hashlib").sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+    h = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
     return np.uint64(h)
 
 

@@ -77,7 +77,7 @@ def clip_(parameters, max_norm: float) -> torch.Tensor:
     parameters = [p for p in parameters if p.grad is not None]
     norm = grad_norm(parameters)
     if max_norm > 0:
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        scale = min(1.0, max_norm / (float(norm) + 1e-6))
         for p in parameters:
-            p.grad.mul_(scale.to(p.grad.device) if not isinstance(p.grad, DTensor) else scale.item())
+            p.grad.mul_(scale)
     return norm
