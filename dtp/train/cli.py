@@ -179,6 +179,7 @@ def render(s: dict) -> str:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """`dtp train PLAN MODEL ...`."""
+    from dtp.launcher import under_torchrun
     from dtp.train.plot import loss_png
 
     validate(args)
@@ -196,6 +197,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 130
     except RunError as err:
         raise RunError(f"{err} (the metrics so far are in {out / 'metrics.jsonl'})") from None
+    if os.environ.get("RANK", "0") != "0" and under_torchrun():
+        return 0  # under torchrun rank 0 reports
     s = summary(cfg, corpus, results)
     _write(out / "summary.json", s)
     if args.json:
