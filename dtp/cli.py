@@ -139,11 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     from dtp.fuzz.cli import add_fuzz_parser
     from dtp.launch import add_apply_parser
     from dtp.simulate.cli import add_simulate_parser
+    from dtp.train.cli import add_train_parser
 
     add_apply_parser(sub)
     add_fuzz_parser(sub)
     add_simulate_parser(sub)
     add_export_parser(sub)
+    add_train_parser(sub)
     return p
 
 

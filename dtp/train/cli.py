@@ -1,0 +1,284 @@
+"""`dtp train PLAN MODEL`: check, prepare the data, start the ranks (or join torchrun's), summarise.
+
+Exit status: 0 trained (and, with --compare-tp, the curves agree); 1 a rank failed, the loss diverged or the
+curves differ; 2 a plan, data or flag error (before any rank starts); 130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from dtp.errors import RunError, UsageError
+
+FLOAT32_TOLERANCE = 1e-3  # per-step |Δloss| ≤ this × loss across tp sizes
+BFLOAT16_BAND = 5e-2
+
+
+def _finite(name: str, value: float, low: float = 0.0, strict: bool = False) -> None:
+    if not math.isfinite(value) or value < low or (strict and value <= low):
+        what = "a positive" if strict else f"a finite number ≥ {low:g}, a"
+        raise UsageError(f"--{name} must be {what} finite number, got {value}")
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Hyper-parameters that cannot train: one paragraph, exit 2."""
+    _finite("lr", args.lr, strict=True)
+    _finite("min-lr", args.min_lr)
+    _finite("weight-decay", args.weight_decay)
+    _finite("clip", args.clip)
+    if args.min_lr > args.lr:
+        raise UsageError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    if args.warmup is None:
+        args.warmup = args.steps // 10
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be 0 or more steps, got {args.warmup}")
+    if args.warmup > args.steps:
+        raise UsageError(f"--warmup {args.warmup} is longer than --steps {args.steps}")
+    if args.batch % args.dp:
+        raise UsageError(f"--batch {args.batch} (the global batch) must divide by --dp {args.dp}")
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available on this machine")
+    return name
+
+
+def _tp_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated tp sizes like 1,2,4, got '{text}'") from None
+    if not values or any(v < 1 for v in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"expected distinct positive tp sizes, got '{text}'")
+    return values
+
+
+def _preflight(args, tps: list[int]):
+    """Check the plan at every tp and prepare the data, before any process starts."""
+    from dtp import models
+    from dtp.check import check
+    from dtp.compiler import lower
+    from dtp.syntax import load
+    from dtp.train import data
+
+    plan = load(args.plan)
+    model = models.build(models.resolve(args.model), device="meta")
+    block = getattr(getattr(model, "config", None), "block_size", None)
+    if block is not None and args.seq > block:
+        raise UsageError(f"--seq {args.seq} exceeds the model's block_size {block}")
+    if args.checkpoint_activations and any(getattr(m, "p", 0) > 0 for m in model.modules()
+                                           if type(m).__name__ == "Dropout"):
+        raise UsageError("--checkpoint-activations with dropout > 0 would redraw different masks when the "
+                         "forward is recomputed; use a model with dropout 0")
+    for tp in tps:
+        if args.seq < tp and lower(check(plan, model, tp), tp).sequence_parallel:
+            raise UsageError(f"--seq {args.seq} is shorter than tp={tp}: sequence parallelism gives every rank a "
+                             f"part of the sequence, so use --seq {tp} or more")
+    vocab = models.vocab_size(model)
+    if vocab is None:
+        raise UsageError(f"{args.model}: cannot tell the vocabulary size (no config.vocab_size, no nn.Embedding)")
+    corpus = data.prepare(args.data, Path(args.out, "cache"), tokenizer=args.tokenizer, model_vocab=vocab)
+    data.check_fits(corpus, args.batch, args.seq)
+    return corpus
+
+
+def _config(args, tp: int, out: Path, device: str):
+    from dtp.train.loop import TrainConfig
+
+    return TrainConfig(plan=args.plan, model=args.model, tp=tp, dp=args.dp, batch=args.batch, seq=args.seq,
+                       steps=args.steps, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup,
+                       weight_decay=args.weight_decay, clip=args.clip, dtype=args.dtype, eval_every=args.eval_every,
+                       checkpoint_activations=args.checkpoint_activations, seed=args.seed, device=device,
+                       timeout=args.timeout, out=str(out), progress=sys.stderr.isatty())
+
+
+def run_training(cfg, corpus) -> list[dict]:
+    """Train once (local ranks or this torchrun rank); every rank's summary, rank 0 first."""
+    from dtp.launcher import launch_local, under_torchrun
+    from dtp.train.loop import train
+
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    Path(cfg.out, "metrics.jsonl").write_text("")  # a fresh run starts a fresh log
+    if under_torchrun():
+        import torch.distributed as dist
+
+        world = int(os.environ["WORLD_SIZE"])
+        if cfg.tp * cfg.dp != world:
+            raise UsageError(f"--tp {cfg.tp} × --dp {cfg.dp} = {cfg.tp * cfg.dp} ranks, but torchrun started {world}")
+        dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
+        try:
+            mine = train(dist.get_rank(), world, cfg, corpus)
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, mine)
+            return gathered
+        finally:
+            dist.destroy_process_group()
+    return launch_local(train, cfg.tp * cfg.dp, cfg, corpus, timeout=cfg.timeout, device=cfg.device,
+                        prefix="dtp-train-")
+
+
+def summary(cfg, corpus, results: list[dict]) -> dict:
+    """The final summary (also written as OUT/summary.json)."""
+    from dtp import models
+    from dtp.check import check
+    from dtp.syntax import load
+    from dtp.train import data
+    from dtp.train.init import param_bytes_per_rank
+
+    first = results[0]
+    model = models.build(models.resolve(cfg.model), device="meta")
+    table = param_bytes_per_rank(check(load(cfg.plan), model, cfg.tp), model, cfg.tp, cfg.dp)
+    return {"config": asdict(cfg), "corpus": {"name": corpus.name, "tokens": corpus.n_tokens,
+                                               "train_tokens": corpus.n_train, "tokenizer": corpus.tokenizer,
+                                               "unigram_entropy": data.unigram_entropy(corpus)},
+            "val_loss": first["val_loss"], "perplexity": math.exp(min(first["val_loss"], 700)),
+            "final_loss": first["losses"][-1], "tokens_per_s": first["tokens_per_s"],
+            "step_time_ms": first["step_time_ms"], "comm_share": first["comm_share"],
+            "param_bytes_per_rank": [r["param_bytes"] for r in results], "param_bytes_table": table,
+            "peak_memory_bytes": [r["peak_memory_bytes"] for r in results],
+            "peak_memory_kind": first["peak_memory_kind"], "collectives": first["collectives"],
+            "analytic_collectives": first["analytic_collectives"], "losses": first["losses"],
+            "val_losses": first["val_losses"]}
+
+
+def render(s: dict) -> str:
+    """The human summary."""
+    from dtp.explain import human_bytes
+
+    cfg, corpus = s["config"], s["corpus"]
+    coll, analytic = s["collectives"], s["analytic_collectives"]
+    agree = "not modeled" if "not_modeled" in analytic else (
+        "matches the analytic schedule" if all(coll[k] == analytic[k] for k in ("by_op", "forward", "backward"))
+        else f"DIFFERS from the analytic schedule ({analytic['total']})")
+    ops = ", ".join(f"{n} {op}" for op, n in sorted(coll["by_op"].items())) or "none"
+    return "\n".join([
+        f"dtp train: {cfg['model']} under {cfg['plan']}, tp={cfg['tp']} dp={cfg['dp']}, {cfg['dtype']}, "
+        f"{cfg['steps']} steps of {cfg['batch']} × {cfg['seq']} tokens",
+        f"  data: {corpus['name']} ({corpus['tokens']} tokens, {corpus['tokenizer']}; unigram entropy "
+        f"{corpus['unigram_entropy']:.3f} nats)",
+        f"  validation loss {s['val_loss']:.4f} nats/token (perplexity {s['perplexity']:.2f}); final training "
+        f"loss {s['final_loss']:.4f}",
+        f"  speed: {s['tokens_per_s']:.0f} tokens/s, {s['step_time_ms']:.1f} ms/step (median), "
+        f"communication {s['comm_share']:.0%} of the step",
+        f"  collectives per step: {coll['total']} ({ops}); {agree}",
+        f"  parameters per rank: {', '.join(human_bytes(b) for b in s['param_bytes_per_rank'])} "
+        f"(placement table: {', '.join(human_bytes(b) for b in s['param_bytes_table'])})",
+        f"  peak memory ({s['peak_memory_kind']}) per rank: {', '.join(human_bytes(b) for b in s['peak_memory_bytes'])}",
+    ])
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """`dtp train PLAN MODEL ...`."""
+    from dtp.launcher import under_torchrun
+    from dtp.train.plot import loss_png
+
+    validate(args)
+    device = _device(args.device)
+    tps = args.compare_tp or [args.tp]
+    corpus = _preflight(args, tps)
+    out = Path(args.out)
+    if args.compare_tp:
+        return _compare(args, corpus, out, device)
+    cfg = _config(args, args.tp, out, device)
+    try:
+        results = run_training(cfg, corpus)
+    except KeyboardInterrupt:
+        print(f"interrupted; the metrics so far are in {out / 'metrics.jsonl'}", file=sys.stderr)
+        return 130
+    except RunError as err:
+        raise RunError(f"{err} (the metrics so far are in {out / 'metrics.jsonl'})") from None
+    if os.environ.get("RANK", "0") != "0" and under_torchrun():
+        return 0  # under torchrun rank 0 reports
+    s = summary(cfg, corpus, results)
+    _write(out / "summary.json", s)
+    if args.json:
+        _write(Path(args.json), s)
+    print(render(s))
+    note = loss_png(out / "loss.png", {f"tp={cfg.tp}": (s["losses"], s["val_losses"])},
+                    f"{cfg.model}, {cfg.plan}, tp={cfg.tp} dp={cfg.dp}, {cfg.dtype}")
+    print(f"  metrics: {out / 'metrics.jsonl'} · summary: {out / 'summary.json'}"
+          + (f" · {note}" if note else f" · loss curve: {out / 'loss.png'}"))
+    return 0
+
+
+def _compare(args, corpus, out: Path, device: str) -> int:
+    """Train at each tp from the same initial weights on the same batches; overlay and tabulate."""
+    from dtp.train.plot import loss_png, markdown, parity_table
+
+    runs: dict[int, dict] = {}
+    for tp in args.compare_tp:
+        cfg = _config(args, tp, out / f"tp{tp}", device)
+        print(f"training at tp={tp} …", file=sys.stderr, flush=True)
+        try:
+            runs[tp] = summary(cfg, corpus, run_training(cfg, corpus))
+            _write(Path(cfg.out, "summary.json"), runs[tp])
+        except KeyboardInterrupt:
+            print(f"interrupted; the metrics so far are in {out}/tp*/metrics.jsonl", file=sys.stderr)
+            return 130
+        print(render(runs[tp]), flush=True)
+    rows, worst = parity_table(runs)
+    band = FLOAT32_TOLERANCE if args.dtype == "float32" else BFLOAT16_BAND
+    table = markdown(rows, args.compare_tp[0])
+    ok = worst <= band
+    (out / "compare.md").write_text(table + "\n", encoding="utf-8")
+    _write(out / "compare.json", {"rows": rows, "worst_rel_dloss": worst, "tolerance": band, "ok": ok,
+                                  "unigram_entropy": next(iter(runs.values()))["corpus"]["unigram_entropy"]})
+    note = loss_png(out / "compare.png", {f"tp={tp}": (r["losses"], r["val_losses"]) for tp, r in runs.items()},
+                    f"{args.model}, {args.plan}, {args.dtype}: same init, same batches")
+    print("\n" + table)
+    print(f"\nconvergence parity: {'OK' if ok else 'FAILED'} — worst per-step |Δloss| / loss {worst:.2e} "
+          f"(tolerance {band:g} in {args.dtype})")
+    print(f"table: {out / 'compare.md'}" + (f" · {note}" if note else f" · curves: {out / 'compare.png'}"))
+    return 0 if ok else 1
+
+
+def _write(path: Path, data: dict) -> None:
+    try:
+        path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+    except OSError as err:
+        raise UsageError(f"cannot write {path}: {err.strerror}") from None
+
+
+def add_train_parser(sub) -> None:
+    """Register `dtp train` on the CLI's subparsers."""
+    from dtp.cli import positive_int
+
+    t = sub.add_parser("train", help="train a sharded model on real text; --compare-tp for convergence parity")
+    t.add_argument("plan")
+    t.add_argument("model", help="zoo name, model YAML, or package.module:factory")
+    t.add_argument("--tp", type=positive_int, default=2, help="tensor-parallel size (default 2)")
+    t.add_argument("--dp", type=positive_int, default=1, help="data-parallel size (FSDP2); --batch is global")
+    t.add_argument("--data", help="a text file, a directory of text files, or a .bin of uint16 token ids "
+                   "(default: the Python standard library's source, 2 MiB)")
+    t.add_argument("--tokenizer", choices=("bytes", "bpe"), default="bytes",
+                   help="byte-level ids (default) or a BPE trained on the corpus to the model's vocabulary")
+    t.add_argument("--steps", type=positive_int, default=300)
+    t.add_argument("--batch", type=positive_int, default=8, help="global batch in sequences (default 8)")
+    t.add_argument("--seq", type=positive_int, default=64, help="tokens per sequence (default 64)")
+    t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    t.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at the end of the cosine (default 3e-4)")
+    t.add_argument("--warmup", type=int, help="linear warm-up steps (default: 10%% of --steps)")
+    t.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay on matrices (default 0.1)")
+    t.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip, 0 for none (default 1.0)")
+    t.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="bfloat16: autocast forward with float32 master weights")
+    t.add_argument("--eval-every", type=positive_int, default=50, help="validation every E steps and at the end")
+    t.add_argument("--checkpoint-activations", action="store_true", help="recompute each block's forward in backward")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    t.add_argument("--timeout", type=float, default=900.0, help="seconds before every rank is stopped (default 900)")
+    t.add_argument("--out", default="dtp-train", help="directory for metrics.jsonl, summary.json, loss.png")
+    t.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
+    t.add_argument("--compare-tp", type=_tp_list, metavar="1,2,4",
+                   help="train at each tp from the same init on the same batches; overlay and tabulate")
+    t.set_defaults(func=cmd_train)

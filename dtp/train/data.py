@@ -1,0 +1,207 @@
+"""Training data: a corpus on disk → tokens in a memory-mapped file → deterministic batches per dp rank.
+
+The default corpus is the Python standard library's own source (a sorted, size-bounded subset of its
+top-level modules), present on every machine that runs dtp and needing no network. Tokenisation is
+byte-level by default (256 ids, any model with vocab ≥ 256); `bpe` trains a byte-level BPE with the
+`tokenizers` library to the model's vocabulary size, cached next to the tokens.
+
+Batches: step s draws the global batch's window starts from a generator seeded with (seed, s), so the
+order is the same whatever tp and dp are; dp rank d reads rows [d·B/dp, (d+1)·B/dp); every tp rank of a
+group reads the same rows.
+"""
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dtp.errors import UsageError
+
+DEFAULT_CORPUS_BYTES = 2 * 2**20  # the stdlib subset: the first sorted modules up to 2 MiB
+MAX_TEXT_BYTES = 512 * 2**20  # a text corpus is read into memory once to tokenise it
+VAL_FRACTION = 0.1
+TOKEN_DTYPE = np.uint16  # ids < 65536; pre-tokenised .bin files are raw little-endian uint16
+
+
+def default_corpus() -> list[Path]:
+    """The embedded corpus: the standard library's top-level modules, sorted by name, up to 2 MiB."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files, total = [], 0
+    for path in sorted(root.glob("*.py")):
+        size = path.stat().st_size
+        if total + size > DEFAULT_CORPUS_BYTES:
+            break
+        files.append(path)
+        total += size
+    return files
+
+
+def _text_files(data: str | None) -> tuple[list[Path], str]:
+    """The files of a corpus and how to name it."""
+    if data is None:
+        return default_corpus(), f"Python {sysconfig.get_python_version()} standard library source (2 MiB)"
+    path = Path(data)
+    if not path.exists():
+        raise UsageError(f"--data {data}: no such file or directory")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        if not files:
+            raise UsageError(f"--data {data}: the directory holds no files")
+        return files, str(path)
+    return [path], str(path)
+
+
+def read_text(files: list[Path], name: str) -> bytes:
+    """The corpus as UTF-8 bytes; binary or non-UTF-8 files, empty corpora and huge ones are usage errors."""
+    chunks, total = [], 0
+    for path in files:
+        try:
+            raw = path.read_bytes()
+        except OSError as err:
+            raise UsageError(f"--data: cannot read {path}: {err.strerror}") from None
+        total += len(raw)
+        if total > MAX_TEXT_BYTES:
+            raise UsageError(f"--data {name}: more than {MAX_TEXT_BYTES >> 20} MiB of text; tokenise it "
+                             "beforehand into a .bin file of uint16 token ids")
+        if b"\x00" in raw[:65536]:
+            raise UsageError(f"--data: {path} looks binary (it holds NUL bytes); give text files or a .bin of "
+                             "uint16 token ids")
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise UsageError(f"--data: {path} is not UTF-8 text (byte {err.start}); give text files or a .bin "
+                             "of uint16 token ids") from None
+        chunks.append(raw)
+    text = b"\n".join(chunks)
+    if not text.strip():
+        raise UsageError(f"--data {name}: the corpus is empty")
+    return text
+
+
+def _bpe(text: bytes, vocab: int, cache: Path):
+    """A byte-level BPE trained on `text` to `vocab` ids, cached as JSON in `cache`."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError:
+        raise UsageError("--tokenizer bpe needs the `tokenizers` package (pip install tokenizers)") from None
+    if cache.exists():
+        return Tokenizer.from_file(str(cache))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    lines = text.decode("utf-8").splitlines(keepends=True)
+    tok.train_from_iterator((lines[i:i + 1000] for i in range(0, len(lines), 1000)), trainer=trainer)
+    tok.save(str(cache))
+    return tok
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Tokens on disk: `path` holds uint16 ids, the first `n_train` for training, the rest for validation."""
+
+    path: str
+    name: str
+    n_tokens: int
+    n_train: int
+    vocab: int  # ids are < vocab
+    tokenizer: str  # "bytes", "bpe" or "pre-tokenised"
+
+    def tokens(self) -> np.ndarray:
+        """The memory-mapped token ids (read-only)."""
+        return np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r", shape=(self.n_tokens,))
+
+
+def prepare(data: str | None, cache_dir: Path, *, tokenizer: str = "bytes", model_vocab: int) -> Corpus:
+    """Tokenise the corpus once into `cache_dir` (reused when the same input was tokenised before)."""
+    if data is not None and data.endswith(".bin"):
+        path = Path(data)
+        if not path.is_file():
+            raise UsageError(f"--data {data}: no such file")
+        size = path.stat().st_size
+        if size == 0 or size % 2:
+            raise UsageError(f"--data {data}: a .bin must hold uint16 token ids (an even, non-zero number of bytes)")
+        ids = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+        top = int(ids.max())
+        if top >= model_vocab:
+            raise UsageError(f"--data {data}: token id {top} does not fit the model's vocabulary of {model_vocab}")
+        return Corpus(str(path), str(path), len(ids), _train_len(len(ids)), top + 1, "pre-tokenised")
+    files, name = _text_files(data)
+    text = read_text(files, name)
+    key = hashlib.sha256(text).hexdigest()[:16]
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    if tokenizer == "bpe":
+        tok = _bpe(text, model_vocab, cache_dir / f"bpe-{key}-{model_vocab}.json")
+        ids = np.asarray(tok.encode(text.decode("utf-8")).ids, dtype=TOKEN_DTYPE)
+        vocab = tok.get_vocab_size()
+    else:
+        if model_vocab < 256:
+            raise UsageError(f"byte-level tokens need a vocabulary of at least 256; the model has {model_vocab}")
+        ids, vocab = np.frombuffer(text, dtype=np.uint8).astype(TOKEN_DTYPE), 256
+    out = cache_dir / (f"tokens-bpe-{key}-{vocab}.bin" if tokenizer == "bpe" else f"tokens-bytes-{key}.bin")
+    if not out.exists():
+        tmp = out.with_suffix(".tmp")
+        ids.tofile(tmp)
+        tmp.replace(out)  # atomic: a concurrent run never reads half a file
+    return Corpus(str(out), name, len(ids), _train_len(len(ids)), vocab, tokenizer)
+
+
+def _train_len(n: int) -> int:
+    return n - max(1, int(n * VAL_FRACTION))
+
+
+def check_fits(corpus: Corpus, batch: int, seq: int) -> None:
+    """Enough tokens for one training batch of distinct windows and one validation sequence."""
+    need = batch * (seq + 1)
+    val = corpus.n_tokens - corpus.n_train
+    if corpus.n_train < need or val < seq + 1:
+        raise UsageError(f"--data {corpus.name}: {corpus.n_tokens} tokens are too few for --batch {batch} × --seq "
+                         f"{seq} (training needs {need} tokens and validation {seq + 1}, after a "
+                         f"{VAL_FRACTION:.0%} validation split); give more text or a smaller batch/sequence")
+
+
+def unigram_entropy(corpus: Corpus) -> float:
+    """The validation split's unigram entropy in nats: the loss of a model that ignores context."""
+    val = np.asarray(corpus.tokens()[corpus.n_train:], dtype=np.int64)
+    p = np.bincount(val) / len(val)
+    p = p[p > 0]
+    return float(-(p * np.log(p)).sum())
+
+
+def batch_starts(step: int, seed: int, batch: int, n_train: int, seq: int) -> np.ndarray:
+    """Window starts of step `step`'s global batch (independent of tp and dp)."""
+    rng = np.random.default_rng([seed, step])
+    return rng.integers(0, n_train - seq, size=batch)
+
+
+def train_batch(corpus: Corpus, tokens: np.ndarray, step: int, seed: int, batch: int, seq: int, dp: int,
+                dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets), each (batch/dp, seq), of this dp rank's slice of the global batch."""
+    starts = batch_starts(step, seed, batch, corpus.n_train, seq)
+    per = batch // dp
+    mine = starts[dp_rank * per:(dp_rank + 1) * per]
+    rows = torch.from_numpy(np.stack([tokens[s:s + seq + 1].astype(np.int64) for s in mine]))
+    return rows[:, :-1], rows[:, 1:]
+
+
+def val_batches(corpus: Corpus, tokens: np.ndarray, batch: int, seq: int, dp: int, dp_rank: int,
+                max_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Consecutive, non-overlapping validation windows, this dp rank's rows of each global batch."""
+    windows = (corpus.n_tokens - corpus.n_train - 1) // seq
+    n = max(1, min(max_batches, windows // batch))
+    per = batch // dp
+    out = []
+    for b in range(n):
+        rows = []
+        for i in range(dp_rank * per, (dp_rank + 1) * per):
+            w = (b * batch + i) % windows  # a short split wraps round rather than running out
+            start = corpus.n_train + w * seq
+            rows.append(tokens[start:start + seq + 1].astype(np.int64))
+        t = torch.from_numpy(np.stack(rows))
+        out.append((t[:, :-1], t[:, 1:]))
+    return out

@@ -1,0 +1,243 @@
+"""What every rank of `dtp train` does: build the sharded model, train, evaluate, measure.
+
+The loop's whole state is (model, optimizer, step, seed): batches and the learning rate are pure functions
+of (seed, step), so a checkpoint needs only `train_state()` next to the model and optimizer.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import math
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.utils.checkpoint import checkpoint
+
+from dtp import models, syntax
+from dtp.check import check
+from dtp.comm import merge
+from dtp.data_parallel import units
+from dtp.schedule import NotModeled, schedule, summarize
+from dtp.train import data
+from dtp.train.init import build_sharded
+from dtp.train.meter import CommTimer, PhaseCounter, peak_memory, recompute_collectives, sync
+from dtp.train.optim import Schedule, adamw, clip_, set_lr
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a rank needs; plain data so that it pickles to spawned ranks."""
+
+    plan: str
+    model: str
+    tp: int = 2
+    dp: int = 1
+    batch: int = 8
+    seq: int = 64
+    steps: int = 200
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 20
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    dtype: str = "float32"
+    eval_every: int = 50
+    eval_batches: int = 8
+    checkpoint_activations: bool = False
+    seed: int = 0
+    device: str = "cpu"
+    timeout: float = 900.0
+    out: str = "dtp-train"
+    progress: bool = False  # a tqdm bar on rank 0 (a terminal); else a line per evaluation
+
+
+def make_mesh(cfg: TrainConfig) -> DeviceMesh:
+    """The (tp) or (dp, tp) mesh over the initialised world."""
+    device = "cuda" if cfg.device == "cuda" else "cpu"
+    if cfg.dp > 1:
+        return init_device_mesh(device, (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(device, (cfg.tp,), mesh_dim_names=("tp",))
+
+
+def _checkpoint_blocks(model: torch.nn.Module) -> list[str]:
+    """Recompute each block's forward in backward (torch.utils.checkpoint), keeping parameter names.
+
+    early_stop=False recomputes the whole block as Megatron does, so every forward collective of a block
+    runs again in backward (torch's early stop would skip the last one, whose output nothing saves)."""
+    blocks = units(model)
+    for path in blocks:
+        block = model.get_submodule(path)
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, early_stop=False)
+    return blocks
+
+
+def _logits(output: object) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output
+
+
+class Trainer:
+    """One rank's model, optimizer and data, and the step and evaluation functions."""
+
+    def __init__(self, cfg: TrainConfig, corpus: data.Corpus, mesh: DeviceMesh):
+        self.cfg, self.corpus, self.mesh = cfg, corpus, mesh
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+        self.source = models.resolve(cfg.model)
+        self.checked = check(syntax.load(cfg.plan), models.build(self.source, device="meta"), cfg.tp)
+        self.applied = build_sharded(self.checked, self.source, mesh, seed=cfg.seed, device=self.device, dp=cfg.dp)
+        self.model = self.applied.model
+        self.blocks = _checkpoint_blocks(self.model) if cfg.checkpoint_activations else []
+        self.optimizer = adamw(self.model, cfg.lr, cfg.weight_decay)
+        self.schedule = Schedule(cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
+        self.tokens = corpus.tokens()
+        self.dp_rank = mesh["dp"].get_local_rank() if cfg.dp > 1 else 0
+        self.dp_group = mesh["dp"].get_group() if cfg.dp > 1 else None
+        self.loss_ctx = loss_parallel if self.applied.compiled.loss_parallel else contextlib.nullcontext
+        self.step = 0
+        self.param_bytes = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+                               for p in self.model.parameters())
+        self.val = data.val_batches(corpus, self.tokens, cfg.batch, cfg.seq, cfg.dp, self.dp_rank, cfg.eval_batches)
+
+    def train_state(self) -> dict:
+        """What a checkpoint must keep besides the model and optimizer (the rest derives from it)."""
+        return {"step": self.step, "seed": self.cfg.seed, "config": asdict(self.cfg),
+                "rng_cpu": torch.get_rng_state(),
+                "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
+
+    def _autocast(self):
+        if self.cfg.dtype == "bfloat16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with self._autocast():
+            logits = _logits(self.model(inputs.to(self.device)))
+        # the loss in float32 from (possibly bf16) logits, as autocast does for cross-entropy
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device).flatten())
+
+    def _mean_over_dp(self, value: torch.Tensor) -> float:
+        value = value.full_tensor() if isinstance(value, DTensor) else value
+        value = value.detach().float().reshape(1).clone()
+        if self.dp_group is not None:
+            dist.all_reduce(value, group=self.dp_group)
+            value /= self.cfg.dp
+        return float(value.item())
+
+    def train_step(self, counters: dict | None = None, timer: CommTimer | None = None) -> dict:
+        """One optimizer step on this step's batch; `counters` (forward, backward) count its collectives."""
+        cfg = self.cfg
+        lr = self.schedule(self.step)
+        set_lr(self.optimizer, lr)
+        inputs, targets = data.train_batch(self.corpus, self.tokens, self.step, cfg.seed, cfg.batch, cfg.seq, cfg.dp,
+                                           self.dp_rank)
+        self.model.train()
+        sync(self.device)
+        t0 = time.perf_counter()
+        with timer or contextlib.nullcontext():
+            with self.loss_ctx():
+                with counters["forward"] if counters else contextlib.nullcontext():
+                    loss = self._loss(inputs, targets)
+                with counters["backward"] if counters else contextlib.nullcontext():
+                    loss.backward()
+            norm = clip_(self.model.parameters(), cfg.clip)  # not counted: see analytic()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            sync(self.device)
+        seconds = time.perf_counter() - t0
+        self.step += 1
+        return {"step": self.step, "loss": self._mean_over_dp(loss), "lr": lr, "grad_norm": float(norm),
+                "step_time_ms": seconds * 1e3, "tokens_per_s": cfg.batch * cfg.seq / seconds,
+                "comm_share": (timer.seconds / seconds) if timer else None}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over the fixed validation batches (all dp ranks)."""
+        self.model.eval()
+        total = 0.0
+        for inputs, targets in self.val:
+            with self.loss_ctx():
+                total += self._mean_over_dp(self._loss(inputs, targets))
+        return total / len(self.val)
+
+    def analytic(self) -> dict:
+        """The analytic collectives of forward + backward (recomputed forwards included), as counted on the
+        first step. Clipping and the optimizer step are not counted: the gradient norm's scalar reductions
+        run there, and sequence-parallel norms' gradients (DTensor Partial) are reduced there lazily, so for
+        sequence-parallel plans the schedule's norm-gradient all-reduces are not seen by the count."""
+        try:
+            dtype = torch.bfloat16 if self.cfg.dtype == "bfloat16" else torch.float32
+            steps = schedule(self.checked, self.cfg.tp, self.cfg.batch // self.cfg.dp, self.cfg.seq, dtype,
+                             self.applied.compiled.lowered, self.cfg.dp, models.build(self.source, device="meta"))
+            steps += recompute_collectives(steps, self.blocks)
+            return summarize(steps, self.cfg.tp, self.cfg.dp)
+        except NotModeled as err:
+            return {"not_modeled": str(err)}
+
+
+def _progress(cfg: TrainConfig, rank: int):
+    if rank != 0 or not cfg.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.steps, desc="dtp train", unit="step", dynamic_ncols=True)
+
+
+def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
+    """Train on an initialised process group; rank 0 appends metrics to OUT/metrics.jsonl as it goes.
+    Returns this rank's summary (rank 0's carries the loss curve)."""
+    warnings.filterwarnings("ignore", message=".*(backward hook|returned a view tensor).*")
+    # The clip norm of FSDP2 + tp gradients reduces over dp then tp, which torch calls suboptimal; it is one scalar.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    trainer = Trainer(cfg, corpus, make_mesh(cfg))
+    metrics = Path(cfg.out, "metrics.jsonl") if rank == 0 else None
+    bar = _progress(cfg, rank)
+    counters = {"forward": PhaseCounter(), "backward": PhaseCounter()}
+    losses, val_losses, times, shares = [], [], [], []
+    if trainer.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(trainer.device)
+    with contextlib.ExitStack() as stack:
+        log = stack.enter_context(open(metrics, "a", encoding="utf-8")) if metrics else None
+        if bar is not None:
+            stack.callback(bar.close)
+        for step in range(cfg.steps):
+            row = trainer.train_step(counters if step == 0 else None, CommTimer() if step > 0 else None)
+            if not math.isfinite(row["loss"]):
+                raise FloatingPointError(f"the loss became {row['loss']} at step {row['step']}; lower --lr "
+                                         "or keep --clip on")
+            if row["step"] % cfg.eval_every == 0 or row["step"] == cfg.steps:
+                row["val_loss"] = trainer.evaluate()
+                val_losses.append((row["step"], row["val_loss"]))
+            row["peak_memory_bytes"] = peak_memory(trainer.device)[0]
+            losses.append(row["loss"])
+            if step > 0:
+                times.append(row["step_time_ms"])
+                shares.append(row["comm_share"])
+            if log:
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+            if bar is not None:
+                bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+                bar.update(1)
+            elif rank == 0 and "val_loss" in row:
+                print(f"step {row['step']}/{cfg.steps}: loss {row['loss']:.4f} · val loss {row['val_loss']:.4f} · "
+                      f"{row['tokens_per_s']:.0f} tokens/s", flush=True)
+    peak, kind = peak_memory(trainer.device)
+    out = {"rank": rank, "param_bytes": trainer.param_bytes, "peak_memory_bytes": peak, "peak_memory_kind": kind}
+    if rank == 0:
+        times = times or [row["step_time_ms"]]
+        median = sorted(times)[len(times) // 2]
+        out.update(losses=losses, val_losses=val_losses, val_loss=val_losses[-1][1], step_time_ms=median,
+                   tokens_per_s=cfg.batch * cfg.seq / (median / 1e3),
+                   comm_share=sorted(shares)[len(shares) // 2] if shares else 0.0,
+                   collectives=merge(counters), analytic_collectives=trainer.analytic(),
+                   blocks_checkpointed=len(trainer.blocks))
+    return out
