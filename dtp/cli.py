@@ -98,14 +98,9 @@ def _write_json(path: str, data: dict) -> None:
 
 
 def cmd_bench(argv: list[str]) -> int:
-    """`dtp bench ...`: the benchmarks live in the checkout's bench/ (they compare against a baseline kept
-    outside the package), so this runs from a dtp checkout."""
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        from bench.run import main as bench_main
-    except ImportError:
-        raise UsageError("dtp bench runs from a dtp checkout (it needs bench/): cd into the repository") from None
+    """`dtp bench ...` (dtp/bench/, shipped with the package)."""
+    from dtp.bench.run import main as bench_main
+
     return bench_main(argv)
 
 
