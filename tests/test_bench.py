@@ -178,3 +178,31 @@ def test_smoke_run_writes_results(repo, tmp_path):
     (folder,) = (tmp_path / "results").iterdir()
     assert "-smoke-" in folder.name
     assert {"result.json", "results.md"} <= {p.name for p in folder.iterdir()}
+
+
+def test_gpu_check_dry_run_on_cpu(repo, tmp_path):
+    """`dtp bench --device cuda`'s logic with tiny sizes on gloo: apply parity through the command line, a
+    bf16 training step with its FLOP count, the interleaved dtp/Megatron ratio with parity enforced."""
+    from dtp.bench.run import main
+
+    assert main(["--dry-run", "--out", str(tmp_path)]) == 0
+    (folder,) = tmp_path.iterdir()
+    assert "-gpu-dry-run-" in folder.name
+    result = json.loads((folder / "result.json").read_text())
+    assert result["apply"]["ok"] and result["apply"]["tp"] == 2 and result["apply"]["backend"] == "gloo"
+    assert result["apply"]["parity"]["ok"] is True
+    assert result["train"]["finite"] and result["train"]["mfu"] is None  # no known peak for a CPU
+    assert result["ratio"]["ok"] and result["ratio"]["collectives_equal_megatron"]
+    assert "dtp/Megatron-style at tp=2" in (folder / "results.md").read_text()
+
+
+def test_gpu_check_without_gpu_is_a_usage_error(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    from dtp.bench.run import main
+
+    assert main(["--device", "cuda", "--out", str(tmp_path)]) == 2
+    assert "no CUDA device is visible" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())

@@ -159,7 +159,7 @@ def build_hand(base: GPT, mesh, x, y) -> Arm:
 def build_megatron(base: GPT, mesh, x, y) -> Arm:
     """The Megatron-style baseline, loaded with this rank's slices of `base`."""
     world, rank = mesh.size(), mesh.get_local_rank()
-    meg = MegatronGPT(base.config, rank, world)
+    meg = MegatronGPT(base.config, rank, world).to(base.lm_head.weight.device)
     meg.load_from(base)
     opt = _sgd(meg)
 
@@ -178,7 +178,7 @@ def build_megatron(base: GPT, mesh, x, y) -> Arm:
         counts, nbytes = meg.calls.counts - before, meg.calls.bytes - before_bytes
         gathered = [torch.empty_like(local) for _ in range(world)]  # harness-side, not counted
         dist.all_gather(gathered, local.detach().contiguous())
-        sharded = torch.zeros((), dtype=torch.float64)
+        sharded = torch.zeros((), dtype=torch.float64, device=local.device)
         replicated = 0.0
         for name, p in meg.named_parameters():
             sq = p.grad.double().pow(2).sum()

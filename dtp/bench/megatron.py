@@ -141,7 +141,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         softmax, local_target, inside = ctx.saved_tensors
         g = softmax.clone()
-        rows = torch.arange(g.shape[0])[inside]
+        rows = torch.arange(g.shape[0], device=g.device)[inside]
         g[rows, local_target[inside]] -= 1.0
         return g * (grad / g.shape[0]), None, None, None
 

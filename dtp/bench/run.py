@@ -17,8 +17,8 @@ from dtp.bench.scaling import Config
 
 TPS = (1, 2, 4)
 KINDS = {  # per kind: strong model, weak head size and shape, warm-up rounds, timed rounds
-    "full": dict(strong=dict(n_layer=4, n_head=8, n_embd=512, vocab_size=8192, seq=128, batch=4),
-                 head=64, weak=dict(n_layer=4, vocab_size=8192, seq=128, batch=4), warmup=2, samples=20),
+    "full": dict(strong=dict(n_layer=2, n_head=8, n_embd=512, vocab_size=8192, seq=128, batch=2),
+                 head=64, weak=dict(n_layer=2, vocab_size=8192, seq=128, batch=2), warmup=2, samples=20),
     "quick": dict(strong=dict(n_layer=2, n_head=8, n_embd=256, vocab_size=2048, seq=64, batch=4),
                   head=32, weak=dict(n_layer=2, vocab_size=2048, seq=64, batch=4), warmup=2, samples=20),
     # for the test suite: tiny models, tp 1 and 2, 3 samples (the timings mean nothing)

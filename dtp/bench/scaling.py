@@ -33,6 +33,7 @@ class Config:
     warmup: int = 2  # untimed rounds
     samples: int = 20  # timed rounds: every arm once per round
     arms: tuple[str, ...] = ("dtp", "hand", "megatron")
+    device: str = "cpu"  # "cuda": NCCL ranks, one GPU each (the GPU check)
 
     def gpt(self) -> GPTConfig:
         """The model."""
@@ -65,24 +66,27 @@ def check_parity(name: str, probe, ref: tuple[torch.Tensor, float, float]) -> di
     return errors
 
 
-def time_interleaved(steps: dict, warmup: int, samples: int) -> dict[str, list[float]]:
+def time_interleaved(steps: dict, warmup: int, samples: int, device: str = "cpu") -> dict[str, list[float]]:
     """Milliseconds per step of every arm, rounds of one step each in rotating order; a sample is the
     slowest rank's time (one all-reduce at the end, so timing adds no communication to the steps)."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     order = round_robin(tuple(steps), warmup + samples)
     times: dict[str, list[float]] = {name: [] for name in steps}
     for r, names in enumerate(order):
         for name in names:
             dist.barrier()
+            sync()
             t0 = time.perf_counter()
             steps[name]()
+            sync()
             if r >= warmup:
                 times[name].append((time.perf_counter() - t0) * 1e3)
-    table = torch.tensor([times[n] for n in steps], dtype=torch.float64)
+    table = torch.tensor([times[n] for n in steps], dtype=torch.float64, device=device)
     dist.all_reduce(table, op=dist.ReduceOp.MAX)
     return {n: table[i].tolist() for i, n in enumerate(steps)}
 
 
-def _comm_time(collectives, reps: int = 5) -> float:
+def _comm_time(collectives, device: str = "cpu", reps: int = 5) -> float:
     """Milliseconds one step spends in its collectives, timing each (op, size) alone on this process group."""
     cache: dict[tuple[str, int], float] = {}
     total = 0.0
@@ -90,15 +94,19 @@ def _comm_time(collectives, reps: int = 5) -> float:
         key = (c.op, c.buffer_bytes)
         if key not in cache:
             n = dist.get_world_size()
-            full = torch.zeros(-(-max(1, c.buffer_bytes // 4) // n) * n)
-            part = torch.zeros(full.numel() // n)
+            full = torch.zeros(-(-max(1, c.buffer_bytes // 4) // n) * n, device=device)
+            part = torch.zeros(full.numel() // n, device=device)
             run = {"all_reduce": lambda: dist.all_reduce(full),
                    "all_gather": lambda: dist.all_gather_into_tensor(full, part),
                    "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full)}[c.op]
             run()
+            if device == "cuda":
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(reps):
                 run()
+            if device == "cuda":
+                torch.cuda.synchronize()
             cache[key] = (time.perf_counter() - t0) * 1e3 / reps
         total += cache[key]
     return total
@@ -111,10 +119,11 @@ def measure(rank: int, world: int, cfg: Config, builders: dict | None = None) ->
 
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     builders = builders or ARMS
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    mesh = init_device_mesh(cfg.device, (world,), mesh_dim_names=("tp",))
     torch.manual_seed(0)
-    base = GPT(cfg.gpt())
+    base = GPT(cfg.gpt()).to(cfg.device)
     ids = torch.randint(0, cfg.vocab_size, (cfg.batch, cfg.seq + 1), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(cfg.device)
     x, y = ids[:, :-1], ids[:, 1:]
     out: dict = {"config": asdict(cfg), "baseline_version": BASELINE_VERSION, "ok": False}
     ref = _reference(base, x, y)
@@ -129,11 +138,11 @@ def measure(rank: int, world: int, cfg: Config, builders: dict | None = None) ->
     out["comm_bytes"] = {name: p.comm_bytes for name, p in probes.items()}
     out["param_bytes_per_rank"] = {name: a.param_bytes for name, a in arms.items()}
     out["param_bytes_unsharded"] = sum(p.numel() * p.element_size() for p in base.parameters())
-    out["times_ms"] = time_interleaved({n: a.step for n, a in arms.items()}, cfg.warmup, cfg.samples)
+    out["times_ms"] = time_interleaved({n: a.step for n, a in arms.items()}, cfg.warmup, cfg.samples, cfg.device)
     if "dtp" in arms:
         steps = schedule(arms["dtp"].extra["checked"], world, cfg.batch, cfg.seq)
         out["analytic_collectives"] = summarize(steps, world)["by_op"]
-        out["comm_ms"] = _comm_time(steps)
+        out["comm_ms"] = _comm_time(steps, cfg.device)
     out["flops_per_step"] = flops_per_token(cfg.gpt(), cfg.seq) * cfg.batch * cfg.seq
     out["ok"] = True
     return out
