@@ -27,13 +27,14 @@ KINDS = {  # per kind: strong model, weak head size and shape, warm-up rounds, t
 }
 
 
-def configs(kind: str, arms: tuple[str, ...]) -> dict[str, list[Config]]:
+def configs(kind: str, arms: tuple[str, ...], only_tp: tuple[int, ...] = ()) -> dict[str, list[Config]]:
     """Strong scaling (a fixed GPT at tp 1, 2, 4) and weak scaling (the paper's recipe scaled down: the
     hidden size grows with tp at a fixed head size, n_embd ≈ 4·head·√tp, heads divisible by tp)."""
     k = KINDS[kind]
     tps = TPS[:2] if kind == "smoke" else TPS
     heads = {1: 4, 2: 6, 4: 8}
     common = dict(warmup=k["warmup"], samples=k["samples"], arms=arms)
+    tps = tuple(tp for tp in tps if not only_tp or tp in only_tp)
     return {"strong": [Config(tp=tp, **k["strong"], **common) for tp in tps],
             "weak": [Config(tp=tp, n_head=heads[tp], n_embd=heads[tp] * k["head"], **k["weak"], **common)
                      for tp in tps]}
@@ -102,6 +103,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="also write the whole result here")
     p.add_argument("--out", metavar="DIR", default="bench/results", help="where the run's folder goes")
     p.add_argument("--no-fuzz", action="store_true", help="skip the fuzz throughput measurement")
+    p.add_argument("--tp", type=int, action="append", choices=TPS, help="run only this tp (repeatable)")
     p.add_argument("--compile", action="store_true", help="add an arm: dtp's sharded model under torch.compile")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: the GPU check instead (NCCL parity, bf16 MFU, dtp/Megatron on GPU; see --dry-run)")
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     kind = "smoke" if args.smoke else "quick" if args.quick else "full"
     arms = ("dtp", "hand", "megatron") + (("dtp-compile",) if args.compile else ())
-    cfgs = configs(kind, arms)
+    cfgs = configs(kind, arms, tuple(args.tp or ()))
     peak = gemm_peak()
     with tqdm(total=sum(map(len, cfgs.values())) + (0 if args.no_fuzz else 1), desc="bench", unit="run") as bar:
         result: dict = {kind_: _run(c, bar) for kind_, c in cfgs.items()}
@@ -134,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     result |= {"date": now.strftime("%Y-%m-%d %H:%M UTC"), "kind": kind, "machine": machine(),
                "gemm_flops_single_thread": peak}
     result["ratios"] = ratios(result)
-    out = results_folder(Path(args.out), kind, now)
+    label = kind + "".join(f"-tp{t}" for t in sorted(set(args.tp or ()))) + ("-compile" if args.compile else "")
+    out = results_folder(Path(args.out), label, now)
     text = json.dumps(result, indent=2, default=str) + "\n"
     (out / "result.json").write_text(text)
     (out / "results.md").write_text(markdown(result) + "\n")
