@@ -57,6 +57,10 @@ def ratios(result: dict) -> dict:
     return out
 
 
+def _pct(v: float | None) -> str:
+    return "–" if v is None else f"{v:.0%}"
+
+
 def _cell(c: dict, key: str) -> str:
     if key not in c:
         return "–"
@@ -97,7 +101,7 @@ def markdown(result: dict) -> str:
             lines.append(
                 f"| {cfg['tp']} | {cfg['n_embd']} | {cfg['samples']} | {_ms(r, 'dtp'):.1f} | "
                 f"{_ms(r, 'megatron'):.1f} | {_ms(r, 'hand'):.1f} | {_cell(c, 'dtp_vs_megatron')} | "
-                f"{_cell(c, 'dtp_vs_hand')} | {c.get('efficiency', float('nan')):.0%} | {r['comm_ms']:.1f} | "
+                f"{_cell(c, 'dtp_vs_hand')} | {_pct(c.get('efficiency'))} | {r['comm_ms']:.1f} | "
                 f"{n('dtp')} ({n('megatron')}) | {pb['dtp'] / 2**20:.2f} ({pb['megatron'] / 2**20:.2f}) MiB | "
                 f"{c['utilization']:.0%} | {worst:.1e} |")
             if "dtp_compile_vs_megatron" in c:

@@ -84,6 +84,22 @@ def results_folder(root: Path, kind: str, now: datetime.datetime) -> Path:
     raise FileExistsError(f"no free results folder under {root} for {base}")
 
 
+def _profile(strong: list[Config], root: Path, kind: str, tps: tuple[int, ...]) -> int:
+    """`--profile`: profile.json and profile.md in a new results folder."""
+    from dtp.bench.profile import profile, table
+    from dtp.ranks import on_ranks
+
+    out = results_folder(root, f"{kind}-profile", datetime.datetime.now(datetime.timezone.utc))
+    result = {f"tp{c.tp}": on_ranks(profile, c.tp, c, timeout=3600)[0] for c in strong if c.tp in tps}
+    (out / "profile.json").write_text(json.dumps(result, indent=2) + "\n")
+    text = "\n\n".join(f"tp={k[2:]}, n_embd={strong[0].n_embd}: self CPU ms per step on rank 0\n\n{table(v)}"
+                        for k, v in result.items())
+    (out / "profile.md").write_text(text + "\n")
+    print(text)
+    print(f"written to {out}/")
+    return 0
+
+
 def machine() -> dict:
     """What ran the benchmark."""
     import torch
@@ -104,6 +120,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", default="bench/results", help="where the run's folder goes")
     p.add_argument("--no-fuzz", action="store_true", help="skip the fuzz throughput measurement")
     p.add_argument("--tp", type=int, action="append", choices=TPS, help="run only this tp (repeatable)")
+    p.add_argument("--profile", action="store_true", help="instead of timing: profile one step of every arm "
+                   "(strong model, tp 2 or --tp) and group its CPU time (GEMM, communication, DTensor, other)")
     p.add_argument("--compile", action="store_true", help="add an arm: dtp's sharded model under torch.compile")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: the GPU check instead (NCCL parity, bf16 MFU, dtp/Megatron on GPU; see --dry-run)")
@@ -123,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     kind = "smoke" if args.smoke else "quick" if args.quick else "full"
     arms = ("dtp", "hand", "megatron") + (("dtp-compile",) if args.compile else ())
     cfgs = configs(kind, arms, tuple(args.tp or ()))
+    if args.profile:
+        return _profile(cfgs["strong"], Path(args.out), kind, tuple(args.tp or (2,)))
     peak = gemm_peak()
     with tqdm(total=sum(map(len, cfgs.values())) + (0 if args.no_fuzz else 1), desc="bench", unit="run") as bar:
         result: dict = {kind_: _run(c, bar) for kind_, c in cfgs.items()}
