@@ -3,7 +3,8 @@
 - `dtp`: the Megatron plan (`PLAN`, the text of plans/gpt2.tp) compiled by dtp;
 - `hand`: the same placements written directly against torch's `parallelize_module`;
 - `megatron`: the Megatron-style baseline of plain tensors and counted dist calls (`megatron.py`);
-- `dtp-compile` (opt-in): dtp's sharded model under `torch.compile`.
+- `dtp-compile` (opt-in): dtp's sharded model with every block under `torch.compile` (parity is probed
+  through the compiled blocks).
 
 An arm is built on every rank and offers a training step and a probe: the full logits, the loss, the global
 gradient norm² and the collectives of one forward + backward — what parity is checked on before timing.
