@@ -7,13 +7,15 @@ from __future__ import annotations
 import difflib
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch.nn as nn
-
-from dtp import ir, models
+from dtp import ir
 from dtp.errors import Diagnostic, PlanError
 from dtp.placement import OPTIONS, STYLES, Placement, module_fits, sharded_sizes
 from dtp.resolve import Resolution, resolve
+
+if TYPE_CHECKING:  # torch only where a model is checked: `dtp check PLAN` stays instant
+    import torch.nn as nn
 
 MAX_TP_SHOWN = 64  # "tp values that work" lists divisors up to this
 
@@ -112,6 +114,8 @@ def _is_attention(path: str) -> bool:
 
 
 def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Reporter, sizes: list[int]) -> None:
+    from dtp import models
+
     vocab = models.vocab_size(model)
     info = models.heads(model)
     for path, rule in res.claims.items():

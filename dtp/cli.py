@@ -7,7 +7,6 @@ import os
 import sys
 from pathlib import Path
 
-from dtp import models
 from dtp.errors import DtpError, UsageError
 
 
@@ -27,7 +26,11 @@ def _load_checked(plan_path: str, model_spec: str | None, tp: int | None):
     from dtp.syntax import load
 
     plan = load(plan_path)
-    model = models.build(models.resolve(model_spec), device="meta") if model_spec else None
+    model = None
+    if model_spec:  # torch only when there is a model: `dtp check PLAN` never imports it
+        from dtp import models
+
+        model = models.build(models.resolve(model_spec), device="meta")
     return plan, model, check(plan, model, tp)
 
 
@@ -95,19 +98,15 @@ def _write_json(path: str, data: dict) -> None:
 
 
 def cmd_bench(argv: list[str]) -> int:
-    """`dtp bench ...`: the benchmarks live in the checkout's bench/ (they compare against a baseline kept
-    outside the package), so this runs from a dtp checkout."""
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        from bench.run import main as bench_main
-    except ImportError:
-        raise UsageError("dtp bench runs from a dtp checkout (it needs bench/): cd into the repository") from None
+    """`dtp bench ...` (dtp/bench/, shipped with the package)."""
+    from dtp.bench.run import main as bench_main
+
     return bench_main(argv)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser for every subcommand."""
+def build_parser(full: bool = True) -> argparse.ArgumentParser:
+    """The argument parser for every subcommand; without `full`, `apply` is only listed (its parser
+    lives next to the launcher, which imports torch)."""
     p = argparse.ArgumentParser(prog="dtp", description="Declarative tensor parallelism on PyTorch DTensor.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -135,17 +134,26 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     e.set_defaults(func=cmd_explain)
 
-    from dtp.export import add_export_parser
     from dtp.fuzz.cli import add_fuzz_parser
-    from dtp.launch import add_apply_parser
     from dtp.simulate.cli import add_simulate_parser
     from dtp.train.cli import add_train_parser
 
-    add_apply_parser(sub)
+    if full:
+        from dtp.launch import add_apply_parser
+
+        add_apply_parser(sub)
+    else:
+        sub.add_parser("apply", help="shard a model under a plan, train K steps, prove parity, report costs")
     add_fuzz_parser(sub)
     add_simulate_parser(sub)
-    add_export_parser(sub)
     add_train_parser(sub)
+    if full:
+        from dtp.export import add_export_parser
+
+        add_export_parser(sub)
+    else:
+        sub.add_parser("export", help="write a checkpoint's unsharded state dict (torch, safetensors, HF)")
+    sub.add_parser("bench", help="benchmarks next to a Megatron-style baseline (`dtp bench --help`)")
     return p
 
 
@@ -158,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         except DtpError as err:
             print(err.render(), file=sys.stderr)
             return err.exit_code
-    args = build_parser().parse_args(argv)
+    args = build_parser(full=argv[:1] in (["apply"], ["export"])).parse_args(argv)
     try:
         return args.func(args)
     except DtpError as err:

@@ -8,8 +8,10 @@ output projection.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch.nn as nn
+if TYPE_CHECKING:  # torch is imported by the functions that look at modules: `dtp check PLAN` needs none
+    import torch.nn as nn
 
 STYLES = ("colwise", "rowwise", "vocab_parallel", "sequence_parallel", "replicate")
 
@@ -25,12 +27,16 @@ OPTIONS: dict[str, dict[str, str]] = {
 
 def is_norm(module: nn.Module) -> bool:
     """LayerNorm, RMSNorm, or a model's own `*LayerNorm`/`*RMSNorm` class (Hugging Face's LlamaRMSNorm)."""
+    import torch.nn as nn
+
     name = type(module).__name__
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or name.endswith(("RMSNorm", "LayerNorm"))
 
 
 def module_fits(style: str, module: nn.Module, vocab: int | None) -> str | None:
     """None when `style` can apply to `module`, else what the style needs."""
+    import torch.nn as nn
+
     if style in ("colwise", "rowwise"):
         return None if isinstance(module, nn.Linear) else f"{style} applies to nn.Linear"
     if style == "vocab_parallel":
@@ -95,6 +101,8 @@ def param_placements(style: str | None, module: nn.Module, packed: int = 1) -> d
 
 def sharded_sizes(style: str, module: nn.Module, packed: int = 1) -> list[tuple[str, int]]:
     """(dimension description, size) pairs that tp must divide for `style` on `module`."""
+    import torch.nn as nn
+
     if style == "colwise":
         part = module.out_features // packed
         what = f"out_features={module.out_features}" + (f" per packed part ({packed} parts of {part})" if packed > 1 else "")

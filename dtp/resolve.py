@@ -8,13 +8,14 @@ from __future__ import annotations
 import difflib
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Mapping
-
-import torch.nn as nn
+from typing import TYPE_CHECKING, Mapping
 
 from dtp import ir
 from dtp.errors import Diagnostic
 from dtp.placement import Placement, param_placements
+
+if TYPE_CHECKING:
+    import torch.nn as nn
 
 
 def _segment_matches(seg: ir.Segment, name: str) -> bool:

@@ -16,6 +16,7 @@ def test_wheel_carries_and_loads_the_grammar(tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         assert "dtp/grammar/tp.lark" in names
+        assert {"dtp/bench/run.py", "dtp/bench/megatron.py", "dtp/bench/gpu.py"} <= set(names)  # `dtp bench`
         assert zf.read("dtp/grammar/tp.lark") == (REPO / "grammar" / "tp.lark").read_bytes()
         assert "dtp/profiles/dgx2h-v100.yaml" in names  # dtp simulate's shipped profiles
         site = tmp_path / "site"

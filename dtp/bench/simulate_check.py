@@ -1,4 +1,4 @@
-"""`python -m bench.simulate_check`: calibrate this machine, then run `dtp apply` (plans/gpt2.tp, fp32,
+"""`python -m dtp.bench.simulate_check`: calibrate this machine, then run `dtp apply` (plans/gpt2.tp, fp32,
 SGD, batch 8 × 128) at tp 1, 2, 4 on two GPT sizes and set `dtp simulate`'s prediction next to each
 measured step time and activation size. Calibration and measurement run back to back so that they see
 the same machine; on a shared machine both carry its contention (the load average is recorded)."""

@@ -1,0 +1,206 @@
+"""The benchmark's arms, each one way of training the same GPT on `tp` ranks from the same weights:
+
+- `dtp`: the Megatron plan (`PLAN`, the text of plans/gpt2.tp) compiled by dtp;
+- `hand`: the same placements written directly against torch's `parallelize_module`;
+- `megatron`: the Megatron-style baseline of plain tensors and counted dist calls (`megatron.py`);
+- `dtp-compile` (opt-in): dtp's sharded model with every block under `torch.compile` (parity is probed
+  through the compiled blocks).
+
+An arm is built on every rank and offers a training step and a probe: the full logits, the loss, the global
+gradient norm² and the collectives of one forward + backward — what parity is checked on before timing.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+
+from dtp.bench.megatron import MegatronGPT
+from dtp.models.gpt import GPT, GPTConfig
+from dtp.styles import pack_rows
+
+# plans/gpt2.tp, shipped inside the package so `dtp bench` runs from any install (a test keeps them equal).
+PLAN = """\
+# Megatron-LM tensor parallelism for GPT-2 (Shoeybi et al., 2019, section 3):
+# attention heads and the MLP's first matrix split by columns, the second matrices by rows,
+# the embedding and the loss split by vocabulary. 4 all-reduces per block per training step.
+dtp 1
+plan gpt2-megatron version 1
+mesh tp
+
+transformer.wte: vocab_parallel  # VocabParallelEmbedding: rows split, output all-reduced
+
+transformer.h.* {
+    attn.c_attn: colwise(packed=3)  # fused q, k, v: every rank holds whole heads of each
+    attn.c_proj: rowwise
+    mlp.c_fc: colwise
+    mlp.c_proj: rowwise
+}
+
+lm_head: vocab_parallel  # tied to wte; logits stay sharded, cross-entropy is vocab-parallel
+"""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One forward + backward from the initial weights, seen in full."""
+
+    logits: torch.Tensor  # (B, T, V), gathered
+    loss: float
+    grad_sq: float  # Σ over every parameter (once, in full) of |grad|²
+    collectives: dict[str, int]  # op → count
+    comm_bytes: dict[str, int]  # op → full-buffer bytes
+
+
+@dataclass(frozen=True)
+class Arm:
+    """A built arm: `step()` trains once; `probe()` is for parity (run it before timing)."""
+
+    name: str
+    step: Callable[[], None]
+    probe: Callable[[], Probe]
+    param_bytes: int  # this rank's parameters
+    extra: dict  # what else the arm knows (dtp: its checked plan for the analytic schedule)
+
+
+def _param_bytes(model: torch.nn.Module) -> int:
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in model.parameters())
+
+
+def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def _dtensor_arm(name: str, model: torch.nn.Module, x, y, extra: dict | None = None) -> Arm:
+    """An arm over a DTensor-sharded GPT (logits Shard(-1), loss under `loss_parallel`)."""
+    from dtp.comm import CommCounter, merge
+
+    opt = _sgd(model)
+
+    def step() -> None:
+        logits = model(x)
+        with loss_parallel():
+            F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def probe() -> Probe:
+        counters = {"forward": CommCounter(), "backward": CommCounter()}
+        with loss_parallel():
+            with counters["forward"]:
+                logits = model(x)
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            with counters["backward"]:
+                loss.backward()
+        counted = merge(counters)
+        grad_sq = sum(float((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).double().pow(2).sum())
+                      for p in model.parameters())
+        opt.zero_grad()
+        return Probe(logits.full_tensor().detach(), loss.full_tensor().item(), grad_sq, dict(counted["by_op"]),
+                     dict(counted["bytes"]))
+
+    return Arm(name, step, probe, _param_bytes(model), extra or {})
+
+
+def build_dtp(base: GPT, mesh, x, y) -> Arm:
+    """dtp's compiled plan."""
+    from dtp.shard import apply
+    from dtp.syntax import parse
+
+    model = copy.deepcopy(base)
+    applied = apply(parse(PLAN, "gpt2.tp"), model, mesh)
+    return _dtensor_arm("dtp", model, x, y, extra={"checked": applied.checked})
+
+
+def build_dtp_compiled(base: GPT, mesh, x, y) -> Arm:
+    """dtp's compiled plan with every transformer block under torch.compile (inductor), as torchtitan
+    compiles per block; the vocabulary-parallel embedding and head stay eager (DTensor's masked embedding
+    does not trace here: "Mixing fake modes")."""
+    from dtp.shard import apply
+    from dtp.syntax import parse
+
+    model = copy.deepcopy(base)
+    apply(parse(PLAN, "gpt2.tp"), model, mesh)
+    for block in model.transformer.h:
+        block.compile()
+    return _dtensor_arm("dtp-compile", model, x, y)
+
+
+def handwritten(model: GPT, mesh) -> None:
+    """The placements of plans/gpt2.tp written directly against torch's API (what dtp saves you)."""
+    tp = mesh.size()
+    with torch.no_grad():  # head-aligned QKV the manual way: reorder rows, then plain ColwiseParallel
+        for block in model.transformer.h:
+            for name in ("weight", "bias"):
+                p = getattr(block.attn.c_attn, name)
+                p.copy_(pack_rows(p, 3, tp))
+    plan = {"transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    for i in range(len(model.transformer.h)):
+        plan |= {f"transformer.h.{i}.attn.c_attn": ColwiseParallel(), f"transformer.h.{i}.attn.c_proj": RowwiseParallel(),
+                 f"transformer.h.{i}.mlp.c_fc": ColwiseParallel(), f"transformer.h.{i}.mlp.c_proj": RowwiseParallel()}
+    parallelize_module(model, mesh, plan)
+    model.lm_head.weight = model.transformer.wte.weight
+
+
+def build_hand(base: GPT, mesh, x, y) -> Arm:
+    """The hand-written parallelize_module plan (its QKV rows reordered; logits and gradient norm do not
+    depend on the order of rows)."""
+    model = copy.deepcopy(base)
+    handwritten(model, mesh)
+    return _dtensor_arm("hand", model, x, y)
+
+
+def build_megatron(base: GPT, mesh, x, y) -> Arm:
+    """The Megatron-style baseline, loaded with this rank's slices of `base`."""
+    world, rank = mesh.size(), mesh.get_local_rank()
+    meg = MegatronGPT(base.config, rank, world).to(base.lm_head.weight.device)
+    meg.load_from(base)
+    opt = _sgd(meg)
+
+    def step() -> None:
+        meg.loss(meg(x), y).backward()
+        meg.finish_grads()
+        opt.step()
+        opt.zero_grad()
+
+    def probe() -> Probe:
+        before, before_bytes = meg.calls.counts.copy(), meg.calls.bytes.copy()
+        local = meg(x)
+        loss = meg.loss(local, y)
+        loss.backward()
+        meg.finish_grads()
+        counts, nbytes = meg.calls.counts - before, meg.calls.bytes - before_bytes
+        gathered = [torch.empty_like(local) for _ in range(world)]  # harness-side, not counted
+        dist.all_gather(gathered, local.detach().contiguous())
+        sharded = torch.zeros((), dtype=torch.float64, device=local.device)
+        replicated = 0.0
+        for name, p in meg.named_parameters():
+            sq = p.grad.double().pow(2).sum()
+            if name == "wte" or any(name.endswith(s) for s in (".qkv.weight", ".qkv.bias", ".proj.weight",
+                                                               ".fc.weight", ".fc.bias", ".fc2.weight")):
+                sharded += sq
+            else:
+                replicated += float(sq)
+        dist.all_reduce(sharded)
+        opt.zero_grad()
+        return Probe(torch.cat(gathered, dim=-1), loss.item(), float(sharded) + replicated, dict(counts),
+                     dict(nbytes))
+
+    return Arm("megatron", step, probe, _param_bytes(meg), {})
+
+
+ARMS: dict[str, Callable] = {"dtp": build_dtp, "hand": build_hand, "megatron": build_megatron,
+                             "dtp-compile": build_dtp_compiled}
+
+
+def gpt_config(n_layer: int, n_head: int, n_embd: int, vocab_size: int, seq: int) -> GPTConfig:
+    """The benchmark's GPT: biases, tied embeddings, dropout 0."""
+    return GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab_size, block_size=seq,
+                     bias=True, tie_embeddings=True)

@@ -1,0 +1,153 @@
+"""What a benchmark run says: headline ratios with intervals and verdicts, the Markdown tables, plots."""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from dtp.bench.stats import median_ratio, verdict
+
+GOAL_VS_MEGATRON = 1.05  # dtp ÷ Megatron-style step time, upper end of the 95 % interval, tp ≥ 2, n_embd ≥ 512
+GOAL_VS_HAND = (0.98, 1.02)  # dtp ÷ hand-written parallelize_module
+
+
+def _ms(r: dict, arm: str) -> float:
+    return statistics.median(r["times_ms"][arm])
+
+
+def compare(r: dict) -> dict:
+    """One configuration's ratios, verdicts and independent references (Megatron's own counts and bytes)."""
+    t, out = r["times_ms"], {}
+    if "megatron" in t:
+        vm = median_ratio(t["dtp"], t["megatron"])
+        applies = r["config"]["tp"] >= 2 and r["config"]["n_embd"] >= 512
+        out["dtp_vs_megatron"] = vm.to_json() | {"verdict": verdict(vm, high=GOAL_VS_MEGATRON), "goal_applies": applies}
+    if "hand" in t:
+        vh = median_ratio(t["dtp"], t["hand"])
+        out["dtp_vs_hand"] = vh.to_json() | {"verdict": verdict(vh, *GOAL_VS_HAND)}
+    if "dtp-compile" in t and "megatron" in t:
+        vc = median_ratio(t["dtp-compile"], t["megatron"])
+        out["dtp_compile_vs_megatron"] = vc.to_json() | {"verdict": verdict(vc, high=GOAL_VS_MEGATRON)}
+    if "megatron" in r["collectives"]:
+        dtp_c, meg_c = r["collectives"]["dtp"], r["collectives"]["megatron"]
+        out["collectives_equal_megatron"] = dtp_c == meg_c
+        out["collectives_vs_megatron"] = sum(dtp_c.values()) / max(1, sum(meg_c.values()))
+        out["comm_bytes_vs_megatron"] = (sum(r["comm_bytes"]["dtp"].values())
+                                         / max(1, sum(r["comm_bytes"]["megatron"].values())))
+        pb = r["param_bytes_per_rank"]
+        out["param_bytes_vs_megatron"] = pb["dtp"] / pb["megatron"]
+    return out
+
+
+def ratios(result: dict) -> dict:
+    """The headline figures, per kind of scaling and tp, each from interleaved samples of one run."""
+    out: dict = {}
+    peak = result["gemm_flops_single_thread"]
+    for part in ("strong", "weak"):
+        ok = [r for r in result[part] if r["ok"]]
+        per_tp = {r["config"]["tp"]: compare(r) for r in ok}
+        t1 = next((r for r in ok if r["config"]["tp"] == 1), None)
+        for r in ok:
+            tp, c = r["config"]["tp"], per_tp[r["config"]["tp"]]
+            if t1 is not None:  # strong: the same work split tp ways; weak: tp times the work in the same time
+                scale = tp if part == "strong" else 1
+                c["efficiency"] = _ms(t1, "dtp") / (scale * _ms(r, "dtp"))
+            # per rank: FLOPs of a step / tp over the median step time, against one core's GEMM rate
+            c["utilization"] = r["flops_per_step"] / tp / (_ms(r, "dtp") / 1e3) / peak
+        out[part] = per_tp
+    return out
+
+
+def _pct(v: float | None) -> str:
+    return "–" if v is None else f"{v:.0%}"
+
+
+def _cell(c: dict, key: str) -> str:
+    if key not in c:
+        return "–"
+    v = c[key]
+    mark = {"met": "", "not met": " ✗", "not significant": " ~"}[v["verdict"]] if v.get("goal_applies", True) else ""
+    return f"{v['value']:.2f} [{v['low']:.2f}, {v['high']:.2f}]{mark}"
+
+
+def markdown(result: dict) -> str:
+    """The results tables."""
+    m = result["machine"]
+    lines = [f"# dtp bench — {result['date']} on {m['host']}", "",
+             f"{m['cpu']} · {m['cores']} cores · load average {m['load_average'][0]:.1f} at the end · torch "
+             f"{m['torch']} · cpu (gloo) · {result['kind']} run · single-thread GEMM "
+             f"{result['gemm_flops_single_thread'] / 1e9:.1f} GFLOP/s (measured alone). Ranks beyond the core "
+             f"count share cores.", "",
+             "Arms interleaved step by step (rotating order), the slowest rank's time per step; ratios are of "
+             "medians with a paired-bootstrap 95 % interval. ✗: the interval lies outside the goal "
+             f"(dtp/Megatron ≤ {GOAL_VS_MEGATRON}, dtp/hand in {list(GOAL_VS_HAND)}); ~: not significant (the "
+             "interval covers a threshold). Collectives and parameter bytes: dtp's, then the Megatron-style "
+             "baseline's own count.", ""]
+    for part in ("strong", "weak"):
+        lines += [f"## {part.capitalize()} scaling", "",
+                  "| tp | n_embd | samples | dtp ms | Megatron ms | hand ms | dtp/Megatron [95 %] | dtp/hand [95 %] | "
+                  "efficiency | comm ms | collectives dtp (Megatron) | params/rank dtp (Megatron) | utilization | "
+                  "parity (max rel. err) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in result[part]:
+            cfg = r["config"]
+            if not r["ok"]:
+                lines.append(f"| {cfg['tp']} | {cfg['n_embd']} | FAILED: {r['error']} |")
+                continue
+            c = result["ratios"][part][cfg["tp"]]
+            col = r["collectives"]
+            n = lambda arm: sum(col.get(arm, {}).values())  # noqa: E731
+            pb = r["param_bytes_per_rank"]
+            worst = max(v for errs in r["parity"].values() for v in errs.values())
+            lines.append(
+                f"| {cfg['tp']} | {cfg['n_embd']} | {cfg['samples']} | {_ms(r, 'dtp'):.1f} | "
+                f"{_ms(r, 'megatron'):.1f} | {_ms(r, 'hand'):.1f} | {_cell(c, 'dtp_vs_megatron')} | "
+                f"{_cell(c, 'dtp_vs_hand')} | {_pct(c.get('efficiency'))} | {r['comm_ms']:.1f} | "
+                f"{n('dtp')} ({n('megatron')}) | {pb['dtp'] / 2**20:.2f} ({pb['megatron'] / 2**20:.2f}) MiB | "
+                f"{c['utilization']:.0%} | {worst:.1e} |")
+            if "dtp_compile_vs_megatron" in c:
+                lines.append(f"|  | torch.compile |  | {_ms(r, 'dtp-compile'):.1f} |  |  | "
+                             f"{_cell(c, 'dtp_compile_vs_megatron')} |  |  |  |  |  |  |  |")
+        lines.append("")
+    f = result.get("fuzz")
+    if f:
+        lines += ["## Fuzz throughput", "",
+                  f"{f['pooled_examples_per_min']:.0f} examples/min through persistent rank pools "
+                  f"({f['pooled_examples']} examples) vs {f['launch_per_example_examples_per_min']:.0f}/min "
+                  f"launching ranks per example: {f['ratio']:.1f}×.", ""]
+    return "\n".join(lines)
+
+
+def plots(result: dict, out: Path) -> list[str]:
+    """PNG plots (step time per arm vs tp; dtp/Megatron with intervals); none, with a note, without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("note: matplotlib is not installed; plots skipped (pip install matplotlib)")
+        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    for i, part in enumerate(("strong", "weak")):
+        ok = [r for r in result[part] if r["ok"]]
+        tps = [r["config"]["tp"] for r in ok]
+        for arm in ok[0]["times_ms"] if ok else ():
+            ax[0].plot(tps, [_ms(r, arm) for r in ok], marker="o", ls="-" if part == "strong" else ":",
+                       label=f"{arm} ({part})")
+        rs = [result["ratios"][part][t]["dtp_vs_megatron"] for t in tps]
+        ax[1].errorbar([t + 0.05 * i for t in tps], [v["value"] for v in rs],
+                       yerr=[[v["value"] - v["low"] for v in rs], [v["high"] - v["value"] for v in rs]],
+                       marker="o", capsize=3, label=part)
+    ax[0].set(xlabel="tp", ylabel="median step time (ms)", title="step time", xticks=list(TPS_TICKS))
+    ax[0].legend(fontsize=7)
+    ax[1].axhline(GOAL_VS_MEGATRON, ls="--", c="gray", label=f"goal {GOAL_VS_MEGATRON}")
+    ax[1].axhline(1.0, ls=":", c="gray")
+    ax[1].set(xlabel="tp", ylabel="dtp ÷ Megatron-style", title="ratio, 95 % interval", xticks=list(TPS_TICKS))
+    ax[1].legend()
+    fig.tight_layout()
+    fig.savefig(out / "scaling.png", dpi=100)
+    plt.close("all")
+    return ["scaling.png"]
+
+
+TPS_TICKS = (1, 2, 4)
