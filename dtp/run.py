@@ -182,9 +182,6 @@ def _report(cfg: RunConfig, plan, parity: ParityCheck, collectives: dict, analyt
 
 
 def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: DeviceMesh) -> dict | None:
-    # CommDebugMode's module tracker hooks every module's backward; its warning is noise here.
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    warnings.filterwarnings("ignore", message="For backward hooks to be called")
     warnings.filterwarnings("ignore", message=".*returned a view tensor")  # FSDP2 root: logits are not edited in place
     # Gathering FSDP2 + TP parameters for the comparison warns that it takes two all-gathers; it may.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
