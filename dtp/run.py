@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 import os
@@ -26,7 +25,8 @@ from dtp.shard import apply, tied_groups
 from dtp.comm import CommCounter, merge
 from dtp.data_parallel import data_parallel
 from dtp.schedule import NotModeled, schedule, summarize
-from dtp.parity import ParityCheck
+from dtp.parity import ParityCheck, dropout_sources
+from dtp.reference import MixedSGD, Reference
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -130,14 +130,33 @@ def make_mesh(cfg: RunConfig) -> DeviceMesh:
     return init_device_mesh(device, (cfg.tp,), mesh_dim_names=("tp",))
 
 
+def _device(cfg: RunConfig) -> torch.device:
+    if cfg.device != "cuda":
+        return torch.device("cpu")
+    rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
+
+
+def _own_rng(device: torch.device):
+    """A context that puts back the CPU generator's state (and `device`'s, if CUDA) when it ends."""
+    return torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else [])
+
+
 def run(cfg: RunConfig, out_dir: Path | None, mesh: DeviceMesh | None = None) -> dict | None:
     """Run on an initialised process group; rank 0 returns (and writes) the report.
 
     An exception leaves with `__dtp_where__` saying which module or phase it came from.
     """
     trails: list[ModuleTrail] = []
+    device = _device(cfg)
     try:
-        return _run(cfg, out_dir, trails, mesh or make_mesh(cfg))
+        # The run draws from the default generators (weights, shared dropout stream) seeded with the seed
+        # on every rank, and hands the caller's generator states back unchanged.
+        with _own_rng(device):
+            torch.default_generator.manual_seed(cfg.seed)
+            if device.type == "cuda":
+                torch.cuda.manual_seed(cfg.seed)
+            return _run(cfg, out_dir, trails, mesh or make_mesh(cfg), device)
     except Exception as err:
         err.__dtp_where__ = trails[0].where() if trails else "set-up"
         raise
@@ -181,21 +200,42 @@ def _report(cfg: RunConfig, plan, parity: ParityCheck, collectives: dict, analyt
     }
 
 
-def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: DeviceMesh) -> dict | None:
+def _references(model: nn.Module, dtype: torch.dtype, lr: float) -> list[Reference]:
+    """The float64 truth and, for a lower dtype, the unsharded run in that dtype (dtp.parity's rule)."""
+    truth = Reference(model, lr, torch.float64)
+    return [truth] if dtype == torch.float64 else [truth, Reference(model, lr)]
+
+
+def _reference_step(ref: Reference, inputs: torch.Tensor, targets: torch.Tensor, mine: slice, split: bool,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward on the global batch; the logits and loss of this rank's part of it.
+
+    On its own copy of the generator state: the shared dropout stream stays in step with the other ranks."""
+    with _own_rng(device):
+        logits = _logits(ref.model(inputs))
+        loss = _loss(logits, targets)
+        loss.backward()
+        if split:
+            with torch.no_grad():
+                logits = _logits(ref.model(inputs[mine]))
+                loss = _loss(logits, targets[mine])
+    return logits, loss
+
+
+def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: DeviceMesh,
+         device: torch.device) -> dict | None:
     warnings.filterwarnings("ignore", message=".*returned a view tensor")  # FSDP2 root: logits are not edited in place
     # Gathering FSDP2 + TP parameters for the comparison warns that it takes two all-gathers; it may.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % max(torch.cuda.device_count(), 1)) \
-        if cfg.device == "cuda" else torch.device("cpu")
     dtype = DTYPES[cfg.dtype]
     plan = syntax.load(cfg.plan)
     source = models.resolve(cfg.model)
 
-    torch.manual_seed(cfg.seed)  # every rank builds the same weights
-    model = models.build(source, device="cpu", dtype=dtype).to(device)
+    model = models.build(source, device="cpu", dtype=dtype).to(device)  # the same weights on every rank
     model.train()
-    reference = copy.deepcopy(model) if rank == 0 else None
+    references = _references(model, dtype, cfg.lr) if rank == 0 else []
+    dropout = dropout_sources(model)
     trail = ModuleTrail(model)
     trails.append(trail)
     trail.phase = "sharding (apply)"
@@ -212,10 +252,9 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: 
     mine = slice(mesh["dp"].get_local_rank() * per_dp, (mesh["dp"].get_local_rank() + 1) * per_dp) \
         if cfg.dp > 1 else slice(None)
 
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=cfg.lr, momentum=0.9) if reference is not None else None
-    ref_params = dict(reference.named_parameters()) if reference is not None else {}
+    opt = MixedSGD(model, cfg.lr)
     parity = ParityCheck(dtype)
+    parity.dropout = dropout
     loss_ctx = loss_parallel if applied.compiled.loss_parallel else contextlib.nullcontext
     # One counter per phase (the comparisons run in between, uncounted).
     counters = {"forward": CommCounter(), "backward": CommCounter(), "optimizer": CommCounter()}
@@ -245,20 +284,17 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: 
         trail.phase = "comparison with the reference"
         full_logits, full_loss = _full(logits), _full(loss)
         grads = {n: (applied.full(n, p.grad) if p.grad is not None else None) for n, p in model.named_parameters()}
-        if reference is not None:
-            ref_logits = _logits(reference(inputs))
-            ref_loss = _loss(ref_logits, targets)
-            ref_loss.backward()
-            if cfg.dp > 1:
-                with torch.no_grad():
-                    ref_logits = _logits(reference(inputs[mine]))
-                    ref_loss = _loss(ref_logits, targets[mine])
-            parity.compare("logits", f"logits (step {step + 1})", full_logits, ref_logits)
-            parity.compare("loss", f"loss (step {step + 1})", full_loss, ref_loss)
+        if references:
+            outs = [_reference_step(r, inputs, targets, mine, cfg.dp > 1, device) for r in references]
+            truth, unsharded = references[0], references[-1] if len(references) > 1 else None
+            lowp = outs[-1] if unsharded is not None else (None, None)
+            parity.compare("logits", f"logits (step {step + 1})", full_logits, outs[0][0], lowp[0])
+            parity.compare("loss", f"loss (step {step + 1})", full_loss, outs[0][1], lowp[1])
             for n, g in grads.items():
-                parity.compare("grads", f"{n}.grad", g, ref_params[n].grad if n in ref_params else None)
-            ref_opt.step()
-            ref_opt.zero_grad()
+                parity.compare("grads", f"{n}.grad", g, truth.grad(n), unsharded.grad(n) if unsharded else None)
+            for r in references:
+                r.opt.step()
+                r.opt.zero_grad()
 
         trail.phase = "optimizer step"
         _sync(device)
@@ -272,10 +308,11 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: 
             step_times.append(step_time)
 
         trail.phase = "comparison with the reference"
-        params = {n: applied.full(n, p.detach()) for n, p in model.named_parameters()}
+        params = {n: applied.full(n, m.detach()) for n, m in opt.masters.items()}
         for n, p in params.items():
-            if reference is not None:
-                parity.compare("params", f"{n} (after step {step + 1})", p, ref_params.get(n))
+            if references:
+                parity.compare("params", f"{n} (after step {step + 1})", p, truth.param(n),
+                               unsharded.param(n) if unsharded else None, held_in=opt.master_dtype)
 
     trail.phase = "report"
     try:
