@@ -5,14 +5,17 @@ Rank 0 runs the same steps twice more, unsharded: in float64 (the *truth*) and i
 initial weights. For every tensor compared (logits, loss, each gradient, each parameter after a step):
 
     err_sharded  = max|sharded − truth|        err_unsharded = max|unsharded − truth|
-    OK  ⇔  err_sharded ≤ C · err_unsharded + F · eps · max|truth|,   C = 4, F = 16
+    OK  ⇔  err_sharded ≤ C · err_unsharded + F · eps · max|truth|,   C = 6, F = 2
 
-with eps the unit step of the dtype the tensor is held in (float32 for the master weights of a bfloat16
-run). Correct sharding only reorders floating-point sums, so its error is of the size the dtype incurs
-anyway, which the unsharded run in the same dtype measures (C allows for the reordering and for partial
-sums rounded before they are reduced); the floor covers tensors the unsharded run happens to get exact.
-A wrong plan is off by O(1) of the tensor and fails in every dtype: bfloat16 no longer hides a missing
-reduction behind a fixed absolute tolerance.
+with eps the unit step of the dtype the tensor is held in (2^-7 for bfloat16, 2^-23 for float32; float32
+for the master weights of a bfloat16 run). Correct sharding only reorders floating-point sums, so its
+error is of the size the dtype incurs anyway, which the unsharded run in the same dtype measures; C allows
+for the reordering and for partial sums rounded before they are reduced (measured on the shipped plans at
+tp 2 and 4, bfloat16 and float32, 2,964 tensors: err_sharded / err_unsharded ≤ 3.2, the largest
+err / bound 0.43), and the floor covers tensors the unsharded run happens to get exact (a loss). A wrong
+plan is off by O(1) of the tensor and fails in every dtype: bfloat16 no longer hides a missing reduction
+behind a fixed absolute tolerance. A float64 run has no coarser run to measure its rounding against; its
+bound stays fixed: 1e-10 · max|truth| + 1e-12.
 
 Any NaN or infinity, on any side, fails: a sharded run that diverges proves nothing, and neither does a
 reference that does. The report names the first tensor, in step order, that went non-finite and where.
@@ -31,8 +34,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
-C = 4.0  # allowed error relative to the unsharded run's own, in the same dtype
-F = 16.0  # the floor, in units of eps · max|truth|
+C = 6.0  # allowed error relative to the unsharded run's own, in the same dtype
+F = 2.0  # the floor, in units of eps · max|truth|
+FLOAT64_BOUND = (1e-10, 1e-12)  # (relative, absolute) for float64 runs, whose truth is their unsharded run
 
 
 def eps(dtype: torch.dtype) -> float:
@@ -87,8 +91,9 @@ class ParityCheck:
             return
         got, truth = got.detach().double().cpu(), truth.detach().double().cpu()
         unsharded = unsharded.detach().double().cpu() if unsharded is not None else truth
-        bad = [side for side, t in (("sharded run", got), ("reference", truth), ("unsharded reference", unsharded))
-               if not _finite(t)]
+        sides = (("sharded run", got), ("reference", truth)) + ((("unsharded reference", unsharded),)
+                                                                 if unsharded is not truth else ())
+        bad = [side for side, t in sides if not _finite(t)]
         if bad:
             q.ok = False
             q.problems.append(f"{name}: non-finite values (NaN or inf) in the {' and the '.join(bad)}")
@@ -99,9 +104,11 @@ class ParityCheck:
         if not got.numel():
             return
         err = (got - truth).abs().max().item()
-        err_unsharded = (unsharded - truth).abs().max().item()
         scale = truth.abs().max().item()
-        bound = C * err_unsharded + F * eps(held_in or self.dtype) * scale
+        if unsharded is truth:
+            bound = FLOAT64_BOUND[0] * scale + FLOAT64_BOUND[1]
+        else:
+            bound = C * (unsharded - truth).abs().max().item() + F * eps(held_in or self.dtype) * scale
         margin = err / bound if bound > 0 else (0.0 if err == 0 else math.inf)
         rel = err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
         if margin > 1:
@@ -117,7 +124,9 @@ class ParityCheck:
 
     def to_json(self) -> dict:
         """The `parity` section of the report."""
-        out: dict = {"ok": self.ok, "rule": {"C": C, "F": F, "eps": eps(self.dtype)}, "nonfinite": self.nonfinite,
+        rule = {"C": C, "F": F, "eps": eps(self.dtype)} if self.dtype != torch.float64 else \
+            {"rtol": FLOAT64_BOUND[0], "atol": FLOAT64_BOUND[1]}
+        out: dict = {"ok": self.ok, "rule": rule, "nonfinite": self.nonfinite,
                      "dropout": self.dropout}
         for name, q in self.quantities.items():
             out[name] = asdict(q)

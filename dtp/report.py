@@ -9,8 +9,9 @@ def _ops(counts: dict) -> str:
 
 
 def _rule(rule: dict, dtype: str) -> str:
-    unsharded = "the unsharded float64 run" if dtype == "float64" else f"unsharded {dtype}"
-    return (f"each tensor: |sharded − float64| ≤ {rule['C']:g}·|{unsharded} − float64| + "
+    if "C" not in rule:
+        return f"each tensor: |sharded − unsharded| ≤ {rule['rtol']:g}·max|unsharded| + {rule['atol']:g}"
+    return (f"each tensor: |sharded − float64| ≤ {rule['C']:g}·|unsharded {dtype} − float64| + "
             f"{rule['F']:g}·eps·max|float64|; margin = error / bound")
 
 
