@@ -11,6 +11,7 @@ import copy
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 MOMENTUM = 0.9
@@ -67,3 +68,40 @@ class Reference:
         """A parameter's gradient."""
         p = self.opt.params.get(name)
         return p.grad if p is not None else None
+
+
+def logits_of(output: object) -> torch.Tensor:
+    """A model's logits (Hugging Face outputs carry `.logits`)."""
+    return output.logits if hasattr(output, "logits") else output
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The training loss over (B, T, V) logits."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def own_rng(device: torch.device):
+    """A context that puts back the CPU generator's state (and `device`'s, if CUDA) when it ends."""
+    return torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else [])
+
+
+def references(model: nn.Module, dtype: torch.dtype, lr: float) -> list[Reference]:
+    """The float64 truth and, for a lower dtype, the unsharded run in that dtype (dtp.parity's rule)."""
+    truth = Reference(model, lr, torch.float64)
+    return [truth] if dtype == torch.float64 else [truth, Reference(model, lr)]
+
+
+def reference_step(ref: Reference, inputs: torch.Tensor, targets: torch.Tensor, mine: slice, split: bool,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward on the global batch; the logits and loss of this rank's part of it.
+
+    On its own copy of the generator state: the shared dropout stream stays in step with the other ranks."""
+    with own_rng(device):
+        logits = logits_of(ref.model(inputs))
+        loss = cross_entropy(logits, targets)
+        loss.backward()
+        if split:
+            with torch.no_grad():
+                logits = logits_of(ref.model(inputs[mine]))
+                loss = cross_entropy(logits, targets[mine])
+    return logits, loss

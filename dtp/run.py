@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -26,7 +25,7 @@ from dtp.comm import CommCounter, merge
 from dtp.data_parallel import data_parallel
 from dtp.schedule import NotModeled, schedule, summarize
 from dtp.parity import ParityCheck, dropout_sources
-from dtp.reference import MixedSGD, Reference
+from dtp.reference import MixedSGD, cross_entropy, logits_of, own_rng, reference_step, references
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -105,17 +104,9 @@ class ActivationMeter:
         return sum(self.storages.values())
 
 
-def _logits(output: object) -> torch.Tensor:
-    return output.logits if hasattr(output, "logits") else output  # Hugging Face outputs carry .logits
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -137,11 +128,6 @@ def _device(cfg: RunConfig) -> torch.device:
     return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
 
 
-def _own_rng(device: torch.device):
-    """A context that puts back the CPU generator's state (and `device`'s, if CUDA) when it ends."""
-    return torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else [])
-
-
 def run(cfg: RunConfig, out_dir: Path | None, mesh: DeviceMesh | None = None) -> dict | None:
     """Run on an initialised process group; rank 0 returns (and writes) the report.
 
@@ -152,7 +138,7 @@ def run(cfg: RunConfig, out_dir: Path | None, mesh: DeviceMesh | None = None) ->
     try:
         # The run draws from the default generators (weights, shared dropout stream) seeded with the seed
         # on every rank, and hands the caller's generator states back unchanged.
-        with _own_rng(device):
+        with own_rng(device):
             torch.default_generator.manual_seed(cfg.seed)
             if device.type == "cuda":
                 torch.cuda.manual_seed(cfg.seed)
@@ -200,28 +186,6 @@ def _report(cfg: RunConfig, plan, parity: ParityCheck, collectives: dict, analyt
     }
 
 
-def _references(model: nn.Module, dtype: torch.dtype, lr: float) -> list[Reference]:
-    """The float64 truth and, for a lower dtype, the unsharded run in that dtype (dtp.parity's rule)."""
-    truth = Reference(model, lr, torch.float64)
-    return [truth] if dtype == torch.float64 else [truth, Reference(model, lr)]
-
-
-def _reference_step(ref: Reference, inputs: torch.Tensor, targets: torch.Tensor, mine: slice, split: bool,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward and backward on the global batch; the logits and loss of this rank's part of it.
-
-    On its own copy of the generator state: the shared dropout stream stays in step with the other ranks."""
-    with _own_rng(device):
-        logits = _logits(ref.model(inputs))
-        loss = _loss(logits, targets)
-        loss.backward()
-        if split:
-            with torch.no_grad():
-                logits = _logits(ref.model(inputs[mine]))
-                loss = _loss(logits, targets[mine])
-    return logits, loss
-
-
 def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: DeviceMesh,
          device: torch.device) -> dict | None:
     warnings.filterwarnings("ignore", message=".*returned a view tensor")  # FSDP2 root: logits are not edited in place
@@ -234,7 +198,7 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: 
 
     model = models.build(source, device="cpu", dtype=dtype).to(device)  # the same weights on every rank
     model.train()
-    references = _references(model, dtype, cfg.lr) if rank == 0 else []
+    refs = references(model, dtype, cfg.lr) if rank == 0 else []  # rank 0: the float64 truth (+ same dtype)
     dropout = dropout_sources(model)
     trail = ModuleTrail(model)
     trails.append(trail)
@@ -271,9 +235,9 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: 
             with counters["forward"] if counting else contextlib.nullcontext(), \
                     activations.recording() if counting else contextlib.nullcontext():
                 trail.phase = "forward"
-                logits = _logits(model(inputs[mine]))
+                logits = logits_of(model(inputs[mine]))
                 trail.phase = "loss"
-                loss = _loss(logits, targets[mine])
+                loss = cross_entropy(logits, targets[mine])
             with counters["backward"] if counting else contextlib.nullcontext():
                 trail.phase = "backward"
                 loss.backward()
@@ -284,15 +248,15 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: 
         trail.phase = "comparison with the reference"
         full_logits, full_loss = _full(logits), _full(loss)
         grads = {n: (applied.full(n, p.grad) if p.grad is not None else None) for n, p in model.named_parameters()}
-        if references:
-            outs = [_reference_step(r, inputs, targets, mine, cfg.dp > 1, device) for r in references]
-            truth, unsharded = references[0], references[-1] if len(references) > 1 else None
-            lowp = outs[-1] if unsharded is not None else (None, None)
+        if refs:
+            outs = [reference_step(r, inputs, targets, mine, cfg.dp > 1, device) for r in refs]
+            truth, unsharded = refs[0], (refs[1] if len(refs) > 1 else None)
+            lowp = outs[1] if unsharded else (None, None)
             parity.compare("logits", f"logits (step {step + 1})", full_logits, outs[0][0], lowp[0])
             parity.compare("loss", f"loss (step {step + 1})", full_loss, outs[0][1], lowp[1])
             for n, g in grads.items():
                 parity.compare("grads", f"{n}.grad", g, truth.grad(n), unsharded.grad(n) if unsharded else None)
-            for r in references:
+            for r in refs:
                 r.opt.step()
                 r.opt.zero_grad()
 
@@ -310,7 +274,7 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: 
         trail.phase = "comparison with the reference"
         params = {n: applied.full(n, m.detach()) for n, m in opt.masters.items()}
         for n, p in params.items():
-            if references:
+            if refs:
                 parity.compare("params", f"{n} (after step {step + 1})", p, truth.param(n),
                                unsharded.param(n) if unsharded else None, held_in=opt.master_dtype)
 
