@@ -26,10 +26,14 @@ def test_nan_logits_exit_1_naming_the_first_tensor(repo):
     assert "Traceback" not in proc.stderr
 
 
-def test_nan_only_when_sharded_names_the_sharded_side(repo):
-    parity = _run("tests.fixtures.verdict_models:nan_when_sharded")["parity"]
+@pytest.mark.parametrize("factory, side", [
+    ("nan_when_sharded", "sharded run"),
+    ("nan_unless_sharded", "reference and the unsharded reference"),  # a reference that proves nothing fails
+])
+def test_nan_on_one_side_names_that_side(repo, factory, side):
+    parity = _run(f"tests.fixtures.verdict_models:{factory}")["parity"]
     assert not parity["ok"]
-    assert parity["nonfinite"] == {"tensor": "logits (step 1)", "quantity": "logits", "side": "sharded run"}
+    assert parity["nonfinite"] == {"tensor": "logits (step 1)", "quantity": "logits", "side": side}
 
 
 @pytest.mark.parametrize("lr", [math.nan, math.inf])
