@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 import os
@@ -16,7 +15,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -26,7 +24,8 @@ from dtp.shard import apply, tied_groups
 from dtp.comm import CommCounter, merge
 from dtp.data_parallel import data_parallel
 from dtp.schedule import NotModeled, schedule, summarize
-from dtp.parity import ParityCheck
+from dtp.parity import ParityCheck, dropout_sources
+from dtp.reference import MixedSGD, cross_entropy, logits_of, own_rng, reference_step, references
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -105,17 +104,9 @@ class ActivationMeter:
         return sum(self.storages.values())
 
 
-def _logits(output: object) -> torch.Tensor:
-    return output.logits if hasattr(output, "logits") else output  # Hugging Face outputs carry .logits
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -130,14 +121,28 @@ def make_mesh(cfg: RunConfig) -> DeviceMesh:
     return init_device_mesh(device, (cfg.tp,), mesh_dim_names=("tp",))
 
 
+def _device(cfg: RunConfig) -> torch.device:
+    if cfg.device != "cuda":
+        return torch.device("cpu")
+    rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
+
+
 def run(cfg: RunConfig, out_dir: Path | None, mesh: DeviceMesh | None = None) -> dict | None:
     """Run on an initialised process group; rank 0 returns (and writes) the report.
 
     An exception leaves with `__dtp_where__` saying which module or phase it came from.
     """
     trails: list[ModuleTrail] = []
+    device = _device(cfg)
     try:
-        return _run(cfg, out_dir, trails, mesh or make_mesh(cfg))
+        # The run draws from the default generators (weights, shared dropout stream) seeded with the seed
+        # on every rank, and hands the caller's generator states back unchanged.
+        with own_rng(device):
+            torch.default_generator.manual_seed(cfg.seed)
+            if device.type == "cuda":
+                torch.cuda.manual_seed(cfg.seed)
+            return _run(cfg, out_dir, trails, mesh or make_mesh(cfg), device)
     except Exception as err:
         err.__dtp_where__ = trails[0].where() if trails else "set-up"
         raise
@@ -181,24 +186,20 @@ def _report(cfg: RunConfig, plan, parity: ParityCheck, collectives: dict, analyt
     }
 
 
-def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: DeviceMesh) -> dict | None:
-    # CommDebugMode's module tracker hooks every module's backward; its warning is noise here.
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    warnings.filterwarnings("ignore", message="For backward hooks to be called")
+def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: DeviceMesh,
+         device: torch.device) -> dict | None:
     warnings.filterwarnings("ignore", message=".*returned a view tensor")  # FSDP2 root: logits are not edited in place
     # Gathering FSDP2 + TP parameters for the comparison warns that it takes two all-gathers; it may.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % max(torch.cuda.device_count(), 1)) \
-        if cfg.device == "cuda" else torch.device("cpu")
     dtype = DTYPES[cfg.dtype]
     plan = syntax.load(cfg.plan)
     source = models.resolve(cfg.model)
 
-    torch.manual_seed(cfg.seed)  # every rank builds the same weights
-    model = models.build(source, device="cpu", dtype=dtype).to(device)
+    model = models.build(source, device="cpu", dtype=dtype).to(device)  # the same weights on every rank
     model.train()
-    reference = copy.deepcopy(model) if rank == 0 else None
+    refs = references(model, dtype, cfg.lr) if rank == 0 else []  # rank 0: the float64 truth (+ same dtype)
+    dropout = dropout_sources(model)
     trail = ModuleTrail(model)
     trails.append(trail)
     trail.phase = "sharding (apply)"
@@ -215,10 +216,9 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: 
     mine = slice(mesh["dp"].get_local_rank() * per_dp, (mesh["dp"].get_local_rank() + 1) * per_dp) \
         if cfg.dp > 1 else slice(None)
 
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=cfg.lr, momentum=0.9) if reference is not None else None
-    ref_params = dict(reference.named_parameters()) if reference is not None else {}
+    opt = MixedSGD(model, cfg.lr)
     parity = ParityCheck(dtype)
+    parity.dropout = dropout
     loss_ctx = loss_parallel if applied.compiled.loss_parallel else contextlib.nullcontext
     # One counter per phase (the comparisons run in between, uncounted).
     counters = {"forward": CommCounter(), "backward": CommCounter(), "optimizer": CommCounter()}
@@ -235,9 +235,9 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: 
             with counters["forward"] if counting else contextlib.nullcontext(), \
                     activations.recording() if counting else contextlib.nullcontext():
                 trail.phase = "forward"
-                logits = _logits(model(inputs[mine]))
+                logits = logits_of(model(inputs[mine]))
                 trail.phase = "loss"
-                loss = _loss(logits, targets[mine])
+                loss = cross_entropy(logits, targets[mine])
             with counters["backward"] if counting else contextlib.nullcontext():
                 trail.phase = "backward"
                 loss.backward()
@@ -248,20 +248,17 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: 
         trail.phase = "comparison with the reference"
         full_logits, full_loss = _full(logits), _full(loss)
         grads = {n: (applied.full(n, p.grad) if p.grad is not None else None) for n, p in model.named_parameters()}
-        if reference is not None:
-            ref_logits = _logits(reference(inputs))
-            ref_loss = _loss(ref_logits, targets)
-            ref_loss.backward()
-            if cfg.dp > 1:
-                with torch.no_grad():
-                    ref_logits = _logits(reference(inputs[mine]))
-                    ref_loss = _loss(ref_logits, targets[mine])
-            parity.compare("logits", f"logits (step {step + 1})", full_logits, ref_logits)
-            parity.compare("loss", f"loss (step {step + 1})", full_loss, ref_loss)
+        if refs:
+            outs = [reference_step(r, inputs, targets, mine, cfg.dp > 1, device) for r in refs]
+            truth, unsharded = refs[0], (refs[1] if len(refs) > 1 else None)
+            lowp = outs[1] if unsharded else (None, None)
+            parity.compare("logits", f"logits (step {step + 1})", full_logits, outs[0][0], lowp[0])
+            parity.compare("loss", f"loss (step {step + 1})", full_loss, outs[0][1], lowp[1])
             for n, g in grads.items():
-                parity.compare("grads", f"{n}.grad", g, ref_params[n].grad if n in ref_params else None)
-            ref_opt.step()
-            ref_opt.zero_grad()
+                parity.compare("grads", f"{n}.grad", g, truth.grad(n), unsharded.grad(n) if unsharded else None)
+            for r in refs:
+                r.opt.step()
+                r.opt.zero_grad()
 
         trail.phase = "optimizer step"
         _sync(device)
@@ -275,10 +272,11 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: 
             step_times.append(step_time)
 
         trail.phase = "comparison with the reference"
-        params = {n: applied.full(n, p.detach()) for n, p in model.named_parameters()}
+        params = {n: applied.full(n, m.detach()) for n, m in opt.masters.items()}
         for n, p in params.items():
-            if reference is not None:
-                parity.compare("params", f"{n} (after step {step + 1})", p, ref_params.get(n))
+            if refs:
+                parity.compare("params", f"{n} (after step {step + 1})", p, truth.param(n),
+                               unsharded.param(n) if unsharded else None, held_in=opt.master_dtype)
 
     trail.phase = "report"
     try:

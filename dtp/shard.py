@@ -62,6 +62,5 @@ def apply(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh, seed: int
         rewrite._apply(model.get_submodule(path), mesh)
     modules = compiled.lowered.modules
     rng = TensorParallelRNG(seed, mesh.get_local_rank(), torch.device(mesh.device_type))
-    track(model, [p for p, m in modules.items() if m.style == "colwise"],
-          [p for p, m in modules.items() if m.style == "rowwise"], rng)
+    track(model, modules, rng)
     return Applied(model, compiled, mesh.size(), checked)
