@@ -349,14 +349,14 @@ def parse(text: str, file: str = "<plan>") -> ir.Plan:
     return dataclasses.replace(plan, comments=_comments(text, file), source=text)
 
 
-def load(path: str | Path) -> ir.Plan:
-    """Read and parse a .tp file; unreadable, special, oversized, binary or non-UTF-8 files are clean errors."""
+def read_plan_text(path: str | Path) -> str:
+    """A plan file's text; unreadable, special, oversized, binary or non-UTF-8 files are clean errors."""
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"{path} is a directory, not a .tp plan file")
     try:
-        # /dev/zero never ends and opening a FIFO waits for a writer: look before opening (non-blocking), and
-        # at what was opened
+        # /dev/zero never ends and opening a FIFO waits for a writer: open without blocking, then look at
+        # what was opened
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         with open(fd, "rb") as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
@@ -369,10 +369,14 @@ def load(path: str | Path) -> ir.Plan:
     if len(data) > MAX_PLAN_BYTES:
         raise UsageError(f"plan file {path} is larger than {MAX_PLAN_BYTES // 2**20} MiB; a plan is a page of text")
     try:
-        text = data.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
         column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
         raise PlanError([Diagnostic(ir.Pos(str(path), line, column),
                                     f"not UTF-8 text (byte {data[err.start]:#04x}); a .tp plan is a text file")]) from None
-    return parse(text, str(path))
+
+
+def load(path: str | Path) -> ir.Plan:
+    """Read (`read_plan_text`) and parse a .tp file."""
+    return parse(read_plan_text(path), str(path))
