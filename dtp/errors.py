@@ -83,6 +83,11 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised like Ctrl-C so that every `finally` (ranks, temp dirs) runs before dtp exits."""
 
 
+def clip(text: str, limit: int = 300) -> str:
+    """`text` cut to `limit` characters (an exception's message, a file's contents)."""
+    return text if len(text) <= limit else text[:limit] + " …"
+
+
 def shorten(value: object, limit: int = 80) -> str:
     """repr(value), cut to `limit` characters: a user's value never floods a message."""
     text = repr(value) if not isinstance(value, str) else f"'{value}'"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dtp.errors import UsageError, shorten
+from dtp.errors import UsageError, clip, shorten
 
 MAX_CASE_BYTES = 4 * 2**20  # a case holds one plan (≤ 4 MiB is what `dtp check` reads) and a few numbers
 DTYPES = ("float32", "bfloat16", "float64")
@@ -22,7 +22,7 @@ def _read(path: str) -> dict:
         data = json.loads(p.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
         raise UsageError(f"cannot replay {path}: not a saved dtp fuzz case ({type(err).__name__}: "
-                         f"{shorten(str(err), 200)})") from None
+                         f"{clip(str(err), 200)})") from None
     if not isinstance(data, dict):
         raise UsageError(f"cannot replay {path}: a saved case is a JSON object, not {type(data).__name__}")
     return data

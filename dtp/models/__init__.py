@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import yaml
 
-from dtp.errors import UsageError, shorten
+from dtp.errors import UsageError, clip, shorten
 from dtp.models.gpt import GPT, GPTConfig
 
 # family name → (config class, model class); a YAML file picks one with `family:` (default gpt).
@@ -58,11 +58,11 @@ def _load_yaml(name: str, text: str | None, path: Path | str) -> object:
         try:
             text = p.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as err:
-            raise UsageError(f"cannot read model config {name}: {shorten(str(err), 200)}") from None
+            raise UsageError(f"cannot read model config {name}: {clip(str(err), 200)}") from None
     try:
         return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
-        raise UsageError(f"model config {name} is not valid YAML: {shorten(' '.join(str(err).split()), 300)}") from None
+        raise UsageError(f"model config {name} is not valid YAML: {clip(' '.join(str(err).split()), 300)}") from None
     except RecursionError:
         raise UsageError(f"model config {name} nests too deeply to be a model config") from None
 
@@ -107,7 +107,7 @@ def config_from_dict(name: str, data: object) -> tuple[str, object]:
     try:
         return family, config_cls(**data)
     except (TypeError, ValueError) as err:
-        raise UsageError(f"model config {name}: {shorten(str(err), 300)}") from None
+        raise UsageError(f"model config {name}: {clip(str(err), 300)}") from None
 
 
 @dataclass(frozen=True)
@@ -151,13 +151,13 @@ def _factory(path: str) -> Callable[[], nn.Module]:
     try:
         obj: object = importlib.import_module(module_name)
     except ImportError as err:
-        raise UsageError(f"cannot import '{module_name}' for model factory {path}: {shorten(str(err), 300)}") from None
+        raise UsageError(f"cannot import '{module_name}' for model factory {path}: {clip(str(err), 300)}") from None
     except SyntaxError as err:
         raise UsageError(f"cannot import '{module_name}' for model factory {path}: SyntaxError in "
-                         f"{err.filename}:{err.lineno}: {shorten(str(err.msg), 200)}") from None
+                         f"{err.filename}:{err.lineno}: {clip(str(err.msg), 200)}") from None
     except Exception as err:  # noqa: BLE001 - the user's module raised while importing: one paragraph
         raise UsageError(f"importing '{module_name}' for model factory {path} raised {type(err).__name__}: "
-                         f"{shorten(str(err), 300)}") from None
+                         f"{clip(str(err), 300)}") from None
     for part in func_name.split("."):
         if not hasattr(obj, part):
             raise UsageError(f"model factory {path}: module '{module_name}' has no attribute '{func_name}'")
@@ -182,7 +182,7 @@ def build(source: ModelSource | str, device: str | torch.device = "meta",
                 model = factory()
             except Exception as err:  # the user's code: one paragraph, not a traceback
                 raise UsageError(f"model factory {source.factory} raised {type(err).__name__}: "
-                                 f"{shorten(str(err), 300)}") from None
+                                 f"{clip(str(err), 300)}") from None
             if not isinstance(model, nn.Module):
                 raise UsageError(f"model factory {source.factory} returned {type(model).__name__}, not an nn.Module")
     if dtype is not None:
