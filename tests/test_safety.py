@@ -44,8 +44,8 @@ def first(err: str) -> str:
 @pytest.mark.parametrize("text, message", [
     (LAUGHS, " is not valid YAML: aliases (*name) are not allowed in a model config in \"<unicode string>\", line 2, "
              "column 8: b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a] ^"),
-    ("n_embd: 1e12\n", ": n_embd must be an integer, got '1e12' (YAML reads 1e12 as text and 1.0e12 as a float)"),
-    ("n_embd: 1.0e+22\n", ": n_embd must be an integer, got 1e+22 (YAML reads 1e12 as text and 1.0e12 as a float)"),
+    ("n_embd: 1e12\n", ": n_embd must be a positive integer, got '1e12' (YAML reads 1e12 as text and 1.0e12 as a float)"),
+    ("n_embd: 1.0e+22\n", ": n_embd must be a positive integer, got 1e+22 (YAML reads 1e12 as text and 1.0e12 as a float)"),
     ("n_embd: 1000000000000\n", ": n_embd = 1000000000000 is out of range (at most 2147483648)"),
     ("dropout: \"0.1\"\n", ": dropout must be a number, got '0.1' (write numbers without quotes; YAML reads 1e-5 as "
                            "text: write 1.0e-5)"),

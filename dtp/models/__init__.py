@@ -67,15 +67,23 @@ def _load_yaml(name: str, text: str | None, path: Path | str) -> object:
         raise UsageError(f"model config {name} nests too deeply to be a model config") from None
 
 
+def _numeric(value: object) -> bool:
+    try:
+        float(value)  # type: ignore[arg-type]
+        return isinstance(value, str)
+    except (TypeError, ValueError):
+        return False
+
+
 def _check_value(name: str, key: str, kind: str, value: object) -> None:
     """A config value of the field's declared type (`int`, `float` or `bool`), within sane bounds."""
     if kind == "bool" and not isinstance(value, bool):
         raise UsageError(f"model config {name}: {key} must be true or false, got {shorten(value)}")
     if kind == "int" and (not isinstance(value, int) or isinstance(value, bool)):
-        hint = " (YAML reads 1e12 as text and 1.0e12 as a float)" if isinstance(value, (str, float)) else ""
-        raise UsageError(f"model config {name}: {key} must be an integer, got {shorten(value)}{hint}")
+        hint = " (YAML reads 1e12 as text and 1.0e12 as a float)" if isinstance(value, float) or _numeric(value) else ""
+        raise UsageError(f"model config {name}: {key} must be a positive integer, got {shorten(value)}{hint}")
     if kind == "float" and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-        hint = " (write numbers without quotes; YAML reads 1e-5 as text: write 1.0e-5)" if isinstance(value, str) else ""
+        hint = " (write numbers without quotes; YAML reads 1e-5 as text: write 1.0e-5)" if _numeric(value) else ""
         raise UsageError(f"model config {name}: {key} must be a number, got {shorten(value)}{hint}")
     if kind in ("int", "float") and not (abs(value) <= MAX_CONFIG_INT and value == value):
         raise UsageError(f"model config {name}: {key} = {shorten(value)} is out of range (at most {MAX_CONFIG_INT})")
