@@ -122,7 +122,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
             raise UsageError(f"tp={tp} × dp={args.dp} needs {tp * args.dp} GPUs; this machine has "
                              f"{preflight.cuda_device_count()}. Use --device cpu, or torchrun across machines")
 
-    plan = load(plan_path)
+    plan = load(args.plan)  # messages name the plan as the user wrote it; ranks get the absolute path
     cwd = os.getcwd()
     model = models.build(models.resolve(model_spec), device="meta")
     os.chdir(cwd)  # ranks start where the user started dtp, whatever the factory did
@@ -143,6 +143,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     report = _torchrun_rank(cfg) if torchrun else launch(cfg)
     if report is None:  # a torchrun rank other than 0
         return 0
+    report["plan"]["file"], report["model"] = args.plan, args.model  # as the user wrote them (config: what ran)
     print(render(report))
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2, default=str) + "\n")

@@ -170,7 +170,7 @@ def stop_ranks(procs: list) -> None:
         if p.is_alive():
             p.kill()
     for p in procs:
-        p.join(timeout=5)
+        p.join(timeout=30)  # SIGKILL cannot be ignored; on a loaded machine it can take a moment to land
 
 
 def _wait(procs: list, out: Path, timeout: float) -> list[RunError]:
