@@ -16,7 +16,8 @@ def _read(path: str) -> dict:
     p = Path(path)
     try:
         if not p.is_file():
-            raise UsageError(f"cannot replay {path}: " + ("no such file" if not p.exists() else "not a regular file"))
+            raise UsageError(f"cannot replay {path}: not a saved dtp fuzz case (" +
+                             ("no such file)" if not p.exists() else "not a regular file)"))
         if p.stat().st_size > MAX_CASE_BYTES:
             raise UsageError(f"cannot replay {path}: {p.stat().st_size} bytes is too large for a saved case")
         data = json.loads(p.read_text(encoding="utf-8"))
@@ -24,14 +25,14 @@ def _read(path: str) -> dict:
         raise UsageError(f"cannot replay {path}: not a saved dtp fuzz case ({type(err).__name__}: "
                          f"{clip(str(err), 200)})") from None
     if not isinstance(data, dict):
-        raise UsageError(f"cannot replay {path}: a saved case is a JSON object, not {type(data).__name__}")
+        raise UsageError(f"cannot replay {path}: not a saved dtp fuzz case (a JSON {type(data).__name__}, not an object)")
     return data
 
 
 def _int_field(path: str, data: dict, key: str, low: int, default: int | None) -> int:
     value = data.get(key, default)
     if value is None:
-        raise UsageError(f"case {path}: missing field '{key}'")
+        raise UsageError(f"cannot replay {path}: not a saved dtp fuzz case (missing field '{key}')")
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= _LIMITS[key]:
         raise UsageError(f"case {path}: '{key}' must be an integer from {low} to {_LIMITS[key]}, got {shorten(value)}")
     return value
