@@ -83,7 +83,7 @@ def _start(repo, tmp_path, mark: str, *argv: str) -> subprocess.Popen:
     deadline = time.monotonic() + 90
     while not any(p.name.startswith("dtp-") for p in tmp_path.iterdir()) and time.monotonic() < deadline:
         time.sleep(0.2)  # the temp dir exists once ranks are starting
-    time.sleep(2)
+    time.sleep(1)
     return proc
 
 
@@ -103,7 +103,7 @@ def test_sigterm_during_apply_stops_ranks_and_removes_temp_dirs(repo, tmp_path):
 def test_ctrl_c_during_fuzz_is_one_line_and_leaves_nothing(repo, tmp_path):
     mark = uuid.uuid4().hex
     proc = _start(repo, tmp_path, mark, "fuzz", "--examples", "1000", "--max-world", "2", "--seed", "3")
-    time.sleep(3)  # the pools are running examples
+    time.sleep(1)  # the pools are running examples
     for pid in processes_with_mark(mark):  # as a terminal does: the whole foreground group gets Ctrl-C
         try:
             os.kill(pid, signal.SIGINT)
