@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import signal
 import sys
 from pathlib import Path
 
-from dtp.errors import DtpError, UsageError
+from dtp.errors import DtpError, Terminated, UsageError
 
 
 def positive_int(text: str) -> int:
@@ -18,6 +20,31 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (no nan, inf, 0 or negative)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got '{text[:40]}'") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text[:40]}")
+    return value
+
+
+MAX_SEED = 2**63 - 2**16  # torch seeds are 64-bit; ranks add their index
+
+
+def seed_int(text: str) -> int:
+    """argparse type: an integer seed in [0, 2^63 - 2^16]."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed, got '{text[:40]}'") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"seed must be between 0 and {MAX_SEED}, got {text[:40]}")
     return value
 
 
@@ -157,6 +184,10 @@ def build_parser(full: bool = True) -> argparse.ArgumentParser:
     return p
 
 
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `dtp` console script."""
     argv = sys.argv[1:] if argv is None else argv
@@ -167,11 +198,15 @@ def main(argv: list[str] | None = None) -> int:
             print(err.render(), file=sys.stderr)
             return err.exit_code
     args = build_parser(full=argv[:1] in (["apply"], ["export"])).parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)  # like Ctrl-C: ranks stopped, temp dirs removed, then exit
     try:
         return args.func(args)
     except DtpError as err:
         print(err.render(), file=sys.stderr)
         return err.exit_code
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

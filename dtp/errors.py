@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 from dtp.ir import Pos
 
+MAX_SHOWN = 50  # diagnostics rendered per file; the count says how many there were
+
 
 @dataclass(frozen=True)
 class Diagnostic:
@@ -56,15 +58,37 @@ class PlanError(DtpError):
         super().__init__("; ".join(f"{d.pos}: {d.message}" for d in self.diagnostics))
 
     def render(self) -> str:
-        """Every diagnostic with its source excerpt, then a count."""
-        parts = [d.render(self.source) for d in self.diagnostics]
+        """The first MAX_SHOWN diagnostics with their source excerpts, then a count."""
+        parts = [d.render(self.source) for d in self.diagnostics[:MAX_SHOWN]]
         n = len(self.diagnostics)
+        if n > MAX_SHOWN:
+            parts.append(f"... and {n - MAX_SHOWN} more")
         if n > 1:
             parts.append(f"{n} errors")
         return "\n".join(parts)
 
 
 class RunError(DtpError):
-    """A sharded run that raised, crashed or timed out: exit 1."""
+    """A sharded run that raised, crashed or timed out: exit 1. `rank`, `where` and `error` say which rank
+    failed first, in which module or phase, and what it raised (None for a timeout)."""
 
     exit_code = 1
+
+    def __init__(self, message: str, rank: int | None = None, where: str | None = None, error: str | None = None):
+        super().__init__(message)
+        self.rank, self.where, self.error = rank, where, error
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so that every `finally` (ranks, temp dirs) runs before dtp exits."""
+
+
+def clip(text: str, limit: int = 300) -> str:
+    """`text` cut to `limit` characters (an exception's message, a file's contents)."""
+    return text if len(text) <= limit else text[:limit] + " …"
+
+
+def shorten(value: object, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters: a user's value never floods a message."""
+    text = repr(value) if not isinstance(value, str) else f"'{value}'"
+    return text if len(text) <= limit else text[:limit - 5] + " …" + text[-2:]

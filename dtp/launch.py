@@ -1,122 +1,35 @@
-"""`dtp apply`: check the plan, start the ranks (or join torchrun's), enforce the timeout, report.
+"""`dtp apply`: check the plan and the machine, start the ranks (or join torchrun's), enforce the timeout, report.
 
-Not under torchrun, the ranks are started with torch's own `torch.multiprocessing.start_processes`;
-under torchrun (WORLD_SIZE set) this process is one rank of the launched world.
+Not under torchrun, the ranks are started by `dtp.launcher.launch_local` (loopback rendezvous, timeout, one
+paragraph for a failed rank, nothing left behind); under torchrun this process is one rank of the launched world.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
-import signal
-import sys
-import tempfile
-import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
 from dtp.errors import RunError, UsageError
-from dtp.ranks import die_with_parent, free_port
+from dtp.launcher import error_summary, launch_local, under_torchrun
 from dtp.run import DTYPES, RunConfig
 
 
-def _error_summary(err: BaseException, where: str, rank: int) -> dict:
-    frames = traceback.extract_tb(err.__traceback__)
-    frame = frames[-1] if frames else None
-    message = " ".join(str(err).split())
-    if len(message) > 400:
-        message = message[:400] + " …"
-    return {"rank": rank, "where": where, "error": f"{type(err).__name__}: {message}",
-            "at": f"{frame.filename}:{frame.lineno}" if frame else ""}
-
-
-def _run_rank(cfg: RunConfig, out_dir: Path, rank: int, world: int) -> int:
-    """One rank's life: process group, run, clean up; failures become a JSON summary, not a traceback."""
-    import torch
-    import torch.distributed as dist
-
+def _apply_rank(rank: int, world: int, cfg: RunConfig) -> dict | None:
+    """One rank of `dtp apply` on an initialised process group; rank 0 returns the report."""
     from dtp import run as run_mod
 
-    torch.set_num_threads(1)
-    try:
-        backend = "nccl" if cfg.device == "cuda" else "gloo"
-        if cfg.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=cfg.timeout))
-        report = run_mod.run(cfg, out_dir if rank == 0 else None)
-        ok = bool(report["parity"]["ok"]) if report else True
-        return 0 if ok else 1
-    except Exception as err:  # noqa: BLE001 - every failure is reported as one paragraph
-        summary = _error_summary(err, getattr(err, "__dtp_where__", None) or "start-up", rank)
-        (out_dir / f"error-{rank}.json").write_text(json.dumps(summary))
-        return 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _spawned_rank(rank: int, cfg: RunConfig, out_dir: str, world: int, port: int) -> None:
-    die_with_parent()  # a rank must not outlive `dtp apply`, even one killed with SIGKILL
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops every rank
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    code = _run_rank(cfg, Path(out_dir), rank, world)
-    if code:
-        sys.exit(code)
-
-
-def _collect_errors(out_dir: Path) -> RunError | None:
-    errors = [json.loads(p.read_text()) for p in sorted(out_dir.glob("error-*.json"))]
-    if not errors:
-        return None
-    first = errors[0]
-    others = f" ({len(errors) - 1} other rank(s) failed too)" if len(errors) > 1 else ""
-    return RunError(f"the sharded run failed on rank {first['rank']} in {first['where']}: {first['error']}{others}")
-
-
-def _read_report(out_dir: Path) -> dict | None:
-    path = out_dir / "report.json"  # written by rank 0 only
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def _start_method(cfg: RunConfig) -> str:
-    # fork saves every rank re-importing torch (seconds on a small CPU machine); CUDA cannot be forked.
-    return "spawn" if cfg.device == "cuda" else "fork"
+    return run_mod.run(cfg, None)
 
 
 def launch(cfg: RunConfig) -> dict:
     """Start tp×dp local ranks, wait at most cfg.timeout seconds, and return rank 0's report."""
-    import torch.multiprocessing as mp
-
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # we report failures ourselves
-    world = cfg.tp * cfg.dp
-    with tempfile.TemporaryDirectory(prefix="dtp-apply-") as tmp:
-        out_dir = Path(tmp)
-        ctx = mp.start_processes(_spawned_rank, args=(cfg, tmp, world, free_port()), nprocs=world, join=False,
-                                 start_method=_start_method(cfg))
-        deadline = time.monotonic() + cfg.timeout
-        failed: BaseException | None = None
-        try:
-            while not ctx.join(timeout=0.2):
-                if time.monotonic() > deadline:
-                    raise RunError(f"the sharded run did not finish within --timeout {cfg.timeout:g} s; every rank "
-                                   "was stopped (a rank may be stuck in a collective that another rank never joined)")
-        except (mp.ProcessExitedException, mp.ProcessRaisedException) as err:
-            failed = err
-        finally:
-            for proc in ctx.processes:  # nothing is left behind, whatever happened
-                if proc.is_alive():
-                    proc.kill()
-                proc.join(timeout=5)
-        error = _collect_errors(out_dir)
-        if error:
-            raise error
-        report = _read_report(out_dir)
-        if report is not None:
-            return report  # parity may have failed: ranks exit 1 then, but the report says why
-        raise RunError(f"a rank died without a report: {' '.join(str(failed).split())[:300] if failed else 'no exit status'}")
+    try:
+        return launch_local(_apply_rank, cfg.tp * cfg.dp, cfg, timeout=cfg.timeout, device=cfg.device,
+                            prefix="dtp-apply-")[0]
+    except RunError as err:
+        raise RunError(str(err).replace("the run", "the sharded run", 1), err.rank, err.where, err.error) from None
 
 
 def sequence_shape_problem(checked, tp: int, seq: int) -> str | None:
@@ -129,64 +42,117 @@ def sequence_shape_problem(checked, tp: int, seq: int) -> str | None:
     return None
 
 
-def _under_torchrun() -> bool:
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+def _torchrun_rank(cfg: RunConfig) -> dict | None:
+    """This process as one rank of torchrun's world: torchrun's rendezvous settings stand."""
+    import torch
+    import torch.distributed as dist
+
+    from dtp import run as run_mod
+
+    rank = int(os.environ["RANK"])
+    if cfg.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo", timeout=timedelta(seconds=cfg.timeout))
+    try:
+        return run_mod.run(cfg, None)
+    except Exception as err:  # noqa: BLE001 - one paragraph per failing rank, as for local runs
+        e = error_summary(err, rank)
+        raise RunError(f"the sharded run failed on rank {rank} in {e['where']}: {e['error']}", rank, e["where"],
+                       e["error"]) from None
+    finally:
+        dist.destroy_process_group()
+
+
+def pick_device(requested: str, world: int) -> str:
+    """`auto` is CUDA only when this machine has a GPU for every local rank, else CPU."""
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available on this machine")
+    return requested
+
+
+def writable_file(path: str, flag: str) -> str:
+    """`path` made absolute, once it is known that a file can be written there (before any rank starts)."""
+    target = Path(path).absolute()
+    if target.is_dir():
+        raise UsageError(f"{flag} {path} is a directory; give a file path")
+    if not target.parent.is_dir():
+        raise UsageError(f"{flag} {path}: directory {target.parent} does not exist")
+    existed = target.exists()
+    try:  # try it: permissions, read-only mounts and /proc all answer the same way
+        with open(target, "a", encoding="utf-8"):
+            pass
+    except OSError as err:
+        raise UsageError(f"{flag} {path}: cannot write there ({err.strerror})") from None
+    if not existed:
+        target.unlink()
+    return str(target)
+
+
+def absolute_model_spec(spec: str) -> str:
+    """A YAML model path made absolute (a factory may change the working directory); other specs as given."""
+    return str(Path(spec).absolute()) if spec.endswith((".yaml", ".yml")) and Path(spec).is_file() else spec
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
     """`dtp apply PLAN MODEL ...`: exit 0 parity holds, 1 parity failed or the run failed, 2 plan/usage error."""
-    import torch
-
-    from dtp import models
+    from dtp import models, preflight
     from dtp.check import check
     from dtp.report import render
     from dtp.syntax import load
 
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available on this machine")
-    torchrun = _under_torchrun()
+    # Every path is absolute before user code runs: a model factory may call os.chdir.
+    plan_path = str(Path(args.plan).absolute())
+    json_path = writable_file(args.json, "--json") if args.json else None
+    model_spec = absolute_model_spec(args.model)
+    torchrun = under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else None
     tp = args.tp or (world // args.dp if world else 2)
     if args.batch % args.dp:
         raise UsageError(f"--batch {args.batch} (the global batch) must divide by --dp {args.dp}")
     if torchrun and tp * args.dp != world:
         raise UsageError(f"--tp {tp} × --dp {args.dp} = {tp * args.dp} ranks, but torchrun started WORLD_SIZE={world}")
-    if device == "cuda" and not torchrun and tp * args.dp > torch.cuda.device_count():
-        raise UsageError(f"tp={tp} × dp={args.dp} needs {tp * args.dp} GPUs; this machine has "
-                         f"{torch.cuda.device_count()}. Use --device cpu, or torchrun across machines")
+    device = pick_device(args.device, 1 if torchrun else tp * args.dp)
+    if not torchrun:
+        preflight.check_world(tp * args.dp, device)
+        if device == "cuda" and tp * args.dp > preflight.cuda_device_count():
+            raise UsageError(f"tp={tp} × dp={args.dp} needs {tp * args.dp} GPUs; this machine has "
+                             f"{preflight.cuda_device_count()}. Use --device cpu, or torchrun across machines")
 
-    plan = load(args.plan)
-    checked = check(plan, models.build(models.resolve(args.model), device="meta"), tp)  # exit 2 before any rank starts
+    plan = load(args.plan)  # messages name the plan as the user wrote it; ranks get the absolute path
+    cwd = os.getcwd()
+    model = models.build(models.resolve(model_spec), device="meta")
+    os.chdir(cwd)  # ranks start where the user started dtp, whatever the factory did
+    vocab = models.vocab_size(model)
+    if vocab is None:
+        raise UsageError(f"model {args.model} has no nn.Embedding and no config.vocab_size: dtp feeds it token "
+                         "ids, so it must know the vocabulary size")
+    checked = check(plan, model, tp)  # exit 2 before any rank starts
     shape_problem = sequence_shape_problem(checked, tp, args.seq)
     if shape_problem:
         raise UsageError(shape_problem)
-    cfg = RunConfig(plan=args.plan, model=args.model, tp=tp, dp=args.dp, batch=args.batch, seq=args.seq,
+    elem = {"float32": 4, "bfloat16": 2, "float64": 8}[args.dtype]
+    if not torchrun:
+        preflight.check_memory(preflight.estimate(model, tp, args.dp, args.batch, args.seq, elem, vocab), device)
+    cfg = RunConfig(plan=plan_path, model=model_spec, tp=tp, dp=args.dp, batch=args.batch, seq=args.seq,
                     steps=args.steps, seed=args.seed, dtype=args.dtype, device=device, timeout=args.timeout, lr=args.lr)
 
-    if torchrun:
-        rank = int(os.environ["RANK"])
-        with tempfile.TemporaryDirectory(prefix="dtp-apply-") as tmp:
-            code = _run_rank(cfg, Path(tmp), rank, world)
-            error = _collect_errors(Path(tmp))
-            if error:
-                raise error
-            report = _read_report(Path(tmp))
-        if report is None:
-            return code
-    else:
-        report = launch(cfg)
+    report = _torchrun_rank(cfg) if torchrun else launch(cfg)
+    if report is None:  # a torchrun rank other than 0
+        return 0
+    report["plan"]["file"], report["model"] = args.plan, args.model  # as the user wrote them (config: what ran)
     print(render(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2, default=str) + "\n")
     return 0 if report["parity"]["ok"] else 1
 
 
 def add_apply_parser(sub) -> None:
     """Register `dtp apply` on the CLI's subparsers."""
-    from dtp.cli import positive_int
+    from dtp.cli import positive_float, positive_int, seed_int
 
     a = sub.add_parser("apply", help="shard a model under a plan, train K steps, prove parity, report costs")
     a.add_argument("plan")
@@ -196,10 +162,11 @@ def add_apply_parser(sub) -> None:
     a.add_argument("--batch", type=positive_int, default=2)
     a.add_argument("--seq", type=positive_int, default=16)
     a.add_argument("--steps", type=positive_int, default=3)
-    a.add_argument("--seed", type=int, default=0)
-    a.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (momentum 0.9)")
+    a.add_argument("--seed", type=seed_int, default=0)
+    a.add_argument("--lr", type=positive_float, default=0.1, help="SGD learning rate (momentum 0.9)")
     a.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
-    a.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    a.add_argument("--timeout", type=float, default=300.0, help="seconds before every rank is stopped (exit 1)")
+    a.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: CUDA when there is a GPU for every rank, else CPU")
+    a.add_argument("--timeout", type=positive_float, default=300.0, help="seconds before every rank is stopped (exit 1)")
     a.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     a.set_defaults(func=cmd_apply)

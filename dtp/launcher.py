@@ -1,91 +1,224 @@
-"""The project's local launcher: start N ranks on loopback, run a function on each, return the results.
+"""Local ranks: start `world` processes on this machine, rendezvous on loopback only, collect what each returns.
 
-(Minimal version on the train branch; the launcher branch's replaces it at merge with the same API.)
+The one launcher behind `dtp apply`, `dtp train`, `dtp.ranks.on_ranks` (tests, benchmarks) and the fuzz pools.
+torch's TCPStore listens on every interface (`::`) whatever host it is given, so the parent binds a loopback
+socket itself and hands it to the store (`master_listen_fd`); gloo's and NCCL's own sockets are pinned to the
+loopback interface. Under torchrun none of this runs: the launcher's settings stand.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import json
+import multiprocessing.connection
 import os
 import pickle
 import signal
 import socket
+import sys
 import tempfile
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
-from dtp.errors import RunError
+from dtp.errors import RunError, Terminated
+
+GRACE_S = 3.0  # after a first failure, how long the other ranks get to report theirs before they are stopped
 
 
 def under_torchrun() -> bool:
-    """Whether this process is one rank of a world torchrun (or another launcher) started."""
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    """Whether this process is one rank of a torchrun-launched world."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ and "LOCAL_RANK" in os.environ
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def die_with_parent() -> None:
+    """Make this process receive SIGKILL when its parent dies (Linux), so no rank outlives its launcher."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
-def _entry(rank: int, fn, world: int, port: int, out: str, device: str, timeout: float, args: tuple) -> None:
-    import ctypes
+def loopback_store(world: int, timeout: float):
+    """A TCPStore server listening on 127.0.0.1 only (an ephemeral port); `store.port` tells ranks where."""
+    from torch.distributed import TCPStore
 
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(max(128, world))
+    port = sock.getsockname()[1]
+    # The store owns the descriptor from here on (detach: Python must not close it a second time).
+    return TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
+                    timeout=timedelta(seconds=timeout), master_listen_fd=sock.detach())
+
+
+def init_rank(rank: int, world: int, port: int, device: str, timeout: float) -> None:
+    """In a started rank: die with the parent, leave signals to it, join the process group over loopback."""
     import torch
     import torch.distributed as dist
 
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # die with the parent
-    except (OSError, AttributeError):
-        pass
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops every rank
+    die_with_parent()  # a rank must not outlive its launcher, even one killed with SIGKILL
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops every rank, once
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout))
+
+
+def error_summary(err: BaseException, rank: int) -> dict:
+    """What a rank's exception becomes on the parent: rank, where (module or phase), error, source line."""
+    frames = traceback.extract_tb(err.__traceback__)
+    message = " ".join(str(err).split())
+    if len(message) > 400:
+        message = message[:400] + " …"
+    return {"rank": rank, "where": getattr(err, "__dtp_where__", None) or "start-up",
+            "error": f"{type(err).__name__}: {message}", "time": time.time(),
+            "at": f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""}
+
+
+def _child(rank: int, world: int, port: int, device: str, timeout: float, out: str, fn, args: tuple) -> None:
+    code = 1
     try:
-        if device == "cuda":
-            torch.cuda.set_device(rank)
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout))
-        result = fn(rank, world, *args)
-        Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(result))
-    except Exception as err:  # noqa: BLE001 - reported by the parent as one paragraph
-        message = " ".join(f"{type(err).__name__}: {err}".split())[:500]
-        Path(out, f"{rank}.err").write_text(message)
-        raise SystemExit(1) from None
+        import torch.distributed as dist
+
+        init_rank(rank, world, port, device, timeout)
+        try:
+            result = fn(rank, world, *args)
+        finally:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        tmp = Path(out, f"{rank}.pkl.tmp")
+        tmp.write_bytes(pickle.dumps(result))
+        tmp.rename(Path(out, f"{rank}.pkl"))
+        code = 0
+    except BaseException as err:  # noqa: BLE001 - the parent reports it as one paragraph
+        with contextlib.suppress(Exception):
+            Path(out, f"error-{rank}.json").write_text(json.dumps(error_summary(err, rank)))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)  # no destructors: the forked copy of the parent's store must not run its own
+
+
+def _death(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+    if exitcode == 0:
+        return "exited (status 0) without returning a result (does the model call sys.exit or os._exit?)"
+    return f"exited with status {exitcode} without reporting an error"
+
+
+def _failure(out: Path, rank: int, exitcode: int | None) -> RunError:
+    """A RunError for a rank that failed; `.time` is when it raised (0 for a rank that died silently)."""
+    path = out / f"error-{rank}.json"
+    with contextlib.suppress(ValueError, OSError, KeyError):
+        e = json.loads(path.read_text())
+        err = RunError(f"the run failed on rank {rank} in {e['where']}: {e['error']}", rank=rank,
+                       where=e["where"], error=e["error"])
+        err.time = e["time"]
+        return err
+    err = RunError(f"the run failed: rank {rank} {_death(exitcode)}", rank=rank, where=None, error=_death(exitcode))
+    err.time = 0.0
+    return err
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt():
+    """SIGTERM raises Terminated (a KeyboardInterrupt) in the main thread, so cleanup runs as for Ctrl-C."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def start_ranks(target, world: int, args: tuple, device: str = "cpu") -> list:
+    """Start `world` processes running target(rank, *args): forked on CPU (no re-import of torch), spawned
+    on CUDA (CUDA cannot be forked)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn" if device == "cuda" else "fork")
+    procs = [ctx.Process(target=target, args=(rank, *args), daemon=True) for rank in range(world)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def stop_ranks(procs: list) -> None:
+    """Kill and reap every rank still running."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=30)  # SIGKILL cannot be ignored; on a loaded machine it can take a moment to land
+
+
+def _wait(procs: list, out: Path, timeout: float) -> list[RunError]:
+    """Wait for every rank; the failures, first one first ([] when all returned a result)."""
+    deadline = time.monotonic() + timeout
+    failures: list[tuple[int, float, int, RunError]] = []  # (round seen, time raised, rank, error)
+    seen: set[int] = set()
+    grace_end, rounds = None, 0
+    while len(seen) < len(procs):
+        now = time.monotonic()
+        if now >= deadline:
+            raise RunError(f"the run did not finish within --timeout {timeout:g} s; every rank was stopped "
+                           "(a rank may be stuck in a collective that another rank never joined)")
+        if grace_end is not None and now >= grace_end:
+            break
+        live = [p.sentinel for r, p in enumerate(procs) if r not in seen]
+        multiprocessing.connection.wait(live, timeout=min(0.2, deadline - now))
+        rounds += 1
+        for r, p in enumerate(procs):
+            if r in seen or p.exitcode is None:
+                continue
+            seen.add(r)
+            if p.exitcode != 0 or not (out / f"{r}.pkl").exists():
+                # A rank that died silently (time 0) caused its peers' connection errors, not the reverse.
+                err = _failure(out, r, p.exitcode)
+                failures.append((rounds, err.time, r, err))
+                grace_end = grace_end or time.monotonic() + GRACE_S
+    return [err for _, _, _, err in sorted(failures, key=lambda f: f[:3])]
 
 
 def launch_local(fn, world: int, *args, timeout: float, device: str = "cpu", prefix: str = "dtp-") -> list:
-    """Start `world` local ranks (fork+gloo on CPU, spawn+NCCL on CUDA), rendezvous on loopback only, init the
-    process group on each, call fn(rank, world, *args), return the results in rank order (pickled back).
-    Raises RunError (one paragraph) on failure/timeout; cleans up everything, also on Ctrl-C."""
-    import logging
-
-    import torch.multiprocessing as mp
-
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # failures are reported here
-    with tempfile.TemporaryDirectory(prefix=prefix) as out:
-        ctx = mp.start_processes(_entry, args=(fn, world, _free_port(), out, device, timeout, args), nprocs=world,
-                                 join=False, start_method="spawn" if device == "cuda" else "fork")
-        deadline = time.monotonic() + timeout
-        crashed = None
+    """Start `world` local ranks (fork+gloo on CPU, spawn+NCCL on CUDA), rendezvous on loopback only,
+    init the process group on each, call fn(rank, world, *args), return the results in rank order.
+    Raises RunError (one paragraph naming the failing rank and what it raised, or the timeout) and
+    leaves no process, temp dir or port behind, also on Ctrl-C/SIGTERM."""
+    procs: list = []
+    with terminate_as_interrupt(), tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        store = loopback_store(world, timeout + 30)
         try:
-            while not ctx.join(timeout=0.2):
-                if time.monotonic() > deadline:
-                    raise RunError(f"the ranks did not finish within {timeout:g} s; every rank was stopped")
-        except (mp.ProcessExitedException, mp.ProcessRaisedException) as err:
-            crashed = err
+            # Ranks' own process-group timeout is longer than ours: the parent always decides, with one message.
+            procs = start_ranks(_child, world, (world, store.port, device, timeout + 30, tmp, fn, args), device)
+            failures = _wait(procs, Path(tmp), timeout)
         finally:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.kill()
-                proc.join(timeout=5)
-        errors = sorted(Path(out).glob("*.err"), key=lambda p: int(p.stem))
-        if errors:
-            more = f" ({len(errors) - 1} other rank(s) failed too)" if len(errors) > 1 else ""
-            raise RunError(f"rank {errors[0].stem} failed: {errors[0].read_text()}{more}")
-        if crashed is not None:
-            raise RunError(f"a rank died: {' '.join(str(crashed).split())[:300]}")
-        return [pickle.loads(Path(out, f"{r}.pkl").read_bytes()) for r in range(world)]
+            stop_ranks(procs)
+            del store  # closes the listening socket
+        if failures:
+            first = failures[0]
+            if len(failures) > 1:
+                first.args = (f"{first} ({len(failures) - 1} other rank(s) failed too)",)
+            raise first
+        return [pickle.loads(Path(tmp, f"{r}.pkl").read_bytes()) for r in range(world)]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
 from dtp import ir
-from dtp.errors import Diagnostic
+from dtp.errors import MAX_SHOWN, Diagnostic
 from dtp.placement import Placement, param_placements
 
 if TYPE_CHECKING:
@@ -114,13 +114,20 @@ def resolve(plan: ir.Plan, model: nn.Module) -> Resolution:
     paths = [p for p in modules if p]
     diags: list[Diagnostic] = []
 
+    unmatched = [0]
+
     def matched(pattern: ir.Pattern, allow_root: bool = False) -> list[str]:
-        hits = [p for p in paths if matches(pattern, p)]
+        if all(isinstance(s, str) and not any(c in s for c in "*?") for s in pattern.segments):
+            hits = [str(pattern)] if str(pattern) in modules and pattern.segments else []  # literal: one lookup
+        else:
+            hits = [p for p in paths if matches(pattern, p)]
         if allow_root and not pattern.segments:
             hits = [""]
         if not hits:
-            diags.append(Diagnostic(pattern.pos, f"pattern '{pattern}' matches no module{_suggest(pattern, paths)}",
-                                    len(str(pattern)) or 1))
+            # Suggestions cost a fuzzy search over every module: only for the errors a user will read.
+            unmatched[0] += 1
+            hint = _suggest(pattern, paths) if unmatched[0] <= MAX_SHOWN else ""
+            diags.append(Diagnostic(pattern.pos, f"pattern '{pattern}' matches no module{hint}", len(str(pattern)) or 1))
         return hits
 
     for block in blocks:

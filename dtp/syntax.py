@@ -4,7 +4,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.resources
+import os
 import re
+import stat
 from pathlib import Path
 
 from lark import Lark, Token, Transformer, Tree, UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
@@ -16,6 +18,8 @@ from dtp.errors import Diagnostic, PlanError, UsageError
 
 LANGUAGE_VERSION = 1
 MAX_NESTING = 64
+MAX_EXPR_DEPTH = 64  # operators on one path of a `set` expression's tree
+MAX_PLAN_BYTES = 4 * 2**20  # a plan is a page of text; this bounds the time and memory a file can cost
 MAX_INT = 2**62
 
 
@@ -303,15 +307,21 @@ def _comments(text: str, file: str) -> tuple[ir.Comment, ...]:
 
 
 def _nesting_error(tree: Tree, file: str) -> Diagnostic | None:
-    stack = [(tree, 0)]
-    while stack:  # iterative: the transformer below recurses, so depth is bounded first
-        node, depth = stack.pop()
+    stack = [(tree, 0, 0)]
+    while stack:  # iterative: the transformer below and `dtp fmt` recurse, so depth is bounded first
+        node, depth, expr = stack.pop()
         if node.data == "block":
             depth += 1
             if depth > MAX_NESTING:
                 return Diagnostic(ir.Pos(file, node.meta.line, node.meta.column),
                                   f"blocks nested more than {MAX_NESTING} deep")
-        stack.extend((c, depth) for c in node.children if isinstance(c, Tree))
+        elif node.data == "binop":
+            expr += 1
+            if expr > MAX_EXPR_DEPTH:
+                return Diagnostic(ir.Pos(file, node.meta.line, node.meta.column),
+                                  f"expression nested more than {MAX_EXPR_DEPTH} operators deep; "
+                                  "a `set` expression is a short formula such as `n_heads / tp`")
+        stack.extend((c, depth, expr) for c in node.children if isinstance(c, Tree))
     return None
 
 
@@ -339,22 +349,34 @@ def parse(text: str, file: str = "<plan>") -> ir.Plan:
     return dataclasses.replace(plan, comments=_comments(text, file), source=text)
 
 
-def load(path: str | Path) -> ir.Plan:
-    """Read and parse a .tp file; unreadable, binary or non-UTF-8 files are PlanErrors or UsageErrors."""
+def read_plan_text(path: str | Path) -> str:
+    """A plan file's text; unreadable, special, oversized, binary or non-UTF-8 files are clean errors."""
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"{path} is a directory, not a .tp plan file")
     try:
-        data = path.read_bytes()
+        # /dev/zero never ends and opening a FIFO waits for a writer: open without blocking, then look at
+        # what was opened
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise UsageError(f"{path} is not a regular file (a device, FIFO or socket); a plan is a text file")
+            data = f.read(MAX_PLAN_BYTES + 1)
     except FileNotFoundError:
         raise UsageError(f"plan file {path} does not exist") from None
     except OSError as err:
         raise UsageError(f"cannot read plan file {path}: {err.strerror}") from None
+    if len(data) > MAX_PLAN_BYTES:
+        raise UsageError(f"plan file {path} is larger than {MAX_PLAN_BYTES // 2**20} MiB; a plan is a page of text")
     try:
-        text = data.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
         column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
         raise PlanError([Diagnostic(ir.Pos(str(path), line, column),
                                     f"not UTF-8 text (byte {data[err.start]:#04x}); a .tp plan is a text file")]) from None
-    return parse(text, str(path))
+
+
+def load(path: str | Path) -> ir.Plan:
+    """Read (`read_plan_text`) and parse a .tp file."""
+    return parse(read_plan_text(path), str(path))

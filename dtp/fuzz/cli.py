@@ -2,10 +2,24 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from dtp.errors import UsageError
+
+
+def writable_dir(path: str) -> Path:
+    """--save DIR, created if need be and proven writable before any example runs."""
+    target = Path(path).absolute()
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        probe = target / f".dtp-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise UsageError(f"--save {path}: cannot write there ({err.strerror})") from None
+    return target
 
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
@@ -14,7 +28,10 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
 
     from dtp.fuzz.cases import mutated_texts, user_cases, zoo_cases
     from dtp.fuzz.pool import Pools
-    from dtp.fuzz.runner import evaluate, fuzz, fuzz_parser, load_case, save
+    from dtp.fuzz.replay import check_case_memory, load_checked_case
+    from dtp.preflight import check_world
+    from dtp.syntax import read_plan_text
+    from dtp.fuzz.runner import evaluate, fuzz, fuzz_parser, save
 
     if args.parser:
         seeds = [p.read_text() for p in sorted(Path("plans").glob("*.tp"))] or ["dtp 1\na: colwise\n"]
@@ -24,10 +41,15 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
             print(f"  {f[:300]}")
         return 1 if failures else 0
 
+    check_world(args.max_world, "cpu")
+    save_dir = writable_dir(args.save) if args.save else None
+    case = None
+    if args.replay:  # a case is data: every field checked before any rank starts
+        case, saved_error = load_checked_case(args.replay, args.factory)
+        check_case_memory(case)
     pools = Pools()
     try:
-        if args.replay:
-            case, saved_error = load_case(args.replay)
+        if case is not None:
             print(f"replaying {args.replay}: {case.describe()}")
             if saved_error:
                 print(f"  saved with: {saved_error}")
@@ -38,10 +60,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         if (args.plan is None) != (args.model is None):
             raise UsageError("give both PLAN and MODEL, or neither (to fuzz random plans on zoo models)")
         if args.plan:
-            try:
-                text = Path(args.plan).read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as err:
-                raise UsageError(f"cannot read plan {args.plan}: {err}") from None
+            text = read_plan_text(args.plan)
             strategy = user_cases(text, args.model, args.max_world)
         else:
             strategy = zoo_cases(args.max_world)
@@ -62,8 +81,8 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
             case, message = summary.failure
             print(f"FAILED (shrunk): {message}\n  {case.describe()}\n  plan:\n" +
                   "".join(f"    {line}\n" for line in case.plan.splitlines()))
-            if args.save:
-                path = save(case, message, Path(args.save))
+            if save_dir:
+                path = save(case, message, save_dir)
                 print(f"  saved as {path}; rerun with: dtp fuzz --replay {path}")
             return 1
         return 0
@@ -73,18 +92,20 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
 
 def add_fuzz_parser(sub) -> None:
     """Register `dtp fuzz`."""
-    from dtp.cli import positive_int
+    from dtp.cli import positive_float, positive_int, seed_int
 
     f = sub.add_parser("fuzz", help="property-based fuzzing of sharding correctness")
     f.add_argument("plan", nargs="?", help="a plan to fuzz meshes and shapes for (with MODEL)")
     f.add_argument("model", nargs="?", help="zoo name, model YAML, or package.module:factory")
     f.add_argument("--examples", type=positive_int, default=100)
-    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--seed", type=seed_int, default=0)
     f.add_argument("--max-world", type=positive_int, default=4, help="largest tp × dp to draw (≤ 4 recommended)")
     f.add_argument("--save", metavar="DIR", help="save a failing (shrunk) case here")
     f.add_argument("--replay", metavar="CASE", help="rerun one saved case")
+    f.add_argument("--factory", metavar="MODULE:FACTORY",
+                   help="let --replay run this model factory (a case never runs code on its own)")
     f.add_argument("--parser", action="store_true", help="fuzz the parser with random and mutated plan text")
     f.add_argument("--no-shrink", action="store_true", help="report the first failure as found")
-    f.add_argument("--timeout", type=float, default=120.0, help="seconds per example before it counts as hung")
+    f.add_argument("--timeout", type=positive_float, default=120.0, help="seconds per example before it counts as hung")
     f.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
     f.set_defaults(func=cmd_fuzz)

@@ -5,7 +5,6 @@ case that crashes or hangs a rank costs the pool: it is stopped and the next cas
 """
 from __future__ import annotations
 
-import os
 import queue
 import tempfile
 import time
@@ -13,26 +12,21 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from dtp.ranks import die_with_parent, free_port
+from dtp.launcher import init_rank, loopback_store, start_ranks, stop_ranks
 from dtp.run import RunConfig
 
+RANK_TIMEOUT_S = 120.0  # a collective that waits longer than this on a pool rank fails it
 
 
-def _worker(rank: int, world: int, port: int, jobs, results, tp: int, dp: int) -> None:
-    import torch
+def _worker(rank: int, world: int, port: int, jobs: list, results, tp: int, dp: int) -> None:
     import torch.distributed as dist
-    from datetime import timedelta
 
     from dtp import run as run_mod
 
-    die_with_parent()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    init_rank(rank, world, port, "cpu", RANK_TIMEOUT_S)  # loopback rendezvous; Ctrl-C is the parent's
     mesh = run_mod.make_mesh(RunConfig(plan="", model="", tp=tp, dp=dp))
     while True:
-        cfg = jobs.get()
+        cfg = jobs[rank].get()
         if cfg is None:
             break
         try:
@@ -57,12 +51,9 @@ class RankPool:
         ctx = mp.get_context("fork")
         self.jobs = [ctx.Queue() for _ in range(self.world)]
         self.results = ctx.Queue()
-        port = free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, self.world, port, self.jobs[r], self.results, tp, dp),
-                                  daemon=True) for r in range(self.world)]
-        for p in self.procs:
-            p.start()
         self.tmp = tempfile.TemporaryDirectory(prefix="dtp-fuzz-")
+        self.store = loopback_store(self.world, RANK_TIMEOUT_S)
+        self.procs = start_ranks(_worker, self.world, (self.world, self.store.port, self.jobs, self.results, tp, dp))
 
     def run(self, cfg: RunConfig, timeout: float = 120.0) -> dict:
         """Rank 0's report for `cfg`; raises RuntimeError (a rank failed) or Hang. Either closes the pool."""
@@ -108,9 +99,8 @@ class RankPool:
                 pass
         for p in self.procs:
             p.join(timeout=0.5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=2)
+        stop_ranks(self.procs)
+        self.store = None  # closes the listening socket
         self.tmp.cleanup()
 
     def path(self, name: str) -> Path:
