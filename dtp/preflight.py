@@ -2,7 +2,9 @@
 
 The estimate is deliberately simple and stated in the message: every rank builds the whole model before
 sharding it (P bytes), then holds its shards' gradients and momentum; rank 0 also keeps the unsharded
-reference (parameters, gradients, momentum: 3·P) and runs it on the whole batch; activations follow the
+references — one in float64, the truth, and one in the run's dtype — each with parameters, gradients and
+momentum, and runs both on the whole batch; a bfloat16 run adds float32 master weights and momentum
+across the ranks; activations follow the
 Megatron-SP paper's per-layer count (Korthikanti et al., 2022: 34·s·b·h + 5·a·s²·b bytes at 16 bits, i.e.
 17·s·b·h + 2.5·a·s²·b elements) plus the logits and their gradient.
 """
@@ -76,8 +78,12 @@ def estimate(model, tp: int, dp: int, batch: int, seq: int, elem: int, vocab: in
     acts = (acts + 3 * batch * seq * (vocab or 0)) * elem
     world = tp * dp
     # Every rank: the whole model while it is built, then shards + their gradients and momentum (≈ 3·P/tp/dp),
-    # and its share of the activations; rank 0: the reference (3·P) and its activations on the whole batch.
-    total = world * (params + 3 * params // world + acts // world) + 3 * params + acts
+    # and its share of the activations; rank 0: the float64 and same-dtype references (3 copies each) and
+    # their activations on the whole batch; bfloat16: float32 master weights and momentum, split over ranks.
+    elements = params // elem
+    references = 3 * elements * 8 + 3 * params + acts * 8 // elem + acts
+    masters = 2 * elements * 4 if elem < 4 else 0
+    total = world * (params + 3 * params // world + acts // world) + references + masters
     return Estimate(params, acts, total)
 
 
@@ -86,7 +92,7 @@ def check_memory(est: Estimate, device: str) -> None:
     avail = available_bytes() if device == "cpu" else None
     if avail is not None and est.total > avail:
         raise UsageError(f"this run needs about {_gib(est.total)} of memory (parameters {_gib(est.params)}, "
-                         f"activations {_gib(est.activations)}, for every rank plus the unsharded reference) but "
+                         f"activations {_gib(est.activations)}, for every rank plus the unsharded references) but "
                          f"{_gib(avail)} is available; use a smaller model, --batch or --seq, or run on more "
                          "machines with torchrun")
 
