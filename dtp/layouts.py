@@ -120,7 +120,14 @@ class PlacedColwise(ColwiseParallel):
 
 
 class Conv1DRowwise(RowwiseParallel):
-    """RowwiseParallel for transformers' Conv1D: weight (in, out) sharded on dim 0, bias replicated."""
+    """RowwiseParallel that also takes transformers' Conv1D (weight (in, out) sharded on dim 0, bias
+    replicated), and whose local output may be updated in place (Falcon's `mlp_output += attention_output`):
+    torch's `to_local()` hands out a view that autograd forbids modifying, so the output is a copy."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return out.clone() if use_local_output and not isinstance(out, DTensor) else out
 
     def _partition(self, name, module, mesh):
         distribute_param(module, "weight", Placement(0), mesh)

@@ -8,6 +8,7 @@ one part, in order:
 |-----------------|----------------------------------------------------|-----------------------|
 | `q`             | config's attention heads × head size               | its 1/tp slice        |
 | `kv`            | config's key/value heads × head size               | its 1/tp slice        |
+| `head`          | one head (multi-query k or v)                      | its 1/tp slice        |
 | `N` (integer)   | N features                                         | its 1/tp slice        |
 | `replicate(P)`  | P's size (`q`, `kv` or `N`)                        | the whole part        |
 
@@ -21,7 +22,7 @@ import torch.nn as nn
 
 from dtp import ir, models
 
-NAMES = ("q", "kv")
+NAMES = ("q", "kv", "head")
 
 
 class PartsError(ValueError):
@@ -35,10 +36,10 @@ def _size(item: str | int, root: nn.Module) -> int:
         return item
     info = models.heads(root)
     if item not in NAMES:
-        raise PartsError(f"unknown part '{item}'; a part is q, kv, an integer, or replicate(PART)")
+        raise PartsError(f"unknown part '{item}'; a part is q, kv, head, an integer, or replicate(PART)")
     if info is None:
         raise PartsError(f"part '{item}' needs the model's config to give its head counts")
-    return (info.n_head if item == "q" else info.n_kv_head) * info.head_dim
+    return {"q": info.n_head, "kv": info.n_kv_head, "head": 1}[item] * info.head_dim
 
 
 def _item(item: object, root: nn.Module) -> tuple[int, bool]:
