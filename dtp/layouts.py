@@ -166,20 +166,27 @@ class ReplicateReduceGrad(ParallelStyle):
 class ExpertsParallel(ParallelStyle):
     """Every expert's FFN dimension split over tp (Megatron's MLP layout, once per expert) on a module that
     holds the experts as 3-D parameters: gate_up_proj (E, 2·I, H) keeps [gate; up] per rank (packed, dim 1),
-    down_proj (E, H, I) is sharded on I. The module runs on local slices; its replicated input's gradient is
-    all-reduced (f) and its partial output all-reduced (g). Routing happens outside, on replicated input."""
+    down_proj (E, H, I) is sharded on I. The module runs on local slices; the gradients of its replicated
+    inputs (hidden states, routing weights) are all-reduced (f) and its partial output all-reduced (g).
+    Routing happens outside, on replicated input, so every rank picks the same experts."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         distribute_param(module, "gate_up_proj", Placement(1, 2), device_mesh)
         distribute_param(module, "down_proj", Placement(2), device_mesh)
         inner = module.forward
 
-        def forward(hidden_states, *args, **kwargs):
-            x = DTensor.from_local(hidden_states, device_mesh, [Replicate()], run_check=False)
-            x = x.to_local(grad_placements=[Partial()])  # f: the input's gradient is all-reduced
+        def f(t: object) -> object:  # identity forward, gradient all-reduced (Megatron's f)
+            if not isinstance(t, torch.Tensor) or not t.requires_grad:
+                return t
+            return DTensor.from_local(t, device_mesh, [Replicate()], run_check=False).to_local(
+                grad_placements=[Partial()])
+
+        def forward(*args, **kwargs):
+            # the hidden states and the routing weights: each rank's gradient covers its FFN slice only
+            args, kwargs = tuple(f(a) for a in args), {k: f(v) for k, v in kwargs.items()}
             local = {n: p.to_local() for n, p in module.named_parameters(recurse=False)}
             with _reparametrize_module(module, local):
-                out = inner(x, *args, **kwargs)
+                out = inner(*args, **kwargs)
             out = DTensor.from_local(out, device_mesh, [Partial()], run_check=False)
             return out.redistribute(placements=[Replicate()]).to_local()  # g
 

@@ -10,11 +10,12 @@ A layout change costs (N tokens × width × element size is the buffer S):
 | rowwise / embedding → replicated        | all-reduce S (g)   | -                  |
 | rowwise / embedding → sequence-sharded  | reduce-scatter S   | all-gather S       |
 | colwise output gathered (output=replicate) | all-gather S    | -                  |
+| rowwise input split (input=replicate)   | -                  | all-gather S       |
 | sequence_parallel norm parameter        | -                  | all-reduce of its gradient |
 | vocab-parallel cross-entropy            | 3 all-reduces of N values (max, sum of exponentials, target logit) | - |
 | replicated packed part (`replicate(kv)`) | -                 | all-reduce of those rows' gradient, per parameter |
 | `replicate(reduce_grad=true)`           | -                  | all-reduce of each parameter's gradient |
-| `experts` (expert FFN dimension split)  | all-reduce S (g)   | all-reduce S (f)   |
+| `experts` (expert FFN dimension split)  | all-reduce S (g)   | all-reduce S (f), and of the N × top-k routing weights |
 
 Sibling colwise layers that share their parent's input pay the input cost once (Megatron's f).
 """
@@ -115,7 +116,11 @@ def _tensor_parallel(checked: Checked, tp: int, batch: int, seq: int, dtype: tor
             continue
         if m.style == "experts":
             hidden = module.gate_up_proj.shape[2]
+            top_k = getattr(getattr(res.modules[""], "config", None), "num_experts_per_tok", None)
+            if not isinstance(top_k, int):
+                raise NotModeled(f"{path}: experts without config.num_experts_per_tok")
             add("all_reduce", "backward", hidden, path, "input: gradient (f)")
+            add("all_reduce", "backward", top_k, path, "routing weights: gradient (f)")
             add("all_reduce", "forward", hidden, path, "partial sums (g)")
             continue
         if m.style in ("colwise", "vocab_parallel") and not m.embedding:
@@ -133,7 +138,9 @@ def _tensor_parallel(checked: Checked, tp: int, batch: int, seq: int, dtype: tor
                     raise NotModeled(f"{path}: gathered output of packed parts")
                 add("all_gather", "forward", features(module)[1], path, "gathered output")
         elif m.style == "rowwise" or m.embedding:
-            if m.style == "rowwise" and m.input != Shard(-1):
+            if m.style == "rowwise" and m.input == Replicate():  # split locally; its gradient gathered
+                add("all_gather", "backward", features(module)[0], path, "gradient of the split input")
+            elif m.style == "rowwise" and m.input != Shard(-1):
                 raise NotModeled(f"{path}: rowwise input {m.input}")
             width = module.embedding_dim if m.embedding else features(module)[1]
             _leave_region(add, m.output, width, path)
