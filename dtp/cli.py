@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_apply_parser(sub)
     add_fuzz_parser(sub)
+    from dtp.hf_plan import add_plan_parser
+
+    add_plan_parser(sub)
     return p
 
 

@@ -280,9 +280,10 @@ class _ToIR(Transformer):
         name, arg = children
         return f"{name}({arg})", self._pos(name)
 
-    def list_value(self, children):
+    @v_args(meta=True)
+    def list_value(self, meta, children):
         items = tuple(str(v) if isinstance(v, ir.Layout) else v for v, _ in children)
-        return ir.PartList(items), children[0][1]
+        return ir.PartList(items), self._pos(meta)
 
     def binop(self, children):
         left, op, right = children
