@@ -12,7 +12,7 @@ can derive the communication schedule from the same decisions); `compile_plan` t
 | sequence_parallel          | SequenceParallel (a plain input read as replicated); switches to Megatron-SP |
 | replicate                  | nothing (the module stays a plain replicated module)                       |
 | replicate(reduce_grad=true) | ReplicateReduceGrad: whole parameters, gradients all-reduced              |
-| colwise/rowwise on Conv1D, packed=[…] | PlacedColwise / Conv1DRowwise (dtp/layouts.py)                  |
+| colwise/rowwise on Conv1D, packed=[…] | PlacedColwise / PlacedRowwise (dtp/layouts.py)                  |
 | experts                    | ExpertsParallel: each expert's FFN dimension split, f and g around it      |
 | colwise siblings           | SharedInput on their parent: one input redistribution for q/k/v, gate/up   |
 """
@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from dtp import ir
 from dtp.check import Checked, checked_for, evaluate
-from dtp.layouts import Conv1DRowwise, ExpertsParallel, PlacedColwise, ReplicateReduceGrad
+from dtp.layouts import PlacedRowwise, ExpertsParallel, PlacedColwise, ReplicateReduceGrad
 from dtp.placement import Placement as Placement_
 from dtp.placement import is_conv1d
 from dtp.styles import PackedColwiseParallel, SequenceParallelFromReplicated, SetAttributes, SharedInput
@@ -161,7 +161,7 @@ def _style(m: ModuleLayout) -> ParallelStyle:
             return PlacedColwise(dict(m.placements), **kw)
         return PackedColwiseParallel(m.packed, **kw) if m.packed > 1 else ColwiseParallel(**kw)
     if m.style == "rowwise":
-        return Conv1DRowwise(input_layouts=m.input, output_layouts=m.output, use_local_output=m.local)
+        return PlacedRowwise(input_layouts=m.input, output_layouts=m.output, use_local_output=m.local)
     if m.style == "experts":
         return ExpertsParallel()
     if m.reduce_grad:

@@ -119,7 +119,7 @@ class PlacedColwise(ColwiseParallel):
         return f"PlacedColwise({ {k: str(v) for k, v in self.placements.items()} })"
 
 
-class Conv1DRowwise(RowwiseParallel):
+class PlacedRowwise(RowwiseParallel):
     """RowwiseParallel that also takes transformers' Conv1D (weight (in, out) sharded on dim 0, bias
     replicated), and whose local output may be updated in place (Falcon's `mlp_output += attention_output`):
     torch's `to_local()` hands out a view that autograd forbids modifying, so the output is a copy."""
