@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dtp import syntax
-from dtp.comm import op_name
+from dtp.comm import _bytes, op_name
 from dtp.parity import ParityCheck
 from dtp.schedule import schedule, summarize
 
@@ -31,14 +31,17 @@ class CountCollectives(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter = Counter()
+        self.bytes: Counter = Counter()  # each collective's full buffer, as dtp.comm counts it
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t is DTensor for t in types):  # let DTensor run the op: its redistributions come back here
             return NotImplemented
         name = op_name(func._overloadpacket)
+        out = func(*args, **(kwargs or {}))
         if name in _COLLECTIVES:
             self.counts[name] += 1
-        return func(*args, **(kwargs or {}))
+            self.bytes[name] += max(_bytes((args, kwargs)), _bytes(out))
+        return out
 
 
 def _full(t):
@@ -79,12 +82,12 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
         parity.compare("grads", f"{name}.grad", got, ref_params[name].grad)
     tp = mesh.size()
     analytic = summarize(schedule(applied.checked, tp, batch, seq, lowered=applied.compiled.lowered), tp)
-    measured = {"forward": dict(fwd.counts), "backward": dict(bwd.counts)}
+    measured = {"forward": dict(fwd.counts), "backward": dict(bwd.counts), "bytes": dict(fwd.bytes + bwd.bytes)}
     report = parity.to_json()
     return {"family": family, "rank": rank, "ok": report["ok"], "worst": report["worst_tensor"],
             "errors": {q: report[q]["max_rel"] for q in ("logits", "loss", "grads")},
             "problems": [p for q in ("logits", "loss", "grads") for p in report[q]["problems"]],
-            "measured": measured, "analytic": {"forward": analytic["forward"], "backward": analytic["backward"]}}
+            "measured": measured, "analytic": {"forward": analytic["forward"], "backward": analytic["backward"], "bytes": analytic["bytes"]}}
 
 
 def verify_on_rank(rank: int, world: int, families: list[str]) -> list[dict]:

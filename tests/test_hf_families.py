@@ -49,7 +49,8 @@ def test_every_family_at_tp2():
     results = on_ranks(verify_on_rank, 2, TP2, timeout=600)
     _assert_families(results, TP2)
     for r in results[0]:
-        assert r["measured"] == EXPECTED.get(r["family"], MEGATRON), r["family"]
+        counts = {k: v for k, v in r["measured"].items() if k != "bytes"}
+        assert counts == EXPECTED.get(r["family"], MEGATRON), r["family"]
 
 
 def test_families_at_tp4():
