@@ -90,15 +90,16 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
             "measured": measured, "analytic": {"forward": analytic["forward"], "backward": analytic["backward"], "bytes": analytic["bytes"]}}
 
 
-def verify_on_rank(rank: int, world: int, families: list[str]) -> list[dict]:
-    """For `dtp.ranks.on_ranks`: verify every family in turn on one tp mesh of `world` ranks."""
+def verify_on_rank(rank: int, world: int, families: list) -> list[dict]:
+    """For `dtp.ranks.on_ranks`: verify every family (or (family, plan path)) in turn on one tp mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out = []
-    for family in families:
+    for item in families:
+        family, plan = item if isinstance(item, tuple) else (item, None)
         try:
-            out.append(verify(family, mesh))
+            out.append(verify(family, mesh, plan))
         except Exception as err:  # one family's failure is reported with the others
             out.append({"family": family, "rank": rank, "ok": False, "error": f"{type(err).__name__}: {err}"})
     return out

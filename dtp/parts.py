@@ -14,7 +14,9 @@ one part, in order:
 
 Sizes come from the model's config and must add up to the module's output features (`check` says so
 otherwise). A replicated part's rows are held by every rank; each rank's gradient for them covers only its
-own heads, so it is all-reduced in the backward pass (like HF's `replicated_with_grad_allreduce`).
+own heads, so it is all-reduced in the backward pass (like HF's `replicated_with_grad_allreduce`). A list of
+only replicated parts replicates a projection inside the colwise region: grouped-query attention with
+fewer key/value heads than tp when there is one (`k_proj: colwise(packed=[replicate(kv)])`).
 """
 from __future__ import annotations
 
@@ -58,8 +60,8 @@ def resolve_parts(value: ir.PartList, width: int, root: nn.Module) -> tuple[tupl
     if total != width:
         shown = " + ".join(f"{n}" if s else f"{n} (replicated)" for n, s in parts)
         raise PartsError(f"packed parts {value} add up to {shown} = {total}, not the {width} output features")
-    if all(not sharded for _, sharded in parts):
-        raise PartsError(f"packed parts {value} replicate every part; use `replicate` for the module instead")
+    # Every part replicated is meaningful inside a colwise region: a single key/value head that every rank's
+    # query heads read (`k_proj: colwise(packed=[replicate(kv)])`): whole weights, gradients summed.
     return parts
 
 

@@ -4,6 +4,8 @@ families per rank launch; tp_plan import/export round trips; check rules and exp
 layouts (Conv1D, packed part lists, replicate(reduce_grad), experts)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -19,7 +21,8 @@ from dtp.ranks import on_ranks  # noqa: E402
 from dtp.syntax import parse  # noqa: E402
 
 TP2 = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_neox", "gptj", "gpt_bigcode", "falcon",
-       "phi", "opt", "olmo2", "mixtral", "qwen2_moe"]
+       "phi", "opt", "olmo2", "mixtral", "qwen2_moe",
+       ("llama_mqa", Path(__file__).parent / "fixtures" / "hf" / "llama-mqa.tp")]  # 1 kv head, replicated
 TP4 = ["gpt2", "gpt_bigcode", "falcon"]  # 4 heads (and one replicated k/v head) divide by 4
 
 # Collectives per step of the 2-layer tiny models, forward and backward (3 of the forward all-reduces
@@ -31,13 +34,14 @@ EXPECTED = {
     "olmo2": {"forward": {"all_reduce": 8, "all_gather": 6}, "backward": {"all_reduce": 5, "all_gather": 2}},
     "mixtral": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 7}},  # + 2 × routing weights (f)
     "qwen2_moe": {"forward": {"all_reduce": 10}, "backward": {"all_reduce": 9}},  # + shared expert
+    "llama_mqa": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},  # + 2 × k, v weight gradients
 }
 MEGATRON = {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 5}}  # 4 × 2 layers + 1 + 1 + 3
 
 
 def _assert_families(results: list[list[dict]], families: list[str]) -> None:
     for rank_results in results:
-        assert [r["family"] for r in rank_results] == families
+        assert [r["family"] for r in rank_results] == [f[0] if isinstance(f, tuple) else f for f in families]
         for r in rank_results:
             assert "error" not in r, f"{r['family']}: {r.get('error')}"
             assert r["ok"], f"{r['family']}: parity failed, worst {r['worst']} {r['errors']} {r['problems']}"

@@ -24,6 +24,7 @@ COMMON: dict[str, Any] = dict(
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt2": ("gpt2", {}),
     "llama": ("llama", dict(num_key_value_heads=2)),
+    "llama_mqa": ("llama", dict(num_key_value_heads=1)),  # one key/value head (as Gemma-2B, Falcon-7B)
     "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=None)),
     "qwen2": ("qwen2", dict(num_key_value_heads=2)),
     "qwen3": ("qwen3", dict(num_key_value_heads=2)),
