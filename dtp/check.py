@@ -128,6 +128,9 @@ def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Repo
         if problem:
             rep.add(style.pos, length, path, f"{problem}; this module is {kind}")
             continue
+        if style.name == "slice_input":
+            check_layouts.check_slice_input(path, style, res.modules[""], tp, rep, sizes)
+            continue
         if isinstance(style.option("packed"), ir.PartList):  # unequal or replicated parts (dtp/parts.py)
             check_layouts.check_parts(path, module, style, res.modules[""], tp, rep, sizes)
             continue

@@ -14,6 +14,7 @@ can derive the communication schedule from the same decisions); `compile_plan` t
 | replicate(reduce_grad=true) | ReplicateReduceGrad: whole parameters, gradients all-reduced              |
 | colwise/rowwise on Conv1D, packed=[…] | PlacedColwise / PlacedRowwise (dtp/layouts.py)                  |
 | experts                    | ExpertsParallel: each expert's FFN dimension split, f and g around it      |
+| slice_input(name=X)        | SliceHeadsInput: keyword input X (batch · heads, …) cut to this rank's heads |
 | colwise siblings           | SharedInput on their parent: one input redistribution for q/k/v, gate/up   |
 """
 from __future__ import annotations
@@ -25,9 +26,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from dtp import ir
+from dtp import ir, models
 from dtp.check import Checked, checked_for, evaluate
-from dtp.layouts import PlacedRowwise, ExpertsParallel, PlacedColwise, ReplicateReduceGrad
+from dtp.layouts import ExpertsParallel, PlacedColwise, PlacedRowwise, ReplicateReduceGrad, SliceHeadsInput
 from dtp.placement import Placement as Placement_
 from dtp.placement import is_conv1d
 from dtp.styles import PackedColwiseParallel, SequenceParallelFromReplicated, SetAttributes, SharedInput
@@ -61,6 +62,8 @@ class ModuleLayout:
     # Parameter placements for the layouts torch's styles lack (Conv1D, unequal or replicated parts):
     placements: tuple[tuple[str, Placement_], ...] = ()
     reduce_grad: bool = False  # replicate(reduce_grad=true)
+    slice_name: str = ""  # slice_input(name=…): the keyword input cut to this rank's heads
+    heads: int = 0  # the config's attention heads (slice_input)
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,8 @@ def _module_layout(style: ir.Style, module: nn.Module, sp: bool) -> ModuleLayout
         return ModuleLayout(name, False, SEQUENCE, SEQUENCE, False)
     if name == "experts":
         return ModuleLayout(name, False, Replicate(), Replicate(), True)
+    if name == "slice_input":
+        return ModuleLayout(name, False, None, None, True)
     if style.option("reduce_grad", False) is True:
         return ModuleLayout(name, False, None, None, True, reduce_grad=True)
     return None  # replicate
@@ -112,6 +117,9 @@ def lower(checked: Checked, tp: int) -> Lowered:
     modules: dict[str, ModuleLayout] = {}
     for path, rule in res.claims.items():
         layout = _module_layout(rule.style, res.modules[path], sp)
+        if layout is not None and layout.style == "slice_input":
+            info = models.heads(res.modules[""])
+            layout = replace(layout, slice_name=str(rule.style.option("name", "")), heads=info.n_head if info else 0)
         if layout is not None and layout.style == "colwise":
             placed = res.placements(path)
             packed = layout.packed if isinstance(layout.packed, int) else 1
@@ -166,6 +174,8 @@ def _style(m: ModuleLayout) -> ParallelStyle:
         return ExpertsParallel()
     if m.reduce_grad:
         return ReplicateReduceGrad()
+    if m.style == "slice_input":
+        return SliceHeadsInput(m.slice_name, m.heads)
     if m.style == "vocab_parallel" and m.embedding:
         return RowwiseParallel(input_layouts=m.input, output_layouts=m.output, use_local_output=m.local)
     if m.style == "vocab_parallel":

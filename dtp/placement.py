@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-STYLES = ("colwise", "rowwise", "vocab_parallel", "sequence_parallel", "replicate", "experts")
+STYLES = ("colwise", "rowwise", "vocab_parallel", "sequence_parallel", "replicate", "experts", "slice_input")
 
 # The options each style accepts, with the kind of value each takes.
 OPTIONS: dict[str, dict[str, str]] = {
@@ -21,6 +21,7 @@ OPTIONS: dict[str, dict[str, str]] = {
     "sequence_parallel": {},
     "replicate": {"reduce_grad": "bool"},
     "experts": {},
+    "slice_input": {"name": "name"},  # a keyword input holding (batch · heads, …) values, cut to this rank's heads
 }
 
 

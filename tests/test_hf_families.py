@@ -21,9 +21,9 @@ from dtp.ranks import on_ranks  # noqa: E402
 from dtp.syntax import parse  # noqa: E402
 
 TP2 = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_neox", "gptj", "gpt_bigcode", "falcon",
-       "phi", "opt", "olmo2", "mixtral", "qwen2_moe",
+       "phi", "opt", "olmo2", "mixtral", "qwen2_moe", "bloom",
        ("llama_mqa", Path(__file__).parent / "fixtures" / "hf" / "llama-mqa.tp")]  # 1 kv head, replicated
-TP4 = ["gpt2", "gpt_bigcode", "falcon"]  # 4 heads (and one replicated k/v head) divide by 4
+TP4 = ["gpt2", "gpt_bigcode", "falcon", "bloom"]  # 4 heads (and one replicated k/v head) divide by 4
 
 # Collectives per step of the 2-layer tiny models, forward and backward (3 of the forward all-reduces
 # are the vocabulary-parallel loss's). Written out so a change in either measurement or schedule shows.
@@ -63,7 +63,7 @@ def test_families_at_tp4():
 
 def test_a_plan_exists_for_every_listed_model_type():
     listed = {"gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gpt_neox", "gptj", "gpt_bigcode",
-              "falcon", "phi", "opt", "olmo2", "mixtral", "qwen2_moe"}
+              "falcon", "phi", "opt", "olmo2", "mixtral", "qwen2_moe", "bloom"}
     assert listed <= {p.stem for p in PLANS.glob("*.tp")}
 
 
@@ -122,6 +122,15 @@ def test_style_module_checks():
         "gate_up_proj (E, 2·I, H) and down_proj (E, H, I); this module is MixtralTopKRouter"]
     assert _errors("dtp 1\ntransformer.h.*.attn.c_attn: colwise(packed=5)\n", "gpt2", 2)[0].endswith(
         "packed=5 needs out_features=192 to split into 5 equal parts")
+
+
+def test_slice_input_checks():
+    assert _errors("dtp 1\ntransformer.h.*.self_attention: slice_input\n", "bloom", 2) == [
+        "2:33: transformer.h.0.self_attention (and 1 more module): slice_input needs the keyword input to cut, "
+        "e.g. slice_input(name=alibi)"]
+    assert _errors("dtp 1\ntransformer.h.*.self_attention: slice_input(name=alibi)\n", "bloom", 3) == [
+        "2:33: transformer.h.0.self_attention (and 1 more module): slice_input cuts 4 attention heads "
+        "(config.n_head) into whole heads per rank, which tp=3 does not divide; tp values that work: 1, 2, 4"]
 
 
 def test_explain_rows_of_the_new_layouts():
