@@ -20,9 +20,12 @@ from dtp.models import hf  # noqa: E402
 from dtp.ranks import on_ranks  # noqa: E402
 from dtp.syntax import parse  # noqa: E402
 
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 TP2 = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_neox", "gptj", "gpt_bigcode", "falcon",
        "phi", "opt", "olmo2", "mixtral", "qwen2_moe", "bloom",
-       ("llama_mqa", Path(__file__).parent / "fixtures" / "hf" / "llama-mqa.tp")]  # 1 kv head, replicated
+       ("llama_mqa", FIXTURES / "llama-mqa.tp"),  # one key/value head, replicated
+       ("falcon_40b", FIXTURES / "falcon-40b.tp"),  # grouped query_key_value, in-place residual
+       ("gpt_bigcode_mha", FIXTURES / "gpt_bigcode-mha.tp")]  # multi-head c_attn
 TP4 = ["gpt2", "gpt_bigcode", "falcon", "bloom"]  # 4 heads (and one replicated k/v head) divide by 4
 
 # Collectives per step of the 2-layer tiny models, forward and backward (3 of the forward all-reduces
