@@ -160,7 +160,10 @@ def cmd_plan(args) -> int:
         for w in warnings:
             print(f"warning: {w}", file=sys.stderr)
         if args.output:
-            Path(args.output).write_text(text, encoding="utf-8")
+            try:
+                Path(args.output).write_text(text, encoding="utf-8")
+            except OSError as err:
+                raise UsageError(f"cannot write {args.output}: {err.strerror}") from None
             print(f"wrote {args.output}")
         else:
             sys.stdout.write(text)
