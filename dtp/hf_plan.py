@@ -17,7 +17,10 @@ import torch.nn as nn
 from dtp import ir
 from dtp.errors import UsageError
 
-PLANS = Path(__file__).resolve().parent.parent / "plans" / "hf"
+# plans/hf in a checkout; dtp/plans/hf inside a wheel
+_HERE = Path(__file__).resolve().parent
+PLANS = next((d for d in (_HERE / "plans" / "hf", _HERE.parent / "plans" / "hf") if d.is_dir()),
+             _HERE / "plans" / "hf")
 
 # HF style string → dtp style text (None: not expressible; the rule is dropped with a warning)
 IMPORT: dict[str, str | None] = {

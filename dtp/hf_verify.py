@@ -18,10 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dtp import syntax
 from dtp.comm import _bytes, op_name
+from dtp.hf_plan import PLANS
 from dtp.parity import ParityCheck
 from dtp.schedule import schedule, summarize
 
-PLANS = Path(__file__).resolve().parent.parent / "plans" / "hf"
 _COLLECTIVES = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}
 
 

@@ -22,7 +22,7 @@ from dtp.syntax import parse  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 TP2 = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_neox", "gptj", "gpt_bigcode", "falcon",
-       "phi", "opt", "olmo2", "mixtral", "qwen2_moe", "bloom",
+       "phi", "opt", "olmo2", "mixtral", "qwen2_moe", "bloom", "phi3",
        ("llama_mqa", FIXTURES / "llama-mqa.tp"),  # one key/value head, replicated
        ("falcon_40b", FIXTURES / "falcon-40b.tp"),  # grouped query_key_value, in-place residual
        ("gpt_bigcode_mha", FIXTURES / "gpt_bigcode-mha.tp")]  # multi-head c_attn
@@ -37,6 +37,7 @@ EXPECTED = {
     "olmo2": {"forward": {"all_reduce": 8, "all_gather": 6}, "backward": {"all_reduce": 5, "all_gather": 2}},
     "mixtral": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 7}},  # + 2 × routing weights (f)
     "qwen2_moe": {"forward": {"all_reduce": 10}, "backward": {"all_reduce": 9}},  # + shared expert
+    "phi3": {"forward": {"all_reduce": 8, "all_gather": 2}, "backward": {"all_reduce": 5, "all_gather": 2}},
     "llama_mqa": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},  # + 2 × k, v weight gradients
 }
 MEGATRON = {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 5}}  # 4 × 2 layers + 1 + 1 + 3
@@ -66,7 +67,7 @@ def test_families_at_tp4():
 
 def test_a_plan_exists_for_every_listed_model_type():
     listed = {"gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gpt_neox", "gptj", "gpt_bigcode",
-              "falcon", "phi", "opt", "olmo2", "mixtral", "qwen2_moe", "bloom"}
+              "falcon", "phi", "opt", "olmo2", "mixtral", "qwen2_moe", "bloom", "phi3"}
     assert listed <= {p.stem for p in PLANS.glob("*.tp")}
 
 
