@@ -151,3 +151,26 @@ def test_explain_rows_of_the_new_layouts():
         row = next(r for r in ex.rows if r.name == name)
         assert (row.placement, row.shape, row.local_shape) == (placement, shape, local), family
         assert ex.bytes_per_rank == sum(r.bytes_per_rank for r in ex.rows)
+
+
+def test_unequal_parts_on_phi3_qkv():
+    model = models.build("dtp.models.hf:phi3")  # qkv_proj: 4 query heads, 2 key/value heads of 16: 64/32/32
+    plan = parse("dtp 1\nmodel.layers.*.self_attn.qkv_proj: colwise(packed=[q, kv, kv])\n", "p.tp")
+    ex = explain(check(plan, model, 2), model, "phi3", 2, batch=2, seq=8)
+    row = next(r for r in ex.rows if r.name == "model.layers.0.self_attn.qkv_proj.weight")
+    assert (row.placement, row.shape, row.local_shape) == ("Shard(0) parts[64,32,32]", (128, 64), (64, 64))
+    assert _errors("dtp 1\nmodel.layers.*.self_attn.qkv_proj: colwise(packed=[q, kv, kv])\n", "phi3", 4)[0].endswith(
+        "packed part 2 (kv, 32 features) holds 2 heads (head size 16), which do not divide by tp=4; each rank must "
+        "hold whole heads; tp values that work: 1, 2; keep it whole with replicate(kv)")
+
+
+def test_pack_parts_round_trip_and_layout():
+    import torch
+
+    from dtp.layouts import pack_parts, unpack_parts
+
+    t = torch.arange(8.0 + 4 + 2).reshape(-1, 1)  # parts of 8 (sharded), 4 (sharded), 2 (replicated)
+    parts = ((8, True), (4, True), (2, False))
+    packed = pack_parts(t, parts, 2)
+    assert packed.flatten().tolist() == [0, 1, 2, 3, 8, 9, 12, 13, 4, 5, 6, 7, 10, 11, 12, 13]
+    assert torch.equal(unpack_parts(packed, parts, 2), t)
