@@ -9,9 +9,9 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dtp import ir
+from dtp import check_layouts, ir
 from dtp.errors import Diagnostic, PlanError
-from dtp.placement import OPTIONS, STYLES, Placement, module_fits, sharded_sizes
+from dtp.placement import OPTIONS, STYLES, Placement, features, is_linear, module_fits, sharded_sizes
 from dtp.resolve import Resolution, resolve
 
 if TYPE_CHECKING:  # torch only where a model is checked: `dtp check PLAN` stays instant
@@ -70,6 +70,10 @@ def _check_style(style: ir.Style, diags: list[Diagnostic]) -> None:
                                     len(str(shown))))
         elif kind == "bool" and not isinstance(value, bool):
             diags.append(Diagnostic(opt.value_pos, f"option '{opt.key}' takes true or false, not '{value}'", len(str(value))))
+        elif kind == "parts" and not check_layouts.parts_option_ok(value):
+            shown = str(value).lower() if isinstance(value, bool) else str(value)
+            diags.append(Diagnostic(opt.value_pos, f"option '{opt.key}' takes a positive integer or a part list "
+                                    f"such as [q, kv, kv], not '{shown}'", len(shown)))
         elif kind == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             shown = str(value).lower() if isinstance(value, bool) else str(value)
             diags.append(Diagnostic(opt.value_pos, f"option '{opt.key}' takes a positive integer, not '{shown}'",
@@ -128,9 +132,16 @@ def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Repo
         if problem:
             rep.add(style.pos, length, path, f"{problem}; this module is {kind}")
             continue
+        if style.name == "slice_input":
+            check_layouts.check_slice_input(path, style, res.modules[""], tp, rep, sizes)
+            continue
+        if isinstance(style.option("packed"), ir.PartList):  # unequal or replicated parts (dtp/parts.py)
+            check_layouts.check_parts(path, module, style, res.modules[""], tp, rep, sizes)
+            continue
         packed = _packed(style)
-        if packed > 1 and module.out_features % packed:
-            rep.add(style.pos, length, path, f"packed={packed} needs out_features={module.out_features} to split into "
+        fan_in, fan_out = features(module) if is_linear(module) else (0, 0)
+        if packed > 1 and fan_out % packed:
+            rep.add(style.pos, length, path, f"packed={packed} needs out_features={fan_out} to split into "
                     f"{packed} equal parts")
             continue
         for what, size in sharded_sizes(style.name, module, packed):
@@ -145,7 +156,7 @@ def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Repo
                 rep.add(style.pos, length, path, f"{style.name} shards {what} over tp={tp}, which does not divide it; "
                         f"tp values that work: {working_tp(size)}")
         if info and style.name in ("colwise", "rowwise") and _is_attention(path):
-            width = module.out_features // packed if style.name == "colwise" else module.in_features
+            width = fan_out // packed if style.name == "colwise" else fan_in
             if width % info.head_dim == 0:
                 n = width // info.head_dim
                 sizes.append(n)

@@ -181,6 +181,12 @@ def build_parser(full: bool = True) -> argparse.ArgumentParser:
     else:
         sub.add_parser("export", help="write a checkpoint's unsharded state dict (torch, safetensors, HF)")
     sub.add_parser("bench", help="benchmarks next to a Megatron-style baseline (`dtp bench --help`)")
+    if full:
+        from dtp.hf_plan import add_plan_parser
+
+        add_plan_parser(sub)
+    else:
+        sub.add_parser("plan", help="write a plan from a Hugging Face model, or a plan as an HF tp_plan")
     return p
 
 
@@ -197,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         except DtpError as err:
             print(err.render(), file=sys.stderr)
             return err.exit_code
-    args = build_parser(full=argv[:1] in (["apply"], ["export"])).parse_args(argv)
+    args = build_parser(full=argv[:1] in (["apply"], ["export"], ["plan"])).parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)  # like Ctrl-C: ranks stopped, temp dirs removed, then exit
     try:
         return args.func(args)

@@ -11,6 +11,10 @@ can derive the communication schedule from the same decisions); `compile_plan` t
 | vocab_parallel, Linear     | ColwiseParallel(output Shard(-1), DTensor output) + loss under loss_parallel |
 | sequence_parallel          | SequenceParallel (a plain input read as replicated); switches to Megatron-SP |
 | replicate                  | nothing (the module stays a plain replicated module)                       |
+| replicate(reduce_grad=true) | ReplicateReduceGrad: whole parameters, gradients all-reduced              |
+| colwise/rowwise on Conv1D, packed=[…] | PlacedColwise / PlacedRowwise (dtp/layouts.py)                  |
+| experts                    | ExpertsParallel: each expert's FFN dimension split, f and g around it      |
+| slice_input(name=X)        | SliceHeadsInput: keyword input X (batch · heads, …) cut to this rank's heads |
 | colwise siblings           | SharedInput on their parent: one input redistribution for q/k/v, gate/up   |
 """
 from __future__ import annotations
@@ -22,8 +26,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from dtp import ir
+from dtp import ir, models
 from dtp.check import Checked, checked_for, evaluate
+from dtp.layouts import ExpertsParallel, PlacedColwise, PlacedRowwise, ReplicateReduceGrad, SliceHeadsInput
+from dtp.placement import Placement as Placement_
+from dtp.placement import is_conv1d
 from dtp.styles import PackedColwiseParallel, SequenceParallelFromReplicated, SetAttributes, SharedInput
 
 SEQUENCE = Shard(1)
@@ -52,6 +59,11 @@ class ModuleLayout:
     output: Placement | None  # what it hands on
     local: bool  # hand on a local tensor (True) or a DTensor
     packed: int = 1
+    # Parameter placements for the layouts torch's styles lack (Conv1D, unequal or replicated parts):
+    placements: tuple[tuple[str, Placement_], ...] = ()
+    reduce_grad: bool = False  # replicate(reduce_grad=true)
+    slice_name: str = ""  # slice_input(name=…): the keyword input cut to this rank's heads
+    heads: int = 0  # the config's attention heads (slice_input)
 
 
 @dataclass(frozen=True)
@@ -89,6 +101,12 @@ def _module_layout(style: ir.Style, module: nn.Module, sp: bool) -> ModuleLayout
         return ModuleLayout(name, False, _layout(style, "input", between), Shard(-1), False)
     if name == "sequence_parallel":
         return ModuleLayout(name, False, SEQUENCE, SEQUENCE, False)
+    if name == "experts":
+        return ModuleLayout(name, False, Replicate(), Replicate(), True)
+    if name == "slice_input":
+        return ModuleLayout(name, False, None, None, True)
+    if style.option("reduce_grad", False) is True:
+        return ModuleLayout(name, False, None, None, True, reduce_grad=True)
     return None  # replicate
 
 
@@ -99,6 +117,14 @@ def lower(checked: Checked, tp: int) -> Lowered:
     modules: dict[str, ModuleLayout] = {}
     for path, rule in res.claims.items():
         layout = _module_layout(rule.style, res.modules[path], sp)
+        if layout is not None and layout.style == "slice_input":
+            info = models.heads(res.modules[""])
+            layout = replace(layout, slice_name=str(rule.style.option("name", "")), heads=info.n_head if info else 0)
+        if layout is not None and layout.style == "colwise":
+            placed = res.placements(path)
+            packed = layout.packed if isinstance(layout.packed, int) else 1
+            special = is_conv1d(res.modules[path]) or any(p.parts for p in placed.values())
+            layout = replace(layout, packed=packed, placements=tuple(placed.items()) if special else ())
         if layout is not None:
             modules[path] = layout
     # A shared input changes what every child of the parent receives, so only a parent whose colwise
@@ -139,12 +165,35 @@ class Compiled:
 def _style(m: ModuleLayout) -> ParallelStyle:
     if m.style == "colwise":
         kw = dict(input_layouts=m.input, output_layouts=m.output, use_local_output=m.local)
+        if m.placements:
+            return PlacedColwise(dict(m.placements), **kw)
         return PackedColwiseParallel(m.packed, **kw) if m.packed > 1 else ColwiseParallel(**kw)
-    if m.style == "rowwise" or (m.style == "vocab_parallel" and m.embedding):
+    if m.style == "rowwise":
+        return PlacedRowwise(input_layouts=m.input, output_layouts=m.output, use_local_output=m.local)
+    if m.style == "experts":
+        return ExpertsParallel()
+    if m.reduce_grad:
+        return ReplicateReduceGrad()
+    if m.style == "slice_input":
+        return SliceHeadsInput(m.slice_name, m.heads)
+    if m.style == "vocab_parallel" and m.embedding:
         return RowwiseParallel(input_layouts=m.input, output_layouts=m.output, use_local_output=m.local)
     if m.style == "vocab_parallel":
         return ColwiseParallel(input_layouts=m.input, output_layouts=m.output, use_local_output=False)
     return SequenceParallelFromReplicated()
+
+
+def placed_params(low: Lowered, model: nn.Module) -> dict[str, Placement_]:
+    """Parameter name → placement, for every parameter gathered back through `layouts.unpack_parts`
+    (Conv1D with packed parts, unequal or replicated parts, experts' packed gate_up_proj)."""
+    out: dict[str, Placement_] = {}
+    for path, m in low.modules.items():
+        for name, placement in m.placements:
+            if placement.parts or placement.packed > 1:
+                out[f"{path}.{name}"] = placement
+        if m.style == "experts":
+            out[f"{path}.gate_up_proj"] = Placement_(1, 2)
+    return out
 
 
 def compile_plan(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh) -> Compiled:
@@ -155,7 +204,8 @@ def compile_plan(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh) ->
     styles = {path: _style(m) for path, m in low.modules.items()}
     for parent in low.shared_inputs:
         styles[parent] = SharedInput(SEQUENCE if low.sequence_parallel else Replicate())
-    packed = {path: m.packed for path, m in low.modules.items() if m.packed > 1}
+    packed = {path: m.packed for path, m in low.modules.items() if m.packed > 1 and not m.placements}
+    packed.update(placed_params(low, model))
     rewrites = {path: SetAttributes(v) for path, v in low.rewrites.items()}
     return Compiled(styles, rewrites, low, packed)
 

@@ -72,7 +72,17 @@ class Layout:
         return f"shard({self.dim})" if self.kind == "shard" else self.kind
 
 
-OptionValue = Union[int, bool, Layout, str]
+@dataclass(frozen=True)
+class PartList:
+    """`[q, replicate(kv), 32]`: the packed parts of a sharded dimension, in order (see dtp/parts.py)."""
+
+    items: tuple[Union[int, str], ...]
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(str(i) for i in self.items) + "]"
+
+
+OptionValue = Union[int, bool, Layout, str, PartList]
 
 
 @dataclass(frozen=True)

@@ -13,16 +13,46 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported by the functions that look at modules: `dtp check PLAN` needs none
     import torch.nn as nn
 
-STYLES = ("colwise", "rowwise", "vocab_parallel", "sequence_parallel", "replicate")
+STYLES = ("colwise", "rowwise", "vocab_parallel", "sequence_parallel", "replicate", "experts", "slice_input")
 
 # The options each style accepts, with the kind of value each takes.
 OPTIONS: dict[str, dict[str, str]] = {
-    "colwise": {"input": "layout", "output": "layout", "local": "bool", "packed": "int"},
+    "colwise": {"input": "layout", "output": "layout", "local": "bool", "packed": "parts"},
     "rowwise": {"input": "layout", "output": "layout", "local": "bool"},
     "vocab_parallel": {"input": "layout", "output": "layout", "local": "bool"},
     "sequence_parallel": {},
-    "replicate": {},
+    "replicate": {"reduce_grad": "bool"},
+    "experts": {},
+    "slice_input": {"name": "name"},  # a keyword input holding (batch · heads, …) values, cut to this rank's heads
 }
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' `Conv1D` (GPT-2): a linear layer whose weight is stored transposed, (in, out)."""
+    return type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int)
+
+
+def is_linear(module: nn.Module) -> bool:
+    """nn.Linear (or a subclass such as Falcon's FalconLinear) or transformers' Conv1D."""
+    import torch.nn as nn
+
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def features(module: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of a Linear or a Conv1D."""
+    if is_conv1d(module):
+        return module.weight.shape[0], module.weight.shape[1]
+    return module.in_features, module.out_features
+
+
+def is_experts(module: nn.Module) -> bool:
+    """A module holding every expert's FFN as 3-D parameters: gate_up_proj (E, 2·I, H), down_proj (E, H, I)."""
+    import torch.nn as nn
+
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
+            and down.dim() == 3 and gate_up.shape[1] == 2 * down.shape[2])
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -38,7 +68,10 @@ def module_fits(style: str, module: nn.Module, vocab: int | None) -> str | None:
     import torch.nn as nn
 
     if style in ("colwise", "rowwise"):
-        return None if isinstance(module, nn.Linear) else f"{style} applies to nn.Linear"
+        return None if is_linear(module) else f"{style} applies to nn.Linear or transformers' Conv1D"
+    if style == "experts":
+        return None if is_experts(module) else ("experts applies to a module with 3-D expert parameters "
+                                                "gate_up_proj (E, 2·I, H) and down_proj (E, H, I)")
     if style == "vocab_parallel":
         if isinstance(module, nn.Embedding):
             return None
@@ -61,11 +94,21 @@ class Placement:
 
     shard_dim: int | None = None  # None: replicated
     packed: int = 1  # >1: the sharded dim holds `packed` equal parts, each sharded separately
+    # Unequal packed parts, in order: (size, sharded). A part that is not sharded is held whole by every
+    # rank (multi-query k/v), so its rows are duplicated across ranks and their gradient all-reduced.
+    parts: tuple[tuple[int, bool], ...] = ()
 
     def __str__(self) -> str:
         if self.shard_dim is None:
             return "Replicate()"
+        if self.parts:
+            shown = ",".join(f"{n}" if sharded else f"{n}r" for n, sharded in self.parts)
+            return f"Shard({self.shard_dim}) parts[{shown}]"
         return f"Shard({self.shard_dim})" + (f" packed×{self.packed}" if self.packed > 1 else "")
+
+    def replicated_rows(self) -> int:
+        """Rows of the sharded dim that every rank holds whole (unsharded packed parts)."""
+        return sum(n for n, sharded in self.parts if not sharded)
 
     def local_shape(self, shape: tuple[int, ...], tp: int, rank: int = 0) -> tuple[int, ...]:
         """The shape `rank` holds: torch.chunk's layout, so uneven sizes leave the last ranks shorter
@@ -73,6 +116,9 @@ class Placement:
         if self.shard_dim is None:
             return shape
         out = list(shape)
+        if self.parts:
+            out[self.shard_dim] = sum(n // tp if sharded else n for n, sharded in self.parts)
+            return tuple(out)
         n = out[self.shard_dim]
         chunk = -(-n // tp)
         out[self.shard_dim] = max(0, min(chunk, n - chunk * rank))
@@ -80,20 +126,24 @@ class Placement:
 
     def is_uneven(self, shape: tuple[int, ...], tp: int) -> bool:
         """Whether ranks hold different amounts."""
-        return self.shard_dim is not None and shape[self.shard_dim] % tp != 0
+        return self.shard_dim is not None and not self.parts and shape[self.shard_dim] % tp != 0
 
 
 REPLICATE = Placement()
 
 
-def param_placements(style: str | None, module: nn.Module, packed: int = 1) -> dict[str, Placement]:
+def param_placements(style: str | None, module: nn.Module, packed: int = 1,
+                     parts: tuple[tuple[int, bool], ...] = ()) -> dict[str, Placement]:
     """Placement of each of `module`'s own parameters (not its children's) under `style`."""
     names = [n for n, _ in module.named_parameters(recurse=False)]
     table: dict[str, Placement] = {}
+    conv = is_conv1d(module)  # weight (in, out): the output features are dim 1
     if style == "colwise":
-        table = {"weight": Placement(0, packed), "bias": Placement(0, packed)}
+        table = {"weight": Placement(1 if conv else 0, packed, parts), "bias": Placement(0, packed, parts)}
     elif style == "rowwise":
-        table = {"weight": Placement(1)}
+        table = {"weight": Placement(0 if conv else 1)}
+    elif style == "experts":  # the expert FFN dimension: [gate; up] rows packed, down's columns
+        table = {"gate_up_proj": Placement(1, 2), "down_proj": Placement(2)}
     elif style == "vocab_parallel":
         table = {"weight": Placement(0), "bias": Placement(0)}
     return {n: table.get(n, REPLICATE) for n in names}
@@ -103,12 +153,17 @@ def sharded_sizes(style: str, module: nn.Module, packed: int = 1) -> list[tuple[
     """(dimension description, size) pairs that tp must divide for `style` on `module`."""
     import torch.nn as nn
 
+    if style == "experts":
+        inter = module.down_proj.shape[2]
+        return [(f"the expert FFN dimension of {inter} (gate_up_proj dim 1 per part, down_proj dim 2)", inter)]
+    conv = is_conv1d(module)
+    fan_in, fan_out = features(module) if is_linear(module) else (0, 0)
     if style == "colwise":
-        part = module.out_features // packed
-        what = f"out_features={module.out_features}" + (f" per packed part ({packed} parts of {part})" if packed > 1 else "")
-        return [(f"{what} (weight dim 0)", part)]
+        part = fan_out // packed
+        what = f"out_features={fan_out}" + (f" per packed part ({packed} parts of {part})" if packed > 1 else "")
+        return [(f"{what} (weight dim {1 if conv else 0})", part)]
     if style == "rowwise":
-        return [(f"in_features={module.in_features} (weight dim 1)", module.in_features)]
+        return [(f"in_features={fan_in} (weight dim {0 if conv else 1})", fan_in)]
     if style == "vocab_parallel":
         rows = module.num_embeddings if isinstance(module, nn.Embedding) else module.out_features
         return [(f"the vocabulary of {rows} rows (weight dim 0)", rows)]

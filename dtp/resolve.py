@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Mapping
 
 from dtp import ir
 from dtp.errors import MAX_SHOWN, Diagnostic
-from dtp.placement import Placement, param_placements
+from dtp.parts import try_parts
+from dtp.placement import Placement, features, is_linear, param_placements
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -76,7 +77,9 @@ class Resolution:
             return param_placements(None, self.modules[path])
         packed = rule.style.option("packed", 1)
         valid = isinstance(packed, int) and not isinstance(packed, bool) and packed >= 1
-        return param_placements(rule.style.name, self.modules[path], packed if valid else 1)
+        module = self.modules[path]
+        parts = try_parts(packed, features(module)[1], self.modules[""]) if is_linear(module) else ()
+        return param_placements(rule.style.name, module, packed if valid else 1, parts)
 
 
 def _suggest(pattern: ir.Pattern, paths: list[str]) -> str:

@@ -10,8 +10,12 @@ A layout change costs (N tokens × width × element size is the buffer S):
 | rowwise / embedding → replicated        | all-reduce S (g)   | -                  |
 | rowwise / embedding → sequence-sharded  | reduce-scatter S   | all-gather S       |
 | colwise output gathered (output=replicate) | all-gather S    | -                  |
+| rowwise input split (input=replicate)   | -                  | all-gather S       |
 | sequence_parallel norm parameter        | -                  | all-reduce of its gradient |
 | vocab-parallel cross-entropy            | 3 all-reduces of N values (max, sum of exponentials, target logit) | - |
+| replicated packed part (`replicate(kv)`) | -                 | all-reduce of those rows' gradient, per parameter |
+| `replicate(reduce_grad=true)`           | -                  | all-reduce of each parameter's gradient |
+| `experts` (expert FFN dimension split)  | all-reduce S (g)   | all-reduce S (f), and of the N × top-k routing weights |
 
 Sibling colwise layers that share their parent's input pay the input cost once (Megatron's f).
 """
@@ -26,6 +30,7 @@ from torch.distributed.tensor import Replicate, Shard
 from dtp.check import Checked
 from dtp.compiler import SEQUENCE, Lowered, lower
 from dtp.data_parallel import unit_bytes
+from dtp.placement import features
 
 
 @dataclass(frozen=True)
@@ -99,22 +104,45 @@ def _tensor_parallel(checked: Checked, tp: int, batch: int, seq: int, dtype: tor
     entered: set[str] = set()
     for path, m in low.modules.items():
         module = res.modules[path]
+        for name, placement in m.placements:  # replicated packed parts: their rows' gradient is summed
+            rows = placement.replicated_rows()
+            param = getattr(module, name, None)
+            if rows and param is not None:
+                numel = param.numel() // param.shape[placement.shard_dim] * rows
+                add("all_reduce", "backward", 0, path, f"gradient of {name}'s replicated parts", numel * elem)
+        if m.reduce_grad:
+            for name, p in module.named_parameters(recurse=False):
+                add("all_reduce", "backward", 0, path, f"gradient of replicated {name}", p.numel() * elem)
+            continue
+        if m.style == "experts":
+            hidden = module.gate_up_proj.shape[2]
+            top_k = getattr(getattr(res.modules[""], "config", None), "num_experts_per_tok", None)
+            if not isinstance(top_k, int):
+                raise NotModeled(f"{path}: experts without config.num_experts_per_tok")
+            add("all_reduce", "backward", hidden, path, "input: gradient (f)")
+            add("all_reduce", "backward", top_k, path, "routing weights: gradient (f)")
+            add("all_reduce", "forward", hidden, path, "partial sums (g)")
+            continue
         if m.style in ("colwise", "vocab_parallel") and not m.embedding:
             key = shared_children.get(path, path)
             if key not in entered:
                 entered.add(key)
                 layout = (SEQUENCE if low.sequence_parallel else Replicate()) if key in low.shared_inputs else m.input
-                _enter_region(add, layout, module.in_features, key,
+                _enter_region(add, layout, features(module)[0], key,
                               "shared input of " + ", ".join(c.rsplit(".", 1)[-1] for c in low.shared_inputs[key])
                               if key in low.shared_inputs else "input")
             if m.style == "colwise" and m.output != Shard(-1):
                 if m.output != Replicate():
                     raise NotModeled(f"{path}: colwise output {m.output}")
-                add("all_gather", "forward", module.out_features, path, "gathered output")
+                if any(p.parts for _, p in m.placements):
+                    raise NotModeled(f"{path}: gathered output of packed parts")
+                add("all_gather", "forward", features(module)[1], path, "gathered output")
         elif m.style == "rowwise" or m.embedding:
-            if m.style == "rowwise" and m.input != Shard(-1):
+            if m.style == "rowwise" and m.input == Replicate():  # split locally; its gradient gathered
+                add("all_gather", "backward", features(module)[0], path, "gradient of the split input")
+            elif m.style == "rowwise" and m.input != Shard(-1):
                 raise NotModeled(f"{path}: rowwise input {m.input}")
-            width = module.embedding_dim if m.embedding else module.out_features
+            width = module.embedding_dim if m.embedding else features(module)[1]
             _leave_region(add, m.output, width, path)
         elif m.style == "sequence_parallel":
             for name, p in module.named_parameters(recurse=False):

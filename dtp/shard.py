@@ -13,6 +13,7 @@ from dtp import ir
 from dtp.check import Checked, checked_for
 from dtp.compiler import Compiled, compile_plan, tp_mesh
 from dtp.rng import TensorParallelRNG, track
+from dtp.layouts import unpack_placed
 from dtp.styles import unpack_rows
 
 
@@ -37,6 +38,9 @@ class Applied:
     def full(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (a parameter or its gradient) gathered to the model's unsharded layout (a collective)."""
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        placed = self.compiled.packed.get(param_name)  # dtp/layouts.py: Conv1D, unequal parts, experts
+        if placed is not None:
+            return unpack_placed(full, placed, self.tp)
         module_path = param_name.rpartition(".")[0]
         parts = self.compiled.packed.get(module_path)
         return unpack_rows(full, parts, self.tp) if parts else full

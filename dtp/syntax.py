@@ -280,6 +280,15 @@ class _ToIR(Transformer):
         value = ir.Layout("shard", self._int(arg)) if str(name) == "shard" else f"{name}({arg})"
         return value, self._pos(name)
 
+    def call_name_value(self, children):
+        name, arg = children
+        return f"{name}({arg})", self._pos(name)
+
+    @v_args(meta=True)
+    def list_value(self, meta, children):
+        items = tuple(str(v) if isinstance(v, ir.Layout) else v for v, _ in children)
+        return ir.PartList(items), self._pos(meta)
+
     def binop(self, children):
         left, op, right = children
         return ir.BinOp(str(op), left, right, self._pos(op))

@@ -9,6 +9,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 import dtp
 from dtp.models.gpt import GPT, GPTConfig
 from dtp.ranks import on_ranks
+from dtp.layouts import PlacedRowwise  # RowwiseParallel whose local output may be updated in place
 from dtp.styles import PackedColwiseParallel, SharedInput
 
 
@@ -32,8 +33,8 @@ def test_compile_uses_torch_styles_and_apply_shards_in_place(repo):
     assert r0 == r1
     assert r0["styles"] == {
         "transformer.wte": RowwiseParallel.__name__, "transformer.h.0.attn.c_attn": PackedColwiseParallel.__name__,
-        "transformer.h.0.attn.c_proj": RowwiseParallel.__name__, "transformer.h.0.mlp.c_fc": ColwiseParallel.__name__,
-        "transformer.h.0.mlp.c_proj": RowwiseParallel.__name__, "lm_head": ColwiseParallel.__name__}
+        "transformer.h.0.attn.c_proj": PlacedRowwise.__name__, "transformer.h.0.mlp.c_fc": ColwiseParallel.__name__,
+        "transformer.h.0.mlp.c_proj": PlacedRowwise.__name__, "lm_head": ColwiseParallel.__name__}
     assert SharedInput.__name__ not in r0["styles"].values()  # c_attn is alone under attn: nothing to share
     assert r0["tied"] and r0["wte"] == (True, True)
     assert r0["local_c_attn"] == (48, 32) and r0["full_c_attn"] == (96, 32)

@@ -1,0 +1,78 @@
+"""Check rules for the layouts of Hugging Face families: packed part lists (`colwise(packed=[…])`).
+
+Called from `check._check_modules` for a rule whose `packed` is a part list; reports through the same
+reporter, at the option's value.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dtp import ir
+from dtp.parts import PartsError, resolve_parts
+from dtp.placement import features
+
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+def _working(size: int) -> str:
+    from dtp.check import working_tp
+
+    return working_tp(size)
+
+
+def check_parts(path: str, module: nn.Module, style: ir.Style, root: nn.Module, tp: int | None, rep,
+                sizes: list[int]) -> None:
+    """Sizes add up to the output features, every sharded part divides by tp in whole heads."""
+    opt = next(o for o in style.options if o.key == "packed")
+    length = len(str(opt.value))
+    try:
+        parts = resolve_parts(opt.value, features(module)[1], root)
+    except PartsError as err:
+        rep.add(opt.value_pos, length, path, str(err))
+        return
+    from dtp import models  # torch, only once a model is checked
+    info = models.heads(root)
+    for index, (size, sharded) in enumerate(parts):
+        if not sharded:
+            continue
+        what = f"packed part {index + 1} ({opt.value.items[index]}, {size} features)"
+        sizes.append(size)
+        if tp and size % tp:
+            rep.add(opt.value_pos, length, path, f"colwise shards {what} over tp={tp}, which does not divide it; "
+                    f"tp values that work: {_working(size)}")
+        elif info and size % info.head_dim == 0:
+            heads = size // info.head_dim
+            sizes.append(heads)
+            if tp and heads % tp:
+                hint = ("; keep it whole with replicate(" + str(opt.value.items[index]) + ")"
+                        if heads < tp else "")
+                rep.add(opt.value_pos, length, path, f"{what} holds {heads} heads (head size {info.head_dim}), which "
+                        f"do not divide by tp={tp}; each rank must hold whole heads; tp values that work: "
+                        f"{_working(heads)}{hint}")
+
+
+def parts_option_ok(value: object) -> bool:
+    """`packed` takes a positive integer (equal parts) or a part list."""
+    if isinstance(value, ir.PartList):
+        return True
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_slice_input(path: str, style: ir.Style, root: nn.Module, tp: int | None, rep, sizes: list[int]) -> None:
+    """`slice_input(name=X)`: X is named, the config gives the head count, and tp divides it."""
+    name = style.option("name")
+    if not isinstance(name, str) or not name.isidentifier():
+        rep.add(style.pos, len(style.name), path, "slice_input needs the keyword input to cut, e.g. "
+                "slice_input(name=alibi)")
+        return
+    from dtp import models  # torch, only once a model is checked
+    info = models.heads(root)
+    if info is None:
+        rep.add(style.pos, len(style.name), path, "slice_input cuts per attention head, but the model's config "
+                "gives no head count")
+        return
+    sizes.append(info.n_head)
+    if tp and info.n_head % tp:
+        rep.add(style.pos, len(style.name), path, f"slice_input cuts {info.n_head} attention heads ({info.source}) "
+                f"into whole heads per rank, which tp={tp} does not divide; tp values that work: {_working(info.n_head)}")

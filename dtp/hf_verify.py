@@ -1,0 +1,105 @@
+"""Parity of a shipped `plans/hf/*.tp` plan on a tiny Hugging Face model, in this process's rank (no
+CommDebugMode): one forward + backward of the sharded model next to an unsharded copy, every gradient
+gathered and compared, and the collectives counted by a plain dispatch mode, set against the analytic
+schedule. Used by tests/test_hf_families.py, several families per rank launch.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dtp import syntax
+from dtp.comm import _bytes, op_name
+from dtp.hf_plan import PLANS
+from dtp.parity import ParityCheck
+from dtp.schedule import schedule, summarize
+
+_COLLECTIVES = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}
+
+
+class CountCollectives(TorchDispatchMode):
+    """Counts collective ops as they are dispatched (functional and c10d), with no module hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+        self.bytes: Counter = Counter()  # each collective's full buffer, as dtp.comm counts it
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):  # let DTensor run the op: its redistributions come back here
+            return NotImplemented
+        name = op_name(func._overloadpacket)
+        out = func(*args, **(kwargs or {}))
+        if name in _COLLECTIVES:
+            self.counts[name] += 1
+            self.bytes[name] += max(_bytes((args, kwargs)), _bytes(out))
+        return out
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq: int = 8, seed: int = 0) -> dict:
+    """{family, ok, logits, loss, grads, worst, measured, analytic} for one family on `mesh` (every rank)."""
+    from dtp.models import hf
+    from dtp.shard import apply
+
+    rank = mesh.get_local_rank()
+    torch.manual_seed(seed)
+    model = hf.build(family).train()
+    reference = copy.deepcopy(model)
+    plan = syntax.load(str(plan_path or PLANS / f"{hf.FAMILIES[family][0]}.tp"))
+    applied = apply(plan, model, mesh, seed)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(seed + 1))
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    ctx = loss_parallel if applied.compiled.loss_parallel else contextlib.nullcontext
+    fwd, bwd = CountCollectives(), CountCollectives()
+    with ctx():
+        with fwd:
+            logits = model(inputs).logits
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        with bwd:
+            loss.backward()
+    parity = ParityCheck(torch.float32)
+    ref_logits = reference(inputs).logits
+    ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten())
+    ref_loss.backward()
+    parity.compare("logits", "logits", _full(logits), ref_logits)
+    parity.compare("loss", "loss", _full(loss), ref_loss)
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        got = applied.full(name, p.grad) if p.grad is not None else None
+        parity.compare("grads", f"{name}.grad", got, ref_params[name].grad)
+    tp = mesh.size()
+    analytic = summarize(schedule(applied.checked, tp, batch, seq, lowered=applied.compiled.lowered), tp)
+    measured = {"forward": dict(fwd.counts), "backward": dict(bwd.counts), "bytes": dict(fwd.bytes + bwd.bytes)}
+    report = parity.to_json()
+    return {"family": family, "rank": rank, "ok": report["ok"], "worst": report["worst_tensor"],
+            "errors": {q: report[q]["max_rel"] for q in ("logits", "loss", "grads")},
+            "problems": [p for q in ("logits", "loss", "grads") for p in report[q]["problems"]],
+            "measured": measured, "analytic": {"forward": analytic["forward"], "backward": analytic["backward"], "bytes": analytic["bytes"]}}
+
+
+def verify_on_rank(rank: int, world: int, families: list) -> list[dict]:
+    """For `dtp.ranks.on_ranks`: verify every family (or (family, plan path)) in turn on one tp mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out = []
+    for item in families:
+        family, plan = item if isinstance(item, tuple) else (item, None)
+        try:
+            out.append(verify(family, mesh, plan))
+        except Exception as err:  # one family's failure is reported with the others
+            out.append({"family": family, "rank": rank, "ok": False, "error": f"{type(err).__name__}: {err}"})
+    return out

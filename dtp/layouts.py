@@ -1,0 +1,228 @@
+"""ParallelStyles for the layouts of Hugging Face families: transformers' transposed `Conv1D`, packed parts
+of unequal sizes or kept whole (multi-query k/v), replicated parameters whose gradient is all-reduced
+(per-head q/k norms), and 3-D expert parameters.
+
+A parameter with packed parts is one `Shard(dim)` DTensor whose rank-r block is, part by part, rank r's
+slice of a sharded part or the whole of a replicated part (`pack_parts`). Replicated parts are therefore
+held tp times: each copy's gradient covers only that rank's heads, so a backward hook all-reduces those
+rows, and `unpack_parts` reads the model's own layout back from the gathered tensor.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.nn.utils.stateless import _reparametrize_module
+
+from dtp.placement import Placement, is_conv1d
+
+Parts = tuple[tuple[int, bool], ...]
+
+
+def equal_parts(size: int, k: int) -> Parts:
+    """`packed=K` as a part list: K equal sharded parts."""
+    return tuple((size // k, True) for _ in range(k))
+
+
+def pack_parts(t: torch.Tensor, parts: Parts, tp: int, dim: int = 0) -> torch.Tensor:
+    """The tensor laid out so that Shard(dim) chunk r is rank r's block: its slice of every sharded part,
+    the whole of every replicated part."""
+    pieces = t.split([n for n, _ in parts], dim)
+    blocks = [torch.cat([p.chunk(tp, dim)[r] if sharded else p for p, (_, sharded) in zip(pieces, parts)], dim)
+              for r in range(tp)]
+    return torch.cat(blocks, dim)
+
+
+def unpack_parts(t: torch.Tensor, parts: Parts, tp: int, dim: int = 0) -> torch.Tensor:
+    """Inverse of `pack_parts` on the gathered tensor (a replicated part is read from rank 0's block)."""
+    local = [n // tp if sharded else n for n, sharded in parts]
+    blocks = [b.split(local, dim) for b in t.chunk(tp, dim)]
+    return torch.cat([torch.cat([b[i] for b in blocks], dim) if sharded else blocks[0][i]
+                      for i, (_, sharded) in enumerate(parts)], dim)
+
+
+def _replicated_ranges(parts: Parts, tp: int) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for n, sharded in parts:
+        size = n // tp if sharded else n
+        if not sharded:
+            out.append((start, size))
+        start += size
+    return out
+
+
+def _reduce_rows(grad: torch.Tensor, ranges: list[tuple[int, int]], dim: int, mesh: DeviceMesh) -> torch.Tensor:
+    """All-reduce the rows of the local gradient that belong to replicated parts (one collective)."""
+    placements = [Shard(dim)]
+    if isinstance(grad, DTensor):
+        if list(grad.placements) != placements:
+            grad = grad.redistribute(placements=placements)
+        local = grad.to_local()
+    else:
+        local = grad
+    rows = torch.cat([local.narrow(dim, s, n) for s, n in ranges], dim)
+    summed = funcol.all_reduce(rows, "sum", (mesh, 0))
+    summed = summed.wait() if isinstance(summed, funcol.AsyncCollectiveTensor) else summed
+    pieces, cursor, offset = [], 0, 0
+    for s, n in ranges:
+        pieces += [local.narrow(dim, cursor, s - cursor), summed.narrow(dim, offset, n)]
+        cursor, offset = s + n, offset + n
+    pieces.append(local.narrow(dim, cursor, local.shape[dim] - cursor))
+    new = torch.cat(pieces, dim)
+    if not isinstance(grad, DTensor):
+        return new
+    return DTensor.from_local(new, grad.device_mesh, placements, run_check=False, shape=grad.shape,
+                              stride=grad.stride())
+
+
+def distribute_param(module: nn.Module, name: str, placement: Placement, mesh: DeviceMesh) -> None:
+    """Replace `module.name` by a DTensor laid out as `placement` (packed parts, replicated rows)."""
+    param = getattr(module, name)
+    tp = mesh.size()
+    if placement.shard_dim is None:
+        dist = distribute_tensor(param.detach(), mesh, [Replicate()])
+    else:
+        parts = placement.parts or (equal_parts(param.shape[placement.shard_dim], placement.packed)
+                                    if placement.packed > 1 else ())
+        data = pack_parts(param.detach(), parts, tp, placement.shard_dim) if parts else param.detach()
+        dist = distribute_tensor(data, mesh, [Shard(placement.shard_dim)])
+    new = nn.Parameter(dist, requires_grad=param.requires_grad)
+    ranges = _replicated_ranges(placement.parts, tp) if placement.parts else []
+    if ranges and new.requires_grad and tp > 1:
+        new.register_hook(partial(_reduce_rows, ranges=ranges, dim=placement.shard_dim, mesh=mesh))
+    module.register_parameter(name, new)
+
+
+class PlacedColwise(ColwiseParallel):
+    """ColwiseParallel for a Linear or a Conv1D whose parameters follow dtp placements (Conv1D's weight is
+    (in, out), so its output features are dim 1; packed parts may be unequal or replicated)."""
+
+    def __init__(self, placements: dict[str, Placement], **kwargs):
+        super().__init__(**kwargs)
+        self.placements = placements
+
+    def _partition(self, name, module, mesh):
+        for pname, placement in self.placements.items():
+            distribute_param(module, pname, placement, mesh)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._partition,
+                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+    def __repr__(self) -> str:
+        return f"PlacedColwise({ {k: str(v) for k, v in self.placements.items()} })"
+
+
+class PlacedRowwise(RowwiseParallel):
+    """RowwiseParallel that also takes transformers' Conv1D (weight (in, out) sharded on dim 0, bias
+    replicated), and whose local output may be updated in place (Falcon's `mlp_output += attention_output`):
+    torch's `to_local()` hands out a view that autograd forbids modifying, so the output is a copy."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return out.clone() if use_local_output and not isinstance(out, DTensor) else out
+
+    def _partition(self, name, module, mesh):
+        distribute_param(module, "weight", Placement(0), mesh)
+        if getattr(module, "bias", None) is not None:
+            distribute_param(module, "bias", Placement(), mesh)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not is_conv1d(module):
+            return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(module, device_mesh, self._partition,
+                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+def all_reduce_grad(grad: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The sum of every rank's gradient (a replicated parameter used on sharded activations)."""
+    if mesh.size() == 1:
+        return grad
+    out = funcol.all_reduce(grad, "sum", (mesh, 0))
+    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
+class ReplicateReduceGrad(ParallelStyle):
+    """A replicated module whose parameters act on this rank's heads only (per-head q/k norms between a
+    colwise and a rowwise layer): the parameters stay whole and their gradients are all-reduced in the
+    backward pass (Hugging Face's `replicated_with_grad_allreduce`)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for param in module.parameters(recurse=False):
+            if param.requires_grad and device_mesh.size() > 1:
+                param.register_hook(partial(all_reduce_grad, mesh=device_mesh))
+        return module
+
+
+class ExpertsParallel(ParallelStyle):
+    """Every expert's FFN dimension split over tp (Megatron's MLP layout, once per expert) on a module that
+    holds the experts as 3-D parameters: gate_up_proj (E, 2·I, H) keeps [gate; up] per rank (packed, dim 1),
+    down_proj (E, H, I) is sharded on I. The module runs on local slices; the gradients of its replicated
+    inputs (hidden states, routing weights) are all-reduced (f) and its partial output all-reduced (g).
+    Routing happens outside, on replicated input, so every rank picks the same experts."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        distribute_param(module, "gate_up_proj", Placement(1, 2), device_mesh)
+        distribute_param(module, "down_proj", Placement(2), device_mesh)
+        inner = module.forward
+
+        def f(t: object) -> object:  # identity forward, gradient all-reduced (Megatron's f)
+            if not isinstance(t, torch.Tensor) or not t.requires_grad:
+                return t
+            return DTensor.from_local(t, device_mesh, [Replicate()], run_check=False).to_local(
+                grad_placements=[Partial()])
+
+        def forward(*args, **kwargs):
+            # the hidden states and the routing weights: each rank's gradient covers its FFN slice only
+            args, kwargs = tuple(f(a) for a in args), {k: f(v) for k, v in kwargs.items()}
+            local = {n: p.to_local() for n, p in module.named_parameters(recurse=False)}
+            with _reparametrize_module(module, local):
+                out = inner(*args, **kwargs)
+            out = DTensor.from_local(out, device_mesh, [Partial()], run_check=False)
+            return out.redistribute(placements=[Replicate()]).to_local()  # g
+
+        module.forward = forward
+        return module
+
+
+def unpack_placed(full: torch.Tensor, placement: Placement, tp: int) -> torch.Tensor:
+    """A gathered parameter (or gradient) with packed parts back in the model's own layout."""
+    dim = placement.shard_dim
+    parts = placement.parts or equal_parts(full.shape[dim], placement.packed)
+    return unpack_parts(full, parts, tp, dim)
+
+
+class SliceHeadsInput(ParallelStyle):
+    """Cut a keyword input that holds one slice per attention head, laid out (batch · heads, …), to this
+    rank's heads (Bloom's ALiBi bias, built for every head outside attention). No communication: every
+    rank holds the whole input and keeps its own heads' part, as the column-sharded q/k/v do."""
+
+    def __init__(self, name: str, heads: int):
+        super().__init__()
+        self.name, self.heads = name, heads
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp, rank = device_mesh.size(), device_mesh.get_local_rank()
+        per = self.heads // tp
+
+        def hook(mod, args, kwargs):
+            x = kwargs.get(self.name)
+            if not isinstance(x, torch.Tensor) or tp == 1:
+                return args, kwargs
+            x = x.view(-1, self.heads, *x.shape[1:])[:, rank * per:(rank + 1) * per]  # (batch, heads, …)
+            return args, {**kwargs, self.name: x.reshape(-1, *x.shape[2:])}
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"SliceHeadsInput({self.name}, heads={self.heads})"

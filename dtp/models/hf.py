@@ -1,0 +1,86 @@
+"""Tiny Hugging Face models of any family, as `dtp apply plans/hf/gpt2.tp dtp.models.hf:gpt2`.
+
+`dtp.models.hf:MODEL_TYPE` builds `AutoModelForCausalLM` from a tiny random config of that
+`config.model_type` (transformers' own classes, no download): 2 layers, width 64, 4 heads, vocabulary
+128, so that tp 2 and 4 divide. A variant name adds config overrides for a layout the family's default
+config does not exercise (`falcon_40b`: grouped key/value heads, new decoder architecture;
+`gpt_bigcode_mha`: multi-head instead of multi-query; `gemma_tied`…).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+# Sizes every family gets (keys a config does not have are ignored).
+COMMON: dict[str, Any] = dict(
+    vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+    n_embd=64, n_layer=2, n_head=4, n_positions=64, max_position_embeddings=64, use_cache=False,
+    ffn_dim=128, word_embed_proj_dim=64, n_inner=128, rotary_dim=8, head_dim=16,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+
+# model_type (or variant) → (model_type, overrides)
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "gpt2": ("gpt2", {}),
+    "llama": ("llama", dict(num_key_value_heads=2)),
+    "llama_mqa": ("llama", dict(num_key_value_heads=1)),  # one key/value head (as Gemma-2B, Falcon-7B)
+    "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=None)),
+    "qwen2": ("qwen2", dict(num_key_value_heads=2)),
+    "qwen3": ("qwen3", dict(num_key_value_heads=2)),
+    "gemma": ("gemma", dict(num_key_value_heads=1)),
+    "gemma2": ("gemma2", dict(num_key_value_heads=2)),
+    "gpt_neox": ("gpt_neox", {}),
+    "gptj": ("gptj", {}),
+    "gpt_bigcode": ("gpt_bigcode", dict(multi_query=True)),
+    "gpt_bigcode_mha": ("gpt_bigcode", dict(multi_query=False)),
+    "falcon": ("falcon", dict(multi_query=True, new_decoder_architecture=False, alibi=False, ffn_hidden_size=128)),
+    "falcon_40b": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2, alibi=False, ffn_hidden_size=128)),
+    "phi": ("phi", dict(num_key_value_heads=4)),
+    "phi3": ("phi3", dict(num_key_value_heads=2)),
+    "opt": ("opt", {}),
+    "bloom": ("bloom", {}),
+    "olmo2": ("olmo2", dict(num_key_value_heads=2)),
+    "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("qwen2_moe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=32, shared_expert_intermediate_size=64)),
+}
+
+
+def config(name: str, **overrides: Any):
+    """The tiny config of family or variant `name`, with `overrides` on top."""
+    from transformers import AutoConfig
+
+    model_type, extra = FAMILIES.get(name, (name, {}))
+    cfg = AutoConfig.for_model(model_type)
+    for key, value in {**COMMON, **extra, **overrides}.items():
+        if hasattr(cfg, key) or key in extra or key in overrides:
+            try:
+                setattr(cfg, key, value)
+            except AttributeError:  # a derived property (Falcon's head_dim)
+                continue
+    for key, value in list(vars(cfg).items()):  # parity runs need dropout 0 (masks are random)
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and key not in overrides:
+            setattr(cfg, key, 0.0)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def build(name: str, **overrides: Any) -> nn.Module:
+    """`AutoModelForCausalLM` of family `name` from its tiny config."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config(name, **overrides))
+
+
+def __getattr__(name: str):
+    # `dtp.models.hf:gpt2` names a factory for any family in FAMILIES (or any model_type transformers knows).
+    if name.startswith("__"):
+        raise AttributeError(name)
+
+    def factory() -> nn.Module:
+        return build(name)
+
+    factory.__name__ = name
+    factory.__doc__ = f"A tiny Hugging Face {name} (dtp.models.hf)."
+    return factory
