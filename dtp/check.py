@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from dtp import ir, models
+from dtp import attention, flow, ir, models
 from dtp.errors import Diagnostic, PlanError
 from dtp.placement import OPTIONS, STYLES, Placement, module_fits, sharded_sizes
 from dtp.resolve import Resolution, resolve
@@ -38,6 +38,7 @@ class Checked:
     resolution: Resolution | None
     tp: int | None
     admissible_tp: tuple[int, ...]  # every tp ≤ MAX_TP_SHOWN that satisfies all divisibility rules
+    warnings: tuple[Diagnostic, ...] = ()  # problems that do not stop the plan (printed as `warning:`)
 
 
 # ---- model-independent checks ----------------------------------------------------------------------
@@ -107,13 +108,17 @@ class _Reporter:
         return out
 
 
-def _is_attention(path: str) -> bool:
-    return any(word in path.split(".")[-2:] or word in path for word in ("attn", "attention"))
+def _attention_of(res: Resolution, path: str) -> tuple[str, nn.Module] | None:
+    """The attention-like module that owns Linear `path` (its parent), if any."""
+    parent = path.rpartition(".")[0]
+    module = res.modules.get(parent) if "." in path else None
+    return (parent, module) if module is not None and attention.attention_like(module) else None
 
 
-def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Reporter, sizes: list[int]) -> None:
+def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Reporter, sizes: list[int]) -> bool:
+    """Style fits, packed parts, divisibility and heads of every claimed module; False when a style does not fit."""
     vocab = models.vocab_size(model)
-    info = models.heads(model)
+    fits = True
     for path, rule in res.claims.items():
         module, style = res.modules[path], rule.style
         if style.name not in STYLES:
@@ -123,8 +128,19 @@ def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Repo
         problem = module_fits(style.name, module, vocab)
         if problem:
             rep.add(style.pos, length, path, f"{problem}; this module is {kind}")
+            fits = False
             continue
         packed = _packed(style)
+        owner = _attention_of(res, path) if style.name in ("colwise", "rowwise") else None
+        info = attention.heads(model, *owner) if owner else None
+        parts = attention.fused_parts(owner[1], module, info) if info and style.name == "colwise" else None
+        if parts and packed > 1 and len(set(parts)) > 1:
+            rep.add(style.pos, length, path, attention.unequal_parts_message(parts, packed, info, module.out_features))
+            continue
+        if parts and packed not in (1, len(parts)):
+            rep.add(style.pos, length, path, f"out_features={module.out_features} holds {len(parts)} equal parts "
+                    f"(q, k and v of {parts[0]}), not {packed}; use packed={len(parts)}")
+            continue
         if packed > 1 and module.out_features % packed:
             rep.add(style.pos, length, path, f"packed={packed} needs out_features={module.out_features} to split into "
                     f"{packed} equal parts")
@@ -140,7 +156,7 @@ def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Repo
             if tp and size % tp:
                 rep.add(style.pos, length, path, f"{style.name} shards {what} over tp={tp}, which does not divide it; "
                         f"tp values that work: {working_tp(size)}")
-        if info and style.name in ("colwise", "rowwise") and _is_attention(path):
+        if info:
             width = module.out_features // packed if style.name == "colwise" else module.in_features
             if width % info.head_dim == 0:
                 n = width // info.head_dim
@@ -152,6 +168,7 @@ def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Repo
                     per = " per packed part" if packed > 1 else ""
                     rep.add(style.pos, length, path, f"{n} {what}{per} (head size {info.head_dim}, {source}) do not "
                             f"divide by tp={tp}; each rank must hold whole heads; tp values that work: {working_tp(n)}")
+    return fits
 
 
 def _check_ties(res: Resolution, model: nn.Module, diags: list[Diagnostic]) -> None:
@@ -236,26 +253,95 @@ def _check_sets(res: Resolution, tp: int | None, rep: _Reporter) -> None:
             rep.add(stmt.pos, 3, shown, f"set {attr} evaluates to {value}; it must be a positive integer")
 
 
-def check(plan: ir.Plan, model: nn.Module | None = None, tp: int | None = None) -> Checked:
-    """Check `plan` alone, or against `model` (build it on the meta device) for a given tp."""
+def _check_flow(res: Resolution, model: nn.Module, rep: _Reporter) -> None:
+    """Follow the activations' layouts through the model (dtp/flow.py)."""
+    from dtp.compiler import _module_layout  # the compiler imports this module
+
+    sp = any(rule.style.name == "sequence_parallel" for rule in res.claims.values())
+    layouts = {path: m for path, rule in res.claims.items()
+               if (m := _module_layout(rule.style, res.modules[path], sp)) is not None}
+    flow.analyse(res, sp, layouts, models.vocab_size(model), rep.add)
+
+
+REPLICATED_WARNING = 0.5  # warn when more than this fraction of the parameter bytes stays on every rank
+
+
+def replicated_share(res: Resolution) -> tuple[float, dict[str, int]]:
+    """The fraction of parameter bytes no rule shards, and those bytes by module (layer indices as `*`)."""
+    seen: set[int] = set()
+    total = 0
+    replicated: dict[str, int] = {}
+    for path, module in res.modules.items():
+        placements = res.placements(path)
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            nbytes = param.numel() * param.element_size()
+            total += nbytes
+            if placements[name].shard_dim is None:
+                key = ".".join("*" if part.isdigit() else part for part in path.split(".")) or "(the model)"
+                replicated[key] = replicated.get(key, 0) + nbytes
+    return (sum(replicated.values()) / total if total else 0.0), replicated
+
+
+def _replication_warning(plan: ir.Plan, res: Resolution) -> list[Diagnostic]:
+    share, by_module = replicated_share(res)
+    if share <= REPLICATED_WARNING:
+        return []
+    total = sum(by_module.values()) / share
+    top = sorted(by_module.items(), key=lambda kv: -kv[1])[:3]
+    largest = ", ".join(f"{path} {nbytes / total:.0%}" for path, nbytes in top)
+    where = ir.Pos(plan.version_pos.file, plan.version_pos.line, 1)  # the `dtp 1` line: the plan as a whole
+    return [Diagnostic(where, f"this plan leaves {share:.0%} of the parameter bytes replicated on every "
+                       f"rank (largest unsharded: {largest}); shard those with colwise/rowwise pairs to save memory",
+                       5, "warning")]
+
+
+def _check_mesh(plan: ir.Plan, dp: int | None) -> list[Diagnostic]:
+    """An explicit `mesh` header must agree with --dp: `mesh dp, tp` means data parallelism, `mesh tp` none."""
+    if dp is None or plan.mesh_pos == ir.NOWHERE:
+        return []
+    if plan.mesh == ("dp", "tp") and dp == 1:
+        return [Diagnostic(plan.mesh_pos, "the plan declares `mesh dp, tp` (data × tensor parallel) but --dp is 1; "
+                           "run it with --dp N (N ≥ 2), or write `mesh tp`", 4)]
+    if plan.mesh == ("tp",) and dp > 1:
+        return [Diagnostic(plan.mesh_pos, f"the plan declares `mesh tp` (tensor parallel only) but --dp is {dp}; "
+                           "write `mesh dp, tp` for data × tensor parallelism, or drop --dp", 4)]
+    return []
+
+
+def check(plan: ir.Plan, model: nn.Module | None = None, tp: int | None = None, dp: int | None = None) -> Checked:
+    """Check `plan` alone, or against `model` (build it on the meta device) for a given tp (and dp, when the
+    plan's `mesh` header must agree with it)."""
     if tp is not None and tp < 1:
         raise ValueError("tp must be positive")
-    diags = check_syntax_level(plan)
+    diags = check_syntax_level(plan) + _check_mesh(plan, dp)
     res = None
     sizes: list[int] = []
+    warnings: list[Diagnostic] = []
     if model is not None:
         res = resolve(plan, model)
+        structural = bool(diags or res.diagnostics)
         diags += res.diagnostics
         rep = _Reporter()
-        _check_modules(res, model, tp, rep, sizes)
+        fits = _check_modules(res, model, tp, rep, sizes)
+        if fits and not structural:  # layouts of styles that do not apply would only echo those errors
+            _check_flow(res, model, rep)
         _check_sets(res, tp, rep)
         diags += rep.diagnostics()
         _check_ties(res, model, diags)
+        warnings = _replication_warning(plan, res)
     if diags:
         raise PlanError(diags, plan.source)
     g = math.gcd(*sizes) if sizes else 0
     admissible = tuple(d for d in range(1, MAX_TP_SHOWN + 1) if g % d == 0)
-    return Checked(plan, res, tp, admissible)
+    return Checked(plan, res, tp, admissible, tuple(warnings))
+
+
+def render_warnings(checked: Checked) -> str:
+    """The warnings of a plan that passed, each with its position and source line ("" when none)."""
+    return "".join(w.render(checked.plan.source) + "\n" for w in checked.warnings)
 
 
 def checked_for(plan: ir.Plan | Checked, model: nn.Module, tp: int) -> Checked:

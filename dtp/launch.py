@@ -138,7 +138,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     import torch
 
     from dtp import models
-    from dtp.check import check
+    from dtp.check import check, render_warnings
     from dtp.report import render
     from dtp.syntax import load
 
@@ -159,7 +159,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
                          f"{torch.cuda.device_count()}. Use --device cpu, or torchrun across machines")
 
     plan = load(args.plan)
-    checked = check(plan, models.build(models.resolve(args.model), device="meta"), tp)  # exit 2 before any rank starts
+    checked = check(plan, models.build(models.resolve(args.model), device="meta"), tp, args.dp)  # exit 2 before any rank starts
+    sys.stderr.write(render_warnings(checked))
     shape_problem = sequence_shape_problem(checked, tp, args.seq)
     if shape_problem:
         raise UsageError(shape_problem)
