@@ -66,7 +66,7 @@ def heads(model: nn.Module, path: str, module: nn.Module) -> Heads | None:
         return None
     kv = _int_attr(module, _KV_ATTRS)
     if size is None:
-        width = next((c.out_features for n, c in module.named_children() if n in PROJECTIONS
+        width = next((c.in_features for n, c in module.named_children() if n in PROJECTIONS  # the hidden size
                       and isinstance(c, nn.Linear)), None)
         if width is None or width % count[1]:
             return None

@@ -181,9 +181,9 @@ class _Walk:
             if path.startswith(block + "."):
                 head, _, _ = block.rpartition(".")
                 pattern = f"{head}.*.{path[len(block) + 1:]}"
-        self._fail(path, "sequence parallelism covers only some norms: this one is not sequence_parallel, but once "
-                   "one is, the residual stream is sequence-sharded and every norm and dropout on it must be too; "
-                   f"add `{pattern}: sequence_parallel`")
+        self._fail(path, f"sequence parallelism covers only some norms and dropouts: this {type(module).__name__} is "
+                   "not sequence_parallel, but once one is, the residual stream is sequence-sharded and every norm "
+                   f"and dropout on it must be too; add `{pattern}: sequence_parallel`")
         return False
 
     def _residual(self) -> Act:
@@ -194,22 +194,22 @@ class _Walk:
         if got.dtensor == self.sp and (self.sp or got.layout == "replicate"):
             return
         src = got.producer
-        where = f"leaves {branch} as {got.describe()} and is added to the residual stream"
+        where = f"{branch}'s result reaches the residual stream as {got.describe()}"
         if self.sp and not got.dtensor:
             fix = "drop local=true" if src else f"shard {branch} (sequence parallelism reaches every branch)"
-            self._fail(src or branch, f"{where}, which is a sequence-sharded DTensor under sequence parallelism: "
-                       f"a DTensor and a local tensor cannot be added; {fix}", src)
+            self._fail(src or branch, f"{where}, but under sequence parallelism the residual stream is a "
+                       f"sequence-sharded DTensor: a DTensor and a local tensor cannot be added; {fix}", src)
         elif got.dtensor:
-            self._fail(src or branch, f"{where}, a plain tensor without sequence parallelism: a DTensor and a local "
-                       "tensor cannot be added; drop local=false", src)
+            self._fail(src or branch, f"{where}, but without sequence parallelism the residual stream is a plain "
+                       "tensor: a DTensor and a local tensor cannot be added; drop local=false", src)
         elif got.layout == "partial":
-            self._fail(src or branch, f"output=partial: its partial sums {where} unreduced; drop output=partial "
-                       "(the default reduces them)", src)
+            self._fail(src or branch, f"output=partial: {where}, sums that nothing reduces before they are added; "
+                       "drop output=partial (the default reduces them)", src)
         elif got.layout == "shard(-1)" and src and self._style(src) == "colwise":
-            self._fail(src, f"colwise output {where} unconsumed: no rowwise reduces it first; make the branch's "
-                       "next Linear rowwise, or give this one output=replicate", src)
+            self._fail(src, f"colwise output unconsumed: {where}, with no rowwise to reduce it first; make the "
+                       "branch's next Linear rowwise, or give this one output=replicate", src)
         else:
-            self._fail(src or branch, f"{where}, which needs the full activation as a plain tensor", src)
+            self._fail(src or branch, f"{where}, but it must be the full activation as a plain tensor", src)
 
     def branch(self, block: str, leaves: list[str], start: Act) -> None:
         """Walk one branch of a block from the residual stream and add its result back."""
@@ -251,9 +251,9 @@ class _Walk:
                 if got is None:
                     return
                 if isinstance(self.res.modules[path], nn.Embedding) and last_embedding is not None:
-                    if not self._combine(last_embedding, got):
+                    if not self._combine(*last_embedding, path, got):
                         return
-                last_embedding = got if isinstance(self.res.modules[path], nn.Embedding) else None
+                last_embedding = (path, got) if isinstance(self.res.modules[path], nn.Embedding) else None
                 stream = got
                 continue
             leaves = []
@@ -269,16 +269,17 @@ class _Walk:
             last_embedding = None
         self._output(stream)
 
-    def _combine(self, first: Act, second: Act) -> bool:
+    def _combine(self, first_path: str, first: Act, second_path: str, second: Act) -> bool:
         """Consecutive top-level embeddings (token + position) are added: their layouts must agree."""
         if (first.dtensor, first.layout) == (second.dtensor, second.layout):
             return True
-        a, b = (first, second) if first.producer in self.layouts else (second, first)
+        (a_path, a), (b_path, b) = sorted([(first_path, first), (second_path, second)],
+                                          key=lambda pa: pa[0] not in self.layouts)
         fix = ("give it output=replicate, local=true and cut the sum into sequence shards with a sequence_parallel "
                "dropout or norm after it (plans/gpt2-sp.tp)" if self.sp else "hand on the full activation as a local "
                "tensor (the default)")
-        self._fail(a.producer or "the model", f"its output ({a.describe()}) is added to "
-                   f"{b.producer or 'another embedding'}'s ({b.describe()}), which cannot be combined; {fix}", a.producer)
+        self._fail(a_path, f"its output ({a.describe()}) is added to {b_path}'s ({b.describe()}), and the two "
+                   f"cannot be combined; {fix}", a_path)
         return False
 
     def _enter(self, block: str, stream: Act) -> bool:
