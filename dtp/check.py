@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from dtp import attention, flow, ir, models
+from dtp.advice import check_mesh, replicated_share, replication_warning  # noqa: F401 (re-exported)
 from dtp.errors import Diagnostic, PlanError
 from dtp.placement import OPTIONS, STYLES, Placement, module_fits, sharded_sizes
 from dtp.resolve import Resolution, resolve
@@ -263,60 +264,12 @@ def _check_flow(res: Resolution, model: nn.Module, rep: _Reporter) -> None:
     flow.analyse(res, sp, layouts, models.vocab_size(model), rep.add)
 
 
-REPLICATED_WARNING = 0.5  # warn when more than this fraction of the parameter bytes stays on every rank
-
-
-def replicated_share(res: Resolution) -> tuple[float, dict[str, int]]:
-    """The fraction of parameter bytes no rule shards, and those bytes by module (layer indices as `*`)."""
-    seen: set[int] = set()
-    total = 0
-    replicated: dict[str, int] = {}
-    for path, module in res.modules.items():
-        placements = res.placements(path)
-        for name, param in module.named_parameters(recurse=False):
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            nbytes = param.numel() * param.element_size()
-            total += nbytes
-            if placements[name].shard_dim is None:
-                key = ".".join("*" if part.isdigit() else part for part in path.split(".")) or "(the model)"
-                replicated[key] = replicated.get(key, 0) + nbytes
-    return (sum(replicated.values()) / total if total else 0.0), replicated
-
-
-def _replication_warning(plan: ir.Plan, res: Resolution) -> list[Diagnostic]:
-    share, by_module = replicated_share(res)
-    if share <= REPLICATED_WARNING:
-        return []
-    total = sum(by_module.values()) / share
-    top = sorted(by_module.items(), key=lambda kv: -kv[1])[:3]
-    largest = ", ".join(f"{path} {nbytes / total:.0%}" for path, nbytes in top)
-    where = ir.Pos(plan.version_pos.file, plan.version_pos.line, 1)  # the `dtp 1` line: the plan as a whole
-    return [Diagnostic(where, f"this plan leaves {share:.0%} of the parameter bytes replicated on every "
-                       f"rank (largest unsharded: {largest}); shard those with colwise/rowwise pairs to save memory",
-                       5, "warning")]
-
-
-def _check_mesh(plan: ir.Plan, dp: int | None) -> list[Diagnostic]:
-    """An explicit `mesh` header must agree with --dp: `mesh dp, tp` means data parallelism, `mesh tp` none."""
-    if dp is None or plan.mesh_pos == ir.NOWHERE:
-        return []
-    if plan.mesh == ("dp", "tp") and dp == 1:
-        return [Diagnostic(plan.mesh_pos, "the plan declares `mesh dp, tp` (data × tensor parallel) but --dp is 1; "
-                           "run it with --dp N (N ≥ 2), or write `mesh tp`", 4)]
-    if plan.mesh == ("tp",) and dp > 1:
-        return [Diagnostic(plan.mesh_pos, f"the plan declares `mesh tp` (tensor parallel only) but --dp is {dp}; "
-                           "write `mesh dp, tp` for data × tensor parallelism, or drop --dp", 4)]
-    return []
-
-
 def check(plan: ir.Plan, model: nn.Module | None = None, tp: int | None = None, dp: int | None = None) -> Checked:
     """Check `plan` alone, or against `model` (build it on the meta device) for a given tp (and dp, when the
     plan's `mesh` header must agree with it)."""
     if tp is not None and tp < 1:
         raise ValueError("tp must be positive")
-    diags = check_syntax_level(plan) + _check_mesh(plan, dp)
+    diags = check_syntax_level(plan) + check_mesh(plan, dp)
     res = None
     sizes: list[int] = []
     warnings: list[Diagnostic] = []
@@ -331,7 +284,7 @@ def check(plan: ir.Plan, model: nn.Module | None = None, tp: int | None = None, 
         _check_sets(res, tp, rep)
         diags += rep.diagnostics()
         _check_ties(res, model, diags)
-        warnings = _replication_warning(plan, res)
+        warnings = replication_warning(plan, res)
     if diags:
         raise PlanError(diags, plan.source)
     g = math.gcd(*sizes) if sizes else 0
