@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Partial, Placement, Shard
 
 from dtp import ir
+from dtp.attention import attention_like
 from dtp.placement import is_norm
 from dtp.resolve import Resolution
 
@@ -167,7 +168,14 @@ class _Walk:
             return None
         if m.style == "vocab_parallel":
             return Act("shard(-1)", True, path)
-        return Act(layout_text(m.output), not m.local, path)
+        out = Act(layout_text(m.output), not m.local, path)
+        parent = path.rpartition(".")[0]
+        if m.style == "colwise" and out.dtensor and "." in path and attention_like(self.res.modules[parent]):
+            self._fail(path, f"colwise hands the attention's own code ({self._rel(parent, path)}) a DTensor, but "
+                       "its head reshapes, rotary embeddings and scaled_dot_product_attention run on local tensors; "
+                       "drop local=false", path)
+            return None
+        return out
 
     # ---- the residual stream ------------------------------------------------------------------------
 
