@@ -199,20 +199,21 @@ class _Walk:
 
     def _join(self, branch: str, got: Act) -> None:
         """A branch's result is added back to the residual stream: DTensor under sequence parallelism, else plain."""
-        if got.dtensor == self.sp and (self.sp or got.layout == "replicate"):
+        if got.dtensor == self.sp and (self.sp or got.layout == "replicate") and got.layout != "partial":
             return
         src = got.producer
         where = f"{branch}'s result reaches the residual stream as {got.describe()}"
-        if self.sp and not got.dtensor:
+        if got.layout == "partial":  # even as a DTensor: left to the residual add's implicit redistribution,
+            # it breaks DTensor's backward on some shapes (a one-token sequence shard)
+            self._fail(src or branch, f"output=partial: {where}, sums that nothing in the plan reduces before "
+                       "they are added; drop output=partial (the default reduces them)", src)
+        elif self.sp and not got.dtensor:
             fix = "drop local=true" if src else f"shard {branch} (sequence parallelism reaches every branch)"
             self._fail(src or branch, f"{where}, but under sequence parallelism the residual stream is a "
                        f"sequence-sharded DTensor: a DTensor and a local tensor cannot be added; {fix}", src)
         elif got.dtensor:
             self._fail(src or branch, f"{where}, but without sequence parallelism the residual stream is a plain "
                        "tensor: a DTensor and a local tensor cannot be added; drop local=false", src)
-        elif got.layout == "partial":
-            self._fail(src or branch, f"output=partial: {where}, sums that nothing reduces before they are added; "
-                       "drop output=partial (the default reduces them)", src)
         elif got.layout == "shard(-1)" and src and self._style(src) == "colwise":
             self._fail(src, f"colwise output unconsumed: {where}, with no rowwise to reduce it first; make the "
                        "branch's next Linear rowwise, or give this one output=replicate", src)
