@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dtp import check_layouts, ir
+from dtp.advice import check_mesh, replicated_share, replication_warning  # noqa: F401 (re-exported)
 from dtp.errors import Diagnostic, PlanError
 from dtp.placement import OPTIONS, STYLES, Placement, features, is_linear, module_fits, sharded_sizes
 from dtp.resolve import Resolution, resolve
@@ -40,6 +41,7 @@ class Checked:
     resolution: Resolution | None
     tp: int | None
     admissible_tp: tuple[int, ...]  # every tp ≤ MAX_TP_SHOWN that satisfies all divisibility rules
+    warnings: tuple[Diagnostic, ...] = ()  # problems that do not stop the plan (printed as `warning:`)
 
 
 # ---- model-independent checks ----------------------------------------------------------------------
@@ -113,15 +115,21 @@ class _Reporter:
         return out
 
 
-def _is_attention(path: str) -> bool:
-    return any(word in path.split(".")[-2:] or word in path for word in ("attn", "attention"))
+def _attention_of(res: Resolution, path: str) -> tuple[str, nn.Module] | None:
+    """The attention-like module that owns Linear `path` (its parent), if any."""
+    from dtp import attention
+
+    parent = path.rpartition(".")[0]
+    module = res.modules.get(parent) if "." in path else None
+    return (parent, module) if module is not None and attention.attention_like(module) else None
 
 
-def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Reporter, sizes: list[int]) -> None:
-    from dtp import models
+def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Reporter, sizes: list[int]) -> bool:
+    """Style fits, packed parts, divisibility and heads of every claimed module; False when a style does not fit."""
+    from dtp import attention, models  # torch: only once a model is checked
 
     vocab = models.vocab_size(model)
-    info = models.heads(model)
+    fits = True
     for path, rule in res.claims.items():
         module, style = res.modules[path], rule.style
         if style.name not in STYLES:
@@ -131,6 +139,7 @@ def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Repo
         problem = module_fits(style.name, module, vocab)
         if problem:
             rep.add(style.pos, length, path, f"{problem}; this module is {kind}")
+            fits = False
             continue
         if style.name == "slice_input":
             check_layouts.check_slice_input(path, style, res.modules[""], tp, rep, sizes)
@@ -140,6 +149,16 @@ def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Repo
             continue
         packed = _packed(style)
         fan_in, fan_out = features(module) if is_linear(module) else (0, 0)
+        owner = _attention_of(res, path) if style.name in ("colwise", "rowwise") else None
+        info = attention.heads(model, *owner) if owner else None
+        parts = attention.fused_parts(owner[1], module, info) if info and style.name == "colwise" else None
+        if parts and packed > 1 and len(set(parts)) > 1:
+            rep.add(style.pos, length, path, attention.unequal_parts_message(parts, packed, info, fan_out))
+            continue
+        if parts and packed not in (1, len(parts)):
+            rep.add(style.pos, length, path, f"out_features={fan_out} holds {len(parts)} equal parts "
+                    f"(q, k and v of {parts[0]}), not {packed}; use packed={len(parts)}")
+            continue
         if packed > 1 and fan_out % packed:
             rep.add(style.pos, length, path, f"packed={packed} needs out_features={fan_out} to split into "
                     f"{packed} equal parts")
@@ -155,7 +174,7 @@ def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Repo
             if tp and size % tp:
                 rep.add(style.pos, length, path, f"{style.name} shards {what} over tp={tp}, which does not divide it; "
                         f"tp values that work: {working_tp(size)}")
-        if info and style.name in ("colwise", "rowwise") and _is_attention(path):
+        if info:
             width = fan_out // packed if style.name == "colwise" else fan_in
             if width % info.head_dim == 0:
                 n = width // info.head_dim
@@ -167,6 +186,7 @@ def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Repo
                     per = " per packed part" if packed > 1 else ""
                     rep.add(style.pos, length, path, f"{n} {what}{per} (head size {info.head_dim}, {source}) do not "
                             f"divide by tp={tp}; each rank must hold whole heads; tp values that work: {working_tp(n)}")
+    return fits
 
 
 def _check_ties(res: Resolution, model: nn.Module, diags: list[Diagnostic]) -> None:
@@ -251,26 +271,48 @@ def _check_sets(res: Resolution, tp: int | None, rep: _Reporter) -> None:
             rep.add(stmt.pos, 3, shown, f"set {attr} evaluates to {value}; it must be a positive integer")
 
 
-def check(plan: ir.Plan, model: nn.Module | None = None, tp: int | None = None) -> Checked:
-    """Check `plan` alone, or against `model` (build it on the meta device) for a given tp."""
+def _check_flow(res: Resolution, model: nn.Module, rep: _Reporter) -> None:
+    """Follow the activations' layouts through the model (dtp/flow.py)."""
+    from dtp import flow, models
+    from dtp.compiler import _module_layout  # the compiler imports this module
+
+    sp = any(rule.style.name == "sequence_parallel" for rule in res.claims.values())
+    layouts = {path: m for path, rule in res.claims.items()
+               if (m := _module_layout(rule.style, res.modules[path], sp)) is not None}
+    flow.analyse(res, sp, layouts, models.vocab_size(model), rep.add)
+
+
+def check(plan: ir.Plan, model: nn.Module | None = None, tp: int | None = None, dp: int | None = None) -> Checked:
+    """Check `plan` alone, or against `model` (build it on the meta device) for a given tp (and dp, when the
+    plan's `mesh` header must agree with it)."""
     if tp is not None and tp < 1:
         raise ValueError("tp must be positive")
-    diags = check_syntax_level(plan)
+    diags = check_syntax_level(plan) + check_mesh(plan, dp)
     res = None
     sizes: list[int] = []
+    warnings: list[Diagnostic] = []
     if model is not None:
         res = resolve(plan, model)
+        structural = bool(diags or res.diagnostics)
         diags += res.diagnostics
         rep = _Reporter()
-        _check_modules(res, model, tp, rep, sizes)
+        fits = _check_modules(res, model, tp, rep, sizes)
+        if fits and not structural:  # layouts of styles that do not apply would only echo those errors
+            _check_flow(res, model, rep)
         _check_sets(res, tp, rep)
         diags += rep.diagnostics()
         _check_ties(res, model, diags)
+        warnings = replication_warning(plan, res)
     if diags:
         raise PlanError(diags, plan.source)
     g = math.gcd(*sizes) if sizes else 0
     admissible = tuple(d for d in range(1, MAX_TP_SHOWN + 1) if g % d == 0)
-    return Checked(plan, res, tp, admissible)
+    return Checked(plan, res, tp, admissible, tuple(warnings))
+
+
+def render_warnings(checked: Checked) -> str:
+    """The warnings of a plan that passed, each with its position and source line ("" when none)."""
+    return "".join(w.render(checked.plan.source) + "\n" for w in checked.warnings)
 
 
 def checked_for(plan: ir.Plan | Checked, model: nn.Module, tp: int) -> Checked:

@@ -48,8 +48,8 @@ def seed_int(text: str) -> int:
     return value
 
 
-def _load_checked(plan_path: str, model_spec: str | None, tp: int | None):
-    from dtp.check import check
+def _load_checked(plan_path: str, model_spec: str | None, tp: int | None, dp: int | None = None):
+    from dtp.check import check, render_warnings
     from dtp.syntax import load
 
     plan = load(plan_path)
@@ -58,12 +58,14 @@ def _load_checked(plan_path: str, model_spec: str | None, tp: int | None):
         from dtp import models
 
         model = models.build(models.resolve(model_spec), device="meta")
-    return plan, model, check(plan, model, tp)
+    checked = check(plan, model, tp, dp)
+    sys.stderr.write(render_warnings(checked))
+    return plan, model, checked
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     """`dtp check PLAN [MODEL] [--tp N]`."""
-    plan, model, checked = _load_checked(args.plan, args.model, args.tp)
+    plan, model, checked = _load_checked(args.plan, args.model, args.tp, args.dp)
     if model is None:
         print(f"{args.plan}: ok (syntax and styles; give a MODEL to check it against a model)")
         return 0
@@ -102,7 +104,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from dtp.explain import explain, render
 
     dtype = _dtype(args.dtype)
-    plan, model, checked = _load_checked(args.plan, args.model, args.tp)
+    plan, model, checked = _load_checked(args.plan, args.model, args.tp, args.dp)
     seq = args.seq or getattr(getattr(model, "config", None), "block_size", None) or 1024
     ex = explain(checked, model, args.model, args.tp, dtype, args.batch, seq, args.dp)
     print(render(ex))
@@ -141,6 +143,7 @@ def build_parser(full: bool = True) -> argparse.ArgumentParser:
     c.add_argument("plan")
     c.add_argument("model", nargs="?", help="zoo name, model YAML, or package.module:factory")
     c.add_argument("--tp", type=positive_int, help="tensor-parallel size to check divisibility for")
+    c.add_argument("--dp", type=positive_int, help="data-parallel size the plan's `mesh` header must agree with")
     c.set_defaults(func=cmd_check)
 
     f = sub.add_parser("fmt", help="format plans canonically")

@@ -10,15 +10,16 @@ MAX_SHOWN = 50  # diagnostics rendered per file; the count says how many there w
 
 @dataclass(frozen=True)
 class Diagnostic:
-    """One `FILE:LINE:COL: error: MESSAGE`, underlining `length` characters at `pos`."""
+    """One `FILE:LINE:COL: error: MESSAGE` (or `warning:`), underlining `length` characters at `pos`."""
 
     pos: Pos
     message: str
     length: int = 1
+    severity: str = "error"  # "error" (exit 2) or "warning" (printed; the plan still passes)
 
     def render(self, source: str | None) -> str:
         """The message, then the source line and a caret under the offending text."""
-        head = f"{self.pos}: error: {self.message}"
+        head = f"{self.pos}: {self.severity}: {self.message}"
         if not source or self.pos.line <= 0:
             return head
         lines = source.split("\n")  # as the grammar counts lines

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -100,7 +101,7 @@ def absolute_model_spec(spec: str) -> str:
 def cmd_apply(args: argparse.Namespace) -> int:
     """`dtp apply PLAN MODEL ...`: exit 0 parity holds, 1 parity failed or the run failed, 2 plan/usage error."""
     from dtp import models, preflight
-    from dtp.check import check
+    from dtp.check import check, render_warnings
     from dtp.report import render
     from dtp.syntax import load
 
@@ -130,7 +131,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
     if vocab is None:
         raise UsageError(f"model {args.model} has no nn.Embedding and no config.vocab_size: dtp feeds it token "
                          "ids, so it must know the vocabulary size")
-    checked = check(plan, model, tp)  # exit 2 before any rank starts
+    checked = check(plan, model, tp, args.dp)  # exit 2 before any rank starts
+    sys.stderr.write(render_warnings(checked))
     shape_problem = sequence_shape_problem(checked, tp, args.seq)
     if shape_problem:
         raise UsageError(shape_problem)

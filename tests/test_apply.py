@@ -89,10 +89,13 @@ def test_mispacked_qkv_fails_parity(repo):
     assert "Traceback" not in proc.stderr
 
 
-def test_unconsumed_colwise_fails_with_one_paragraph(repo):
+def test_unconsumed_colwise_is_rejected_before_launch(repo):
+    # once a shape error on rank 0 mid-forward; now the layout flow of `check` finds it (exit 2, no rank starts)
     proc = dtp_cli("apply", "tests/fixtures/unconsumed-colwise.tp", "gpt2-tiny", "--tp", "2", "--steps", "1")
-    assert proc.returncode == 1
-    assert "failed on rank" in proc.stderr and "module transformer.h.0.mlp.c_proj during forward" in proc.stderr
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("tests/fixtures/unconsumed-colwise.tp:3:27: error: transformer.h.0.mlp.c_fc (and 1 "
+                                  "more module): colwise output (each rank's slice of the features (shard(-1), local)) "
+                                  "reaches mlp.c_proj (Linear, not sharded)")
     assert "Traceback" not in proc.stderr
 
 

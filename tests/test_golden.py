@@ -1,8 +1,9 @@
-"""Golden plans: every tests/golden/bad/*.tp fails `dtp check FILE gpt2-tiny --tp N` with exactly the text in its
-sibling .err file; every tests/golden/good/*.tp passes and prints its sibling .out.
+"""Golden plans: every tests/golden/bad/*.tp fails `dtp check FILE MODEL --tp N` with exactly the text in its
+sibling .err file; every tests/golden/good/*.tp passes and prints its sibling .out (and its .err, when it has one:
+warnings).
 
-N comes from a `# tp: N` comment on the file's first line (default 2). Paths in the expected text are relative to
-the repository root, where the tests run.
+N comes from a `# tp: N` comment on the file's first line (default 2), MODEL from a `# model: NAME` comment on the
+second (default gpt2-tiny). Paths in the expected text are relative to the repository root, where the tests run.
 """
 from __future__ import annotations
 
@@ -29,6 +30,13 @@ def tp_of(path: Path) -> str:
     return m.group(1) if m else "2"
 
 
+def model_of(path: Path) -> str:
+    """The model a golden file is checked against: `# model: NAME` on its second line, else gpt2-tiny."""
+    lines = path.read_bytes().split(b"\n", 2)
+    m = re.match(r"#\s*model:\s*(\S+)\s*$", lines[1].decode("utf-8", "replace")) if len(lines) > 1 else None
+    return m.group(1) if m else "gpt2-tiny"
+
+
 def rel(path: Path) -> str:
     return path.relative_to(ROOT).as_posix()
 
@@ -43,6 +51,7 @@ def test_golden_sets_are_complete():
     stems = {p.stem for p in BAD}
     assert {p.stem for p in (GOLDEN / "bad").glob("*.err")} == stems
     assert {p.stem for p in (GOLDEN / "good").glob("*.out")} == {p.stem for p in GOOD}
+    assert {p.stem for p in (GOLDEN / "good").glob("*.err")} <= {p.stem for p in GOOD}
 
 
 def test_tp_comment_is_read():
@@ -55,7 +64,7 @@ def test_tp_comment_is_read():
 @pytest.mark.parametrize("path", BAD, ids=lambda p: p.stem)
 def test_bad_plan(path: Path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
-    rc = cli.main(["check", rel(path), "gpt2-tiny", "--tp", tp_of(path)])
+    rc = cli.main(["check", rel(path), model_of(path), "--tp", tp_of(path)])
     out, err = capsys.readouterr()
     assert rc == 2
     assert out == ""
@@ -65,9 +74,10 @@ def test_bad_plan(path: Path, capsys, monkeypatch):
 @pytest.mark.parametrize("path", GOOD, ids=lambda p: p.stem)
 def test_good_plan(path: Path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
-    rc = cli.main(["check", rel(path), "gpt2-tiny", "--tp", tp_of(path)])
+    rc = cli.main(["check", rel(path), model_of(path), "--tp", tp_of(path)])
     out, err = capsys.readouterr()
-    assert (rc, err) == (0, "")
+    warnings = path.with_suffix(".err")
+    assert (rc, err) == (0, warnings.read_text(encoding="utf-8") if warnings.exists() else "")
     assert out == path.with_suffix(".out").read_text(encoding="utf-8")
 
 
@@ -120,9 +130,9 @@ def test_ranges_and_globstar_claims():
     glob = check(load(GOLDEN / "good" / "globstar.tp"), model, 2)
     assert glob.plan.mesh == ("dp", "tp")
     assert sorted(p for p, r in glob.resolution.claims.items() if r.style.name == "sequence_parallel") == [
-        "transformer.h.0.ln_1", "transformer.h.0.ln_2", "transformer.h.1.ln_1", "transformer.h.1.ln_2",
+        "transformer.drop", "transformer.h.0.ln_1", "transformer.h.0.ln_2", "transformer.h.1.ln_1", "transformer.h.1.ln_2",
         "transformer.ln_f"]
-    assert glob.resolution.claims["lm_head"].pos.line == 11  # `**.lm_head`: `**` spans zero segments
+    assert glob.resolution.claims["lm_head"].pos.line == 12  # `**.lm_head`: `**` spans zero segments
 
 
 def test_real_console_script_reports_without_traceback():

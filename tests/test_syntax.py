@@ -329,7 +329,8 @@ def test_one_megabyte_comment_is_fine(tmp_path, capsys, model):
     rc = cli.main(["check", path, "gpt2-tiny", "--tp", "2"])
     assert time.monotonic() - start < 2.0
     out, err = capsys.readouterr()
-    assert (rc, err) == (0, "")
+    assert rc == 0  # a warning only: only the embedding and the head are sharded
+    assert err.startswith(f"{path}:1:1: warning: this plan leaves 86% of the parameter bytes replicated")
     assert out == f"{path}: ok on gpt2-tiny: 2 modules claimed by 2 rules, 0 attribute rewrites; tp=2\n"
 
 

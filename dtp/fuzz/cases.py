@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 
 from hypothesis import strategies as st
@@ -166,6 +167,83 @@ def user_cases(draw, plan: str, model: str, max_world: int = 4) -> Case:
     tp, dp = draw(meshes(max_world))
     batch = dp * draw(st.integers(1, 2))
     return Case(plan, model, tp, dp, batch, draw(st.integers(1, 16)), draw(st.integers(0, 2**16)), draw(_DTYPES))
+
+
+# ---- mutated plans -------------------------------------------------------------------------------
+
+# What a user gets wrong. A mutation marked `wrong` cannot compute what the unsharded model does once tp > 1,
+# so such a case passing parity would be a false pass.
+MUTATIONS = ("partial", "colwise_replicate", "unpaired_colwise", "unpacked", "some_norms", "local")
+_RULE = re.compile(r"^(\s*)(\S+): (\w+)(?:\((.*)\))?$")
+
+
+def _parse_rule(line: str) -> tuple[str, str, str, dict[str, str]] | None:
+    m = _RULE.match(line)
+    if not m or m.group(2) in ("dtp", "plan", "mesh"):
+        return None
+    options = dict(o.split("=", 1) for o in m.group(4).split(", ")) if m.group(4) else {}
+    return m.group(1), m.group(2), m.group(3), options
+
+
+def _rule(indent: str, pattern: str, style: str, options: dict[str, str]) -> str:
+    args = ", ".join(f"{k}={v}" for k, v in options.items())
+    return f"{indent}{pattern}: {style}" + (f"({args})" if args else "")
+
+
+@st.composite
+def mutated_plans(draw, plan: str, model: dict, sp: bool) -> tuple[str, str, bool]:
+    """One mistake in a Megatron-correct plan: (new text, the mutation, whether it is wrong for tp > 1)."""
+    lines = plan.splitlines()
+    rules = {i: r for i, line in enumerate(lines) if (r := _parse_rule(line))}
+    by_style = {s: [i for i, r in rules.items() if r[2] == s] for s in ("colwise", "rowwise", "vocab_parallel")}
+    packed = [i for i in by_style["colwise"] if "packed" in rules[i][3]]
+    norms = [i for i, r in rules.items() if r[2] == "sequence_parallel"]
+    kinds = [k for k in MUTATIONS if k not in ("partial", "unpaired_colwise") or by_style["rowwise"]]
+    kinds = [k for k in kinds if (k != "colwise_replicate" or by_style["colwise"]) and (k != "unpacked" or packed)]
+    if not by_style["colwise"] + by_style["rowwise"] + by_style["vocab_parallel"]:
+        kinds = [k for k in kinds if k != "local"]
+    kind = draw(st.sampled_from(kinds))
+    wrong = False
+    if kind == "partial":
+        i = draw(st.sampled_from(by_style["rowwise"]))
+        indent, pattern, style, opts = rules[i]
+        opts = {**opts, "output": "partial"}
+        if draw(st.booleans()):
+            opts["local"] = draw(st.sampled_from(["true", "false"]))
+        wrong = not sp and opts.get("local", "true") == "true"  # a local partial sum joins a plain residual
+        lines[i] = _rule(indent, pattern, style, opts)
+    elif kind == "colwise_replicate":  # the rowwise after it reads the gathered output as its slice
+        i = draw(st.sampled_from(by_style["colwise"]))
+        indent, pattern, style, opts = rules[i]
+        lines[i], wrong = _rule(indent, pattern, style, {**opts, "output": "replicate"}), True
+    elif kind == "unpaired_colwise":  # the rowwise partner left unsharded
+        i = draw(st.sampled_from(by_style["rowwise"]))
+        indent, pattern, _, _ = rules[i]
+        lines[i], wrong = _rule(indent, pattern, "replicate", {}), True
+    elif kind == "unpacked":  # fused q/k/v or gate/up sharded as one matrix
+        i = draw(st.sampled_from(packed))
+        indent, pattern, style, opts = rules[i]
+        lines[i], wrong = _rule(indent, pattern, style, {k: v for k, v in opts.items() if k != "packed"}), True
+    elif kind == "some_norms":
+        if norms:  # one sequence-parallel norm rule dropped
+            del lines[draw(st.sampled_from(norms))]
+        else:  # one norm of one layer made sequence-parallel in a plan without sequence parallelism
+            layers, norm = ("transformer.h", "ln_1") if model["family"] == "gpt" else ("model.layers", "input_layernorm")
+            lines.append(f"{layers}.0.{norm}: sequence_parallel")
+        wrong = True
+    else:  # local: hand on the other kind of tensor
+        i = draw(st.sampled_from(by_style["colwise"] + by_style["rowwise"] + by_style["vocab_parallel"]))
+        indent, pattern, style, opts = rules[i]
+        lines[i] = _rule(indent, pattern, style, {**opts, "local": draw(st.sampled_from(["true", "false"]))})
+    return "\n".join(lines) + "\n", kind, wrong
+
+
+@st.composite
+def mutated_cases(draw, max_world: int = 4) -> Case:
+    """A zoo case whose Megatron-correct plan carries one mistake (see MUTATIONS)."""
+    case = draw(zoo_cases(max_world))
+    plan, kind, wrong = draw(mutated_plans(case.plan, case.model, case.meta["sp"]))
+    return dataclasses.replace(case, plan=plan, meta={**case.meta, "mutation": kind, "wrong": wrong})
 
 
 # ---- plan text for the parser fuzz ------------------------------------------------------------------

@@ -26,7 +26,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     """Exit 0 when every example held, 1 when one failed (saved under --save), 2 on usage errors."""
     from tqdm import tqdm
 
-    from dtp.fuzz.cases import mutated_texts, user_cases, zoo_cases
+    from dtp.fuzz.cases import mutated_cases, mutated_texts, user_cases, zoo_cases
     from dtp.fuzz.pool import Pools
     from dtp.fuzz.replay import check_case_memory, load_checked_case
     from dtp.preflight import check_world
@@ -63,7 +63,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
             text = read_plan_text(args.plan)
             strategy = user_cases(text, args.model, args.max_world)
         else:
-            strategy = zoo_cases(args.max_world)
+            strategy = mutated_cases(args.max_world) if args.mutate else zoo_cases(args.max_world)
         bar = tqdm(total=args.examples, unit="ex", desc="fuzz", disable=not sys.stderr.isatty() and not args.progress)
 
         def progress(outcome) -> None:
@@ -73,10 +73,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         summary = fuzz(strategy, args.examples, args.seed, pools, shrink=not args.no_shrink, progress=progress,
                        timeout=args.timeout)
         bar.close()
-        c = summary.counts
-        rate = summary.examples / summary.seconds * 60 if summary.seconds else 0.0
-        print(f"fuzz: {summary.examples} examples in {summary.seconds:.1f} s ({rate:.0f}/min): "
-              f"{c['passed']} passed, {c['rejected']} rejected by check, {c['failed']} failed")
+        print(f"fuzz: {summary.describe()}")
         if summary.failure:
             case, message = summary.failure
             print(f"FAILED (shrunk): {message}\n  {case.describe()}\n  plan:\n" +
@@ -104,6 +101,8 @@ def add_fuzz_parser(sub) -> None:
     f.add_argument("--replay", metavar="CASE", help="rerun one saved case")
     f.add_argument("--factory", metavar="MODULE:FACTORY",
                    help="let --replay run this model factory (a case never runs code on its own)")
+    f.add_argument("--mutate", action="store_true", help="draw Megatron plans with one mistake each (partial "
+                   "outputs, unpaired colwise, unpacked fused layers, partial sequence parallelism, local flips)")
     f.add_argument("--parser", action="store_true", help="fuzz the parser with random and mutated plan text")
     f.add_argument("--no-shrink", action="store_true", help="report the first failure as found")
     f.add_argument("--timeout", type=positive_float, default=120.0, help="seconds per example before it counts as hung")

@@ -1,6 +1,7 @@
 """`dtp fuzz`: hypothesis drives cases through persistent rank pools and checks the properties.
 
-Properties of every case:
+Properties of every case (for mutated plans, `--mutate`, a run that fails parity or raises on a rank with a
+clean report is a right answer, and a plan marked wrong must not pass):
 1. a plan that `check` rejects is rejected before launch with a PlanError, never a crash or a hang;
 2. a plan that `check` accepts reaches parity with the unsharded model (logits, loss, gradients, and the
    parameters after two optimizer steps);
@@ -82,20 +83,27 @@ def evaluate(case: Case, pools: Pools, timeout: float = 120.0) -> Outcome:
     plan_path.write_text(case.plan)
     cfg = RunConfig(plan=str(plan_path), model=spec, tp=case.tp, dp=case.dp, batch=case.batch, seq=case.seq,
                     steps=2, seed=case.seed, dtype=case.dtype, timeout=timeout)
+    mutated = "mutation" in case.meta  # a deliberate mistake: a clean failure is a right answer
     try:
         report = pool.run(cfg, timeout)
     except Hang as err:
         return Outcome("failed", f"accepted by check, but the run hung: {err}")
     except RuntimeError as err:
-        return Outcome("failed", f"accepted by check, but the run failed: {err}")
+        return Outcome("run_failed" if mutated else "failed", f"accepted by check, but the run failed: {err}")
     parity = report["parity"]
     if not parity["ok"]:
         q = parity[parity["worst_quantity"]]
-        return Outcome("failed", f"parity failed: {parity['worst_tensor']} ({parity['worst_quantity']}) max rel "
-                                 f"{q['max_rel']:.3g}, max abs {q['max_abs']:.3g}; {'; '.join(q['problems'][:2])}")
+        return Outcome("parity_failed" if mutated else "failed",
+                       f"parity failed: {parity['worst_tensor']} ({parity['worst_quantity']}) max rel "
+                       f"{q['max_rel']:.3g}, max abs {q['max_abs']:.3g}; {'; '.join(q['problems'][:2])}")
+    if case.meta.get("wrong") and case.tp > 1:
+        return Outcome("failed", f"false pass: the mutation '{case.meta['mutation']}' cannot compute what the "
+                                 "unsharded model does, yet parity passed")
     measured, analytic = report["collectives"], report["analytic_collectives"]
     keys = ("by_op", "forward", "backward", "bytes")
-    if "not_modeled" in analytic or any(measured[k] != analytic[k] for k in keys):
+    if "not_modeled" in analytic:  # parity still decides; there is no schedule to compare with
+        pass
+    elif any(measured[k] != analytic[k] for k in keys):
         return Outcome("failed", f"collectives differ from the analytic schedule: measured {measured['by_op']} "
                                  f"{measured['bytes']}, analytic {analytic.get('by_op')} {analytic.get('bytes')}")
     if case.dp == 1:
@@ -119,6 +127,15 @@ class Summary:
     def examples(self) -> int:
         """Distinct examples judged during generation (shrinking not counted)."""
         return sum(self.counts.values())
+
+    def describe(self) -> str:
+        """`N examples in S s (R/min): … passed, … rejected by check, …, … failed`."""
+        c = self.counts
+        rate = self.examples / self.seconds * 60 if self.seconds else 0.0
+        clean = "".join(f", {c[k]} {what}" for k, what in (("parity_failed", "failed parity cleanly"),
+                                                           ("run_failed", "failed their run cleanly")) if c[k])
+        return (f"{self.examples} examples in {self.seconds:.1f} s ({rate:.0f}/min): {c['passed']} passed, "
+                f"{c['rejected']} rejected by check{clean}, {c['failed']} failed")
 
 
 def fuzz(strategy, examples: int, seed: int, pools: Pools, shrink: bool = True, progress=None,
