@@ -313,12 +313,23 @@ class _Walk:
         for path in leaves:
             child = path[len(block) + 1:].split(".")[0]
             groups.setdefault(child, []).append(path)
+        chain: list[str] = []  # Linears held directly by the block (OPT's fc1, fc2): one branch together
         for child, paths in groups.items():
-            if paths == [f"{block}.{child}"]:  # a norm or dropout on the residual stream
+            direct = paths == [f"{block}.{child}"]
+            module = self.res.modules[paths[0]]
+            if direct and not (is_norm(module) or isinstance(module, nn.Dropout)):
+                chain.append(paths[0])
+                continue
+            if chain:
+                self.branch(block, chain, stream)
+                chain = []
+            if direct:  # a norm or dropout on the residual stream
                 if self._covered(paths[0]):
                     self.step(paths[0], stream)
             else:
                 self.branch(block, paths, stream)
+        if chain:
+            self.branch(block, chain, stream)
 
     def _output(self, stream: Act) -> None:
         src = stream.producer

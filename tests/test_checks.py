@@ -37,6 +37,19 @@ def test_shipped_plan_passes_every_check_at_every_working_tp(name, repo):
         assert checked.warnings == ()  # Megatron plans shard almost every byte
 
 
+HF_PLANS = sorted(p.stem for p in (REPO / "plans" / "hf").glob("*.tp"))
+
+
+@pytest.mark.parametrize("model_type", HF_PLANS)
+def test_shipped_hf_plan_passes_the_layout_flow_on_its_family(model_type, repo):
+    """The layout flow knows every layout the HF plans use (OPT's Linears sit directly on the layer)."""
+    model = models.build(models.resolve(f"dtp.models.hf:{model_type}"), device="meta")
+    working = check(load(f"plans/hf/{model_type}.tp"), model).admissible_tp
+    assert working[0] == 1 and (model_type == "gemma" or 2 in working)  # gemma's tiny config has one kv head
+    for tp in working[:3]:
+        assert check(load(f"plans/hf/{model_type}.tp"), model, tp).warnings == ()
+
+
 def _cli(capsys, *args: str) -> tuple[int, str, str]:
     rc = cli.main(list(args))
     out, err = capsys.readouterr()
