@@ -56,7 +56,8 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
     rank = mesh.get_local_rank()
     torch.manual_seed(seed)
     model = hf.build(family).train()
-    reference = copy.deepcopy(model)
+    reference = copy.deepcopy(model)  # unsharded, float32: the error sharding may add is measured against its own
+    truth = copy.deepcopy(model).double()  # the parity rule's ground truth (dtp/parity.py)
     plan = syntax.load(str(plan_path or PLANS / f"{hf.FAMILIES[family][0]}.tp"))
     applied = apply(plan, model, mesh, seed)
     vocab = model.config.vocab_size
@@ -74,12 +75,15 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
     ref_logits = reference(inputs).logits
     ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten())
     ref_loss.backward()
-    parity.compare("logits", "logits", _full(logits), ref_logits)
-    parity.compare("loss", "loss", _full(loss), ref_loss)
-    ref_params = dict(reference.named_parameters())
+    true_logits = truth(inputs).logits
+    true_loss = F.cross_entropy(true_logits.flatten(0, 1), targets.flatten())
+    true_loss.backward()
+    parity.compare("logits", "logits", _full(logits), true_logits, ref_logits)
+    parity.compare("loss", "loss", _full(loss), true_loss, ref_loss)
+    ref_params, true_params = dict(reference.named_parameters()), dict(truth.named_parameters())
     for name, p in model.named_parameters():
         got = applied.full(name, p.grad) if p.grad is not None else None
-        parity.compare("grads", f"{name}.grad", got, ref_params[name].grad)
+        parity.compare("grads", f"{name}.grad", got, true_params[name].grad, ref_params[name].grad)
     tp = mesh.size()
     analytic = summarize(schedule(applied.checked, tp, batch, seq, lowered=applied.compiled.lowered), tp)
     measured = {"forward": dict(fwd.counts), "backward": dict(bwd.counts), "bytes": dict(fwd.bytes + bwd.bytes)}
