@@ -48,7 +48,8 @@ def test_resume_at_the_same_tp_continues_bit_exactly(runs):
     assert again[4] != pytest.approx(full[1], rel=RTOL)  # continued from step 3, not restarted
     ck = json.loads((root / "first" / "summary.json").read_text())["checkpoints"]
     assert [c["step"] for c in ck] == [3] and ck[0]["bytes"] > 1e6 and ck[0]["seconds"] > 0
-    assert json.loads((root / "first" / "metrics.jsonl").read_text().splitlines()[-1])["checkpoint_bytes"] == ck[0]["bytes"]
+    last = json.loads((root / "first" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["checkpoint_bytes"] == ck[0]["bytes"]
     assert f"checkpoint: {root / 'ck'} saved after step 3" in saved.stdout
     summary = json.loads((root / "tp2" / "summary.json").read_text())
     assert summary["start_step"] == 3 and summary["resumed"]["step"] == 3
@@ -87,6 +88,7 @@ def test_bad_checkpoint_flags_exit_2(repo, runs, tmp_path, capsys, args, message
 
 
 def test_checkpoint_of_another_plan_is_refused_unless_converted(repo, runs, tmp_path, capsys):
+    """The checkpoint module's message, before any rank; --convert passes the plan check (and meets the next)."""
     ck = runs[0] / "ck"
     other = tmp_path / "other.tp"
     other.write_text(open("plans/gpt2.tp").read().replace("plan gpt2-megatron version 1", "plan gpt2-other version 2"))
@@ -94,4 +96,8 @@ def test_checkpoint_of_another_plan_is_refused_unless_converted(repo, runs, tmp_
     err = capsys.readouterr().err
     assert code == 2
     assert err.startswith(f"error: checkpoint {ck} was written by plan 'gpt2-megatron' version 1 (sha256 ")
-    assert "not by plan 'gpt2-other' version 2" in err and err.rstrip().endswith("for this plan (`dtp train --convert`)")
+    assert "not by plan 'gpt2-other' version 2" in err
+    assert err.rstrip().endswith("for this plan (`dtp train --convert`)")
+    code = main(["train", str(other), *TINY[1:], "--steps", "3", "--resume", str(ck), "--convert", "--out",
+                 str(tmp_path / "o")])
+    assert code == 2 and "is at step 3, not before --steps 3" in capsys.readouterr().err

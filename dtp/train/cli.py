@@ -188,7 +188,8 @@ def _resumed_line(s: dict) -> list[str]:
         return []
     from dtp.explain import human_bytes
 
-    return [f"  resumed from {r['path']} at step {r['step']} (loaded {human_bytes(r['bytes'])} in {r['seconds']:.2f} s)"]
+    return [f"  resumed from {r['path']} at step {r['step']} "
+            f"(loaded {human_bytes(r['bytes'])} in {r['seconds']:.2f} s)"]
 
 
 def _saved_line(s: dict) -> list[str]:
