@@ -28,13 +28,15 @@ def _losses(out) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The uninterrupted 6 steps at tp 2, and 3 steps saved then resumed to 6 at tp 2 and at tp 1."""
+    """The uninterrupted 6 steps at tp 2, and 3 steps saved then resumed to 6 at tp 2 and at dp 2 × tp 1."""
     root = tmp_path_factory.mktemp("resume")
     _train("--tp", "2", "--steps", "6", "--out", str(root / "full"))
     saved = _train("--tp", "2", "--steps", "3", "--save-every", "3", "--checkpoint", str(root / "ck"),
                    "--out", str(root / "first"))
-    resumed = {tp: _train("--tp", str(tp), "--steps", "6", "--resume", str(root / "ck"), "--out", str(root / f"tp{tp}"))
-               for tp in (2, 1)}
+    resumed = {2: _train("--tp", "2", "--steps", "6", "--resume", str(root / "ck"), "--out", str(root / "tp2"))}
+    # tp 1 × dp 2 (FSDP2), saving at the end after the final evaluation (FSDP2 leaves the root gathered there)
+    resumed[1] = _train("--tp", "1", "--dp", "2", "--steps", "6", "--resume", str(root / "ck"),
+                        "--checkpoint", str(root / "ck-dp"), "--out", str(root / "tp1"))
     return root, saved, resumed
 
 
@@ -57,13 +59,17 @@ def test_resume_at_the_same_tp_continues_bit_exactly(runs):
     assert f"resumed from {root / 'ck'} at step 3" in resumed[2].stdout
 
 
-def test_resume_at_another_tp_reshards(runs):
-    root, _, _ = runs
+def test_resume_at_another_tp_and_dp_reshards(runs):
+    root, _, resumed = runs
     full, at_tp1 = _losses(root / "full"), _losses(root / "tp1")
     assert list(at_tp1) == [4, 5, 6]
     for step in (4, 5, 6):
         assert at_tp1[step] == pytest.approx(full[step], rel=RTOL), step
     assert at_tp1[4] != pytest.approx(full[1], rel=RTOL)
+    summary = json.loads((root / "tp1" / "summary.json").read_text())
+    assert summary["config"]["tp"] == 1 and summary["config"]["dp"] == 2
+    assert [c["step"] for c in summary["checkpoints"]] == [6] and (root / "ck-dp" / "COMPLETE").is_file()
+    assert f"checkpoint: {root / 'ck-dp'} saved after step 6" in resumed[1].stdout
 
 
 def test_missing_resume_directory_exits_2_before_any_rank(repo, tmp_path):

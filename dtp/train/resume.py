@@ -100,8 +100,15 @@ def due(cfg, step: int) -> bool:
 
 def save(trainer, cfg) -> dict:
     """Save the rank's model, optimizer and train_state to cfg.checkpoint (every rank calls it); stats."""
+    from torch.distributed.fsdp import FSDPModule
+
     from dtp.checkpoint import save_checkpoint
 
+    # FSDP2 keeps the root's parameters gathered after a forward with no backward (an evaluation), and the
+    # model then names those instead of the sharded ones the optimizer holds: shard them back first.
+    for module in trainer.model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
     stats = save_checkpoint(cfg.checkpoint, trainer.model, trainer.optimizer, mesh=trainer.mesh,
                             plan_text=_plan_text(cfg.plan), extra=trainer.train_state())
     return {"step": trainer.step, "bytes": stats["bytes"], "seconds": stats["seconds"]}
