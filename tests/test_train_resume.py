@@ -16,7 +16,7 @@ TINY = ["plans/gpt2.tp", "gpt2-tiny", "--batch", "2", "--seq", "16", "--lr", "1e
 RTOL = 1e-4
 
 
-def _train(*args: str) -> None:
+def _train(*args: str):
     result = dtp_cli("train", *TINY, *args, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     return result
@@ -34,7 +34,7 @@ def runs(tmp_path_factory):
     saved = _train("--tp", "2", "--steps", "3", "--save-every", "3", "--checkpoint", str(root / "ck"),
                    "--out", str(root / "first"))
     resumed = {2: _train("--tp", "2", "--steps", "6", "--resume", str(root / "ck"), "--out", str(root / "tp2"))}
-    # tp 1 × dp 2 (FSDP2), saving at the end after the final evaluation (FSDP2 leaves the root gathered there)
+    # dp 2 × tp 1 (FSDP2), saving at the end after the final evaluation (FSDP2 leaves the root gathered there)
     resumed[1] = _train("--tp", "1", "--dp", "2", "--steps", "6", "--resume", str(root / "ck"),
                         "--checkpoint", str(root / "ck-dp"), "--out", str(root / "tp1"))
     return root, saved, resumed
@@ -72,10 +72,10 @@ def test_resume_at_another_tp_and_dp_reshards(runs):
     assert f"checkpoint: {root / 'ck-dp'} saved after step 6" in resumed[1].stdout
 
 
-def test_missing_resume_directory_exits_2_before_any_rank(repo, tmp_path):
-    result = dtp_cli("train", *TINY, "--resume", str(tmp_path / "nope"), "--out", str(tmp_path / "o"))
-    assert result.returncode == 2
-    assert result.stderr.splitlines()[0] == f"error: no checkpoint at {tmp_path / 'nope'}"
+def test_missing_resume_directory_exits_2_before_any_rank(repo, tmp_path, capsys):
+    code = main(["train", *TINY, "--resume", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
+    assert code == 2
+    assert capsys.readouterr().err.splitlines()[0] == f"error: no checkpoint at {tmp_path / 'nope'}"
     assert not (tmp_path / "o").exists()  # refused before the data and the ranks
 
 
