@@ -107,3 +107,13 @@ def test_checkpoint_of_another_plan_is_refused_unless_converted(repo, runs, tmp_
     code = main(["train", str(other), *TINY[1:], "--steps", "3", "--resume", str(ck), "--convert", "--out",
                  str(tmp_path / "o")])
     assert code == 2 and "is at step 3, not before --steps 3" in capsys.readouterr().err
+
+
+def test_checkpoint_of_another_model_is_refused_before_any_rank(repo, runs, tmp_path, capsys):
+    ck, mid = runs[0] / "ck", "tests/fixtures/gpt-train-mid.yaml"  # gpt2-tiny's names, 4 layers, n_embd 256
+    code = main(["train", TINY[0], mid, *TINY[2:], "--steps", "6", "--resume", str(ck), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: checkpoint {ck} does not fit {mid}: it has no "
+                                        "model/transformer.h.2.attn.c_attn.bias, ")
+    assert "model/transformer.h.0.attn.c_attn.weight is [192, 64] in the checkpoint, [768, 256] here" in err
+    assert not (tmp_path / "o").exists()

@@ -51,6 +51,27 @@ def saved_state(directory: Path) -> tuple[dict, dict]:
     return meta, extra
 
 
+def _check_model(meta: dict, spec: str, directory: Path) -> None:
+    """Refuse, before any rank, a checkpoint whose model tensors are not this model's (names, full shapes)."""
+    from dtp import models
+    from dtp.checkpoint import _model_shape
+    from dtp.checkpoint_files import CheckpointError, some
+
+    model = models.build(models.resolve(spec), device="meta")
+    persistent = model.state_dict(keep_vars=True).keys()
+    here = {f"model/{n}": tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]
+            if n in persistent}
+    saved = {k: _model_shape(k, tuple(v["shape"]), meta.get("packed", {}))
+             for k, v in meta["tensors"].items() if k.startswith("model/")}
+    problems = [f"it has no {some(sorted(set(here) - set(saved)))}"] if set(here) - set(saved) else []
+    if set(saved) - set(here):
+        problems.append(f"{spec} has no {some(sorted(set(saved) - set(here)))}")
+    problems += [f"{k} is {list(saved[k])} in the checkpoint, {list(here[k])} here"
+                 for k in sorted(set(here) & set(saved)) if saved[k] != here[k]]
+    if problems:
+        raise CheckpointError(f"checkpoint {directory} does not fit {spec}: " + "; ".join(problems[:4]))
+
+
 def validate(args: argparse.Namespace) -> None:
     """Checkpoint flags, and the checkpoint to resume from, before any rank starts (exit 2 with one paragraph).
     Makes the directories absolute (ranks may run elsewhere) and records the resumed step in args."""
@@ -73,6 +94,7 @@ def validate(args: argparse.Namespace) -> None:
         _check_plan(meta, _plan_text(args.plan), directory, args.convert)
     except UsageError as err:
         raise type(err)(f"{err} (`dtp train --convert`)") from None
+    _check_model(meta, args.model, directory)
     args.resume_step = extra["step"]
     if args.resume_step >= args.steps:
         raise UsageError(f"checkpoint {directory} is at step {args.resume_step}, not before --steps "
