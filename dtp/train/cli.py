@@ -157,6 +157,7 @@ def summary(cfg, corpus, results: list[dict]) -> dict:
 def render(s: dict) -> str:
     """The human summary."""
     from dtp.explain import human_bytes
+    from dtp.train.resume import resumed_line, saved_line
 
     cfg, corpus = s["config"], s["corpus"]
     coll, analytic = s["collectives"], s["analytic_collectives"]
@@ -169,7 +170,7 @@ def render(s: dict) -> str:
         f"{cfg['steps']} steps of {cfg['batch']} × {cfg['seq']} tokens",
         f"  data: {corpus['name']} ({corpus['tokens']} tokens, {corpus['tokenizer']}; unigram entropy "
         f"{corpus['unigram_entropy']:.3f} nats)",
-        *_resumed_line(s),
+        *resumed_line(s),
         f"  validation loss {s['val_loss']:.4f} nats/token (perplexity {s['perplexity']:.2f}); final training "
         f"loss {s['final_loss']:.4f}",
         f"  speed: {s['tokens_per_s']:.0f} tokens/s, {s['step_time_ms']:.1f} ms/step (median), "
@@ -178,29 +179,8 @@ def render(s: dict) -> str:
         f"  parameters per rank: {', '.join(human_bytes(b) for b in s['param_bytes_per_rank'])} "
         f"(placement table: {', '.join(human_bytes(b) for b in s['param_bytes_table'])})",
         f"  peak memory ({s['peak_memory_kind']}) per rank: {', '.join(human_bytes(b) for b in s['peak_memory_bytes'])}",
-        *_saved_line(s),
+        *saved_line(s),
     ])
-
-
-def _resumed_line(s: dict) -> list[str]:
-    r = s.get("resumed")
-    if not r:
-        return []
-    from dtp.explain import human_bytes
-
-    return [f"  resumed from {r['path']} at step {r['step']} "
-            f"(loaded {human_bytes(r['bytes'])} in {r['seconds']:.2f} s)"]
-
-
-def _saved_line(s: dict) -> list[str]:
-    saves = s.get("checkpoints")
-    if not saves:
-        return []
-    from dtp.explain import human_bytes
-
-    seconds = sorted(c["seconds"] for c in saves)
-    return [f"  checkpoint: {s['config']['checkpoint']} saved after step {', '.join(str(c['step']) for c in saves)} "
-            f"({human_bytes(saves[-1]['bytes'])}, {seconds[len(seconds) // 2]:.2f} s per save, median)"]
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -134,3 +134,26 @@ def save(trainer, cfg) -> dict:
     stats = save_checkpoint(cfg.checkpoint, trainer.model, trainer.optimizer, mesh=trainer.mesh,
                             plan_text=_plan_text(cfg.plan), extra=trainer.train_state())
     return {"step": trainer.step, "bytes": stats["bytes"], "seconds": stats["seconds"]}
+
+
+def resumed_line(s: dict) -> list[str]:
+    """The summary's line for a resumed run (none otherwise)."""
+    r = s.get("resumed")
+    if not r:
+        return []
+    from dtp.explain import human_bytes
+
+    return [f"  resumed from {r['path']} at step {r['step']} "
+            f"(loaded {human_bytes(r['bytes'])} in {r['seconds']:.2f} s)"]
+
+
+def saved_line(s: dict) -> list[str]:
+    """The summary's line for the checkpoints saved (none otherwise)."""
+    saves = s.get("checkpoints")
+    if not saves:
+        return []
+    from dtp.explain import human_bytes
+
+    seconds = sorted(c["seconds"] for c in saves)
+    return [f"  checkpoint: {s['config']['checkpoint']} saved after step {', '.join(str(c['step']) for c in saves)} "
+            f"({human_bytes(saves[-1]['bytes'])}, {seconds[len(seconds) // 2]:.2f} s per save, median)"]
