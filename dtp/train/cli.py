@@ -99,7 +99,9 @@ def _config(args, tp: int, out: Path, device: str):
                        steps=args.steps, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup,
                        weight_decay=args.weight_decay, clip=args.clip, dtype=args.dtype, eval_every=args.eval_every,
                        checkpoint_activations=args.checkpoint_activations, seed=args.seed, device=device,
-                       timeout=args.timeout, out=str(out), progress=sys.stderr.isatty())
+                       timeout=args.timeout, out=str(out), progress=sys.stderr.isatty(),
+                       checkpoint=args.checkpoint, save_every=args.save_every or 0, resume=args.resume,
+                       convert=args.convert)
 
 
 def run_training(cfg, corpus) -> list[dict]:
@@ -148,12 +150,14 @@ def summary(cfg, corpus, results: list[dict]) -> dict:
             "peak_memory_bytes": [r["peak_memory_bytes"] for r in results],
             "peak_memory_kind": first["peak_memory_kind"], "collectives": first["collectives"],
             "analytic_collectives": first["analytic_collectives"], "losses": first["losses"],
-            "val_losses": first["val_losses"]}
+            "val_losses": first["val_losses"], "start_step": first["start_step"], "resumed": first["resumed"],
+            "checkpoints": first["saves"]}
 
 
 def render(s: dict) -> str:
     """The human summary."""
     from dtp.explain import human_bytes
+    from dtp.train.resume import resumed_line, saved_line
 
     cfg, corpus = s["config"], s["corpus"]
     coll, analytic = s["collectives"], s["analytic_collectives"]
@@ -166,6 +170,7 @@ def render(s: dict) -> str:
         f"{cfg['steps']} steps of {cfg['batch']} × {cfg['seq']} tokens",
         f"  data: {corpus['name']} ({corpus['tokens']} tokens, {corpus['tokenizer']}; unigram entropy "
         f"{corpus['unigram_entropy']:.3f} nats)",
+        *resumed_line(s),
         f"  validation loss {s['val_loss']:.4f} nats/token (perplexity {s['perplexity']:.2f}); final training "
         f"loss {s['final_loss']:.4f}",
         f"  speed: {s['tokens_per_s']:.0f} tokens/s, {s['step_time_ms']:.1f} ms/step (median), "
@@ -174,6 +179,7 @@ def render(s: dict) -> str:
         f"  parameters per rank: {', '.join(human_bytes(b) for b in s['param_bytes_per_rank'])} "
         f"(placement table: {', '.join(human_bytes(b) for b in s['param_bytes_table'])})",
         f"  peak memory ({s['peak_memory_kind']}) per rank: {', '.join(human_bytes(b) for b in s['peak_memory_bytes'])}",
+        *saved_line(s),
     ])
 
 
@@ -182,7 +188,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dtp.launcher import under_torchrun
     from dtp.train.plot import loss_png
 
+    from dtp.train import resume
+
     validate(args)
+    resume.validate(args)
     device = _device(args.device)
     tps = args.compare_tp or [args.tp]
     corpus = _preflight(args, tps)
@@ -281,4 +290,10 @@ def add_train_parser(sub) -> None:
     t.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
     t.add_argument("--compare-tp", type=_tp_list, metavar="1,2,4",
                    help="train at each tp from the same init on the same batches; overlay and tabulate")
+    t.add_argument("--checkpoint", metavar="DIR", help="save a checkpoint (DCP, reshardable) here at the end "
+                   "and every --save-every steps")
+    t.add_argument("--save-every", type=positive_int, metavar="N", help="save every N steps (needs --checkpoint)")
+    t.add_argument("--resume", metavar="DIR", help="continue from this checkpoint's step to --steps, at any --tp/--dp")
+    t.add_argument("--convert", action="store_true", help="with --resume: accept a checkpoint of another plan "
+                   "and re-cut its tensors for this one")
     t.set_defaults(func=cmd_train)

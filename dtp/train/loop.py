@@ -28,7 +28,7 @@ from dtp.check import check
 from dtp.comm import merge
 from dtp.data_parallel import units
 from dtp.schedule import NotModeled, schedule, summarize
-from dtp.train import data
+from dtp.train import data, resume
 from dtp.train.init import build_sharded
 from dtp.train.meter import CommTimer, PhaseCounter, peak_memory, recompute_collectives, sync
 from dtp.train.optim import Schedule, adamw, clip_, set_lr
@@ -59,6 +59,10 @@ class TrainConfig:
     timeout: float = 900.0
     out: str = "dtp-train"
     progress: bool = False  # a tqdm bar on rank 0 (a terminal); else a line per evaluation
+    checkpoint: str | None = None  # save here every `save_every` steps (0: at the end only)
+    save_every: int = 0
+    resume: str | None = None  # load this checkpoint before the first step
+    convert: bool = False  # resume from a checkpoint of another plan (dtp.checkpoint's convert=True)
 
 
 def make_mesh(cfg: TrainConfig) -> DeviceMesh:
@@ -198,6 +202,8 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
     # The clip norm of FSDP2 + tp gradients reduces over dp then tp, which torch calls suboptimal; it is one scalar.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     trainer = Trainer(cfg, corpus, make_mesh(cfg))
+    resumed = resume.restore(trainer, cfg) if cfg.resume else None
+    start, saves = trainer.step, []
     metrics = Path(cfg.out, "metrics.jsonl") if rank == 0 else None
     bar = _progress(cfg, rank)
     counters = {"forward": PhaseCounter(), "backward": PhaseCounter()}
@@ -208,8 +214,11 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
         log = stack.enter_context(open(metrics, "a", encoding="utf-8")) if metrics else None
         if bar is not None:
             stack.callback(bar.close)
-        for step in range(cfg.steps):
-            row = trainer.train_step(counters if step == 0 else None, CommTimer() if step > 0 else None)
+        if bar is not None:
+            bar.update(start)
+        for step in range(start, cfg.steps):
+            first = step == start  # collectives are counted, not timed, on this run's first step
+            row = trainer.train_step(counters if first else None, None if first else CommTimer())
             if not math.isfinite(row["loss"]):
                 raise FloatingPointError(f"the loss became {row['loss']} at step {row['step']}; lower --lr "
                                          "or keep --clip on")
@@ -217,8 +226,11 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
                 row["val_loss"] = trainer.evaluate()
                 val_losses.append((row["step"], row["val_loss"]))
             row["peak_memory_bytes"] = peak_memory(trainer.device)[0]
+            if resume.due(cfg, row["step"]):  # after the step's timing: a save is not step time
+                saves.append(resume.save(trainer, cfg))
+                row["checkpoint_bytes"], row["checkpoint_seconds"] = saves[-1]["bytes"], saves[-1]["seconds"]
             losses.append(row["loss"])
-            if step > 0:
+            if not first:
                 times.append(row["step_time_ms"])
                 shares.append(row["comm_share"])
             if log:
@@ -239,5 +251,5 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
                    tokens_per_s=cfg.batch * cfg.seq / (median / 1e3),
                    comm_share=sorted(shares)[len(shares) // 2] if shares else 0.0,
                    collectives=merge(counters), analytic_collectives=trainer.analytic(),
-                   blocks_checkpointed=len(trainer.blocks))
+                   blocks_checkpointed=len(trainer.blocks), start_step=start, resumed=resumed, saves=saves)
     return out
