@@ -145,7 +145,9 @@ def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Repo
             check_layouts.check_slice_input(path, style, res.modules[""], tp, rep, sizes)
             continue
         if isinstance(style.option("packed"), ir.PartList):  # unequal or replicated parts (dtp/parts.py)
+            before = len(rep.groups)
             check_layouts.check_parts(path, module, style, res.modules[""], tp, rep, sizes)
+            fits = fits and len(rep.groups) == before  # parts that do not fit give no layout to follow
             continue
         packed = _packed(style)
         fan_in, fan_out = features(module) if is_linear(module) else (0, 0)

@@ -74,6 +74,19 @@ def _blocks(modules: Mapping[str, nn.Module]) -> list[str]:
     return out
 
 
+def _execution_order(leaves: list[str], style_of: Callable[[str], str | None]) -> list[str]:
+    """Registration order, except a branch's one rowwise layer registered before its colwise layers (Phi-3's
+    o_proj precedes qkv_proj): it runs after them, so it is walked right after the last one."""
+    cols = [i for i, p in enumerate(leaves) if style_of(p) == "colwise"]
+    rows = [i for i, p in enumerate(leaves) if style_of(p) == "rowwise"]
+    if len(rows) != 1 or not cols or rows[0] > cols[0]:
+        return leaves
+    row = leaves[rows[0]]
+    rest = [p for p in leaves if p != row]
+    last = max(i for i, p in enumerate(rest) if style_of(p) == "colwise")
+    return rest[:last + 1] + [row] + rest[last + 1:]
+
+
 class _Walk:
     """One pass over the model; reports problems through `report` and stops where one makes the rest moot."""
 
@@ -222,6 +235,7 @@ class _Walk:
 
     def branch(self, block: str, leaves: list[str], start: Act) -> None:
         """Walk one branch of a block from the residual stream and add its result back."""
+        leaves = _execution_order(leaves, self._style)
         got, sibling_input = start, None
         for path in leaves:
             if self._style(path) == "colwise" and sibling_input is not None and got.producer and \
@@ -333,7 +347,7 @@ class _Walk:
 
     def _output(self, stream: Act) -> None:
         src = stream.producer
-        if stream == PLAIN or (stream.dtensor and src and self._style(src) == "vocab_parallel"
+        if (stream.layout, stream.dtensor) == ("replicate", False) or (stream.dtensor and src and self._style(src) == "vocab_parallel"
                                and not self.layouts[src].embedding):
             return
         self._fail(src or "the model", f"its output ({stream.describe()}) is the model's output, which nothing "

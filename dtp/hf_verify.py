@@ -20,6 +20,7 @@ from dtp import syntax
 from dtp.comm import _bytes, op_name
 from dtp.hf_plan import PLANS
 from dtp.parity import ParityCheck
+from dtp.reference import copy_in
 from dtp.schedule import schedule, summarize
 
 _COLLECTIVES = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}
@@ -57,7 +58,7 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
     torch.manual_seed(seed)
     model = hf.build(family).train()
     reference = copy.deepcopy(model)  # unsharded, float32: the error sharding may add is measured against its own
-    truth = copy.deepcopy(model).double()  # the parity rule's ground truth (dtp/parity.py)
+    truth = copy_in(model, torch.float64)  # the parity rule's ground truth (dtp/parity.py)
     plan = syntax.load(str(plan_path or PLANS / f"{hf.FAMILIES[family][0]}.tp"))
     applied = apply(plan, model, mesh, seed)
     vocab = model.config.vocab_size

@@ -51,13 +51,23 @@ class MixedSGD:
         return next(iter(self.masters.values())).dtype if self.masters else torch.float32
 
 
+def copy_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """An unsharded copy of `model` in `dtype`; in float64, Hugging Face MoE experts run their eager loop
+    (torch's grouped matmul has no float64 kernel)."""
+    out = copy.deepcopy(model).to(dtype)
+    if dtype == torch.float64:
+        for module in out.modules():
+            config = getattr(module, "config", None)
+            if getattr(config, "_experts_implementation", None) not in (None, "eager"):
+                config._experts_implementation = "eager"
+    return out
+
+
 class Reference:
     """One unsharded copy of a model with its own optimizer, in a given dtype."""
 
     def __init__(self, model: nn.Module, lr: float, dtype: torch.dtype | None = None):
-        self.model = copy.deepcopy(model)
-        if dtype is not None:
-            self.model.to(dtype)
+        self.model = copy_in(model, dtype) if dtype is not None else copy.deepcopy(model)
         self.opt = MixedSGD(self.model, lr)
 
     def param(self, name: str) -> torch.Tensor | None:
