@@ -63,9 +63,11 @@ def _group_paths(paths: list[str]) -> tuple[str, ...]:
 
 
 def explain(checked: Checked, model: nn.Module, model_name: str, tp: int,
-            dtype: torch.dtype = torch.float32, batch: int = 1, seq: int = 1024, dp: int = 1) -> Explanation:
+            dtype: torch.dtype = torch.float32, batch: int = 1, seq: int = 1024, dp: int = 1,
+            checkpoint_activations: bool = False) -> Explanation:
     """Tabulate `model`'s parameters under the checked plan at `tp` (the model may be on meta), and the
-    collectives of one training step on `batch` × `seq` tokens."""
+    collectives of one training step on `batch` × `seq` tokens (block forwards recomputed in backward
+    with `checkpoint_activations`)."""
     res = checked.resolution
     assert res is not None, "explain needs a plan checked against a model"
     elem = torch.empty((), dtype=dtype).element_size()
@@ -103,7 +105,8 @@ def explain(checked: Checked, model: nn.Module, model_name: str, tp: int,
                                  shape, local, local_bytes, tuple(names[1:]), placement.is_uneven(shape, tp)))
     plan = checked.plan
     try:
-        steps, not_modeled = tuple(schedule(checked, tp, batch, seq, dtype, dp=dp, model=model)), None
+        steps, not_modeled = tuple(schedule(checked, tp, batch, seq, dtype, dp=dp, model=model,
+                                        checkpoint_activations=checkpoint_activations)), None
     except NotModeled as err:
         steps, not_modeled = None, str(err)
     return Explanation(plan.name, plan.plan_version, plan.file, model_name, tp, str(dtype).replace("torch.", ""),

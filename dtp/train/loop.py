@@ -25,12 +25,12 @@ from torch.utils.checkpoint import checkpoint
 
 from dtp import models, syntax
 from dtp.check import check
-from dtp.comm import merge
+from dtp.comm import CommCounter, merge
 from dtp.data_parallel import units
 from dtp.schedule import NotModeled, schedule, summarize
 from dtp.train import data
 from dtp.train.init import build_sharded
-from dtp.train.meter import CommTimer, PhaseCounter, peak_memory, recompute_collectives, sync
+from dtp.train.meter import CommTimer, peak_memory, sync
 from dtp.train.optim import Schedule, adamw, clip_, set_lr
 
 
@@ -176,8 +176,8 @@ class Trainer:
         try:
             dtype = torch.bfloat16 if self.cfg.dtype == "bfloat16" else torch.float32
             steps = schedule(self.checked, self.cfg.tp, self.cfg.batch // self.cfg.dp, self.cfg.seq, dtype,
-                             self.applied.compiled.lowered, self.cfg.dp, models.build(self.source, device="meta"))
-            steps += recompute_collectives(steps, self.blocks)
+                             self.applied.compiled.lowered, self.cfg.dp, models.build(self.source, device="meta"),
+                             checkpoint_activations=self.cfg.checkpoint_activations)
             return summarize(steps, self.cfg.tp, self.cfg.dp)
         except NotModeled as err:
             return {"not_modeled": str(err)}
@@ -200,7 +200,7 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
     trainer = Trainer(cfg, corpus, make_mesh(cfg))
     metrics = Path(cfg.out, "metrics.jsonl") if rank == 0 else None
     bar = _progress(cfg, rank)
-    counters = {"forward": PhaseCounter(), "backward": PhaseCounter()}
+    counters = {"forward": CommCounter(), "backward": CommCounter()}
     losses, val_losses, times, shares = [], [], [], []
     if trainer.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(trainer.device)
