@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from dtp.check import Checked
+from dtp.param_bytes import ideal_param_bytes, param_bytes_per_rank
 from dtp.placement import Placement
 from dtp.schedule import Collective, NotModeled, schedule, summarize
 
@@ -75,7 +76,6 @@ def explain(checked: Checked, model: nn.Module, model_name: str, tp: int,
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
     rows: list[ParamRow] = []
-    sharded = replicated = 0
     untouched: list[str] = []
     for path, module in res.modules.items():
         own = list(module.named_parameters(recurse=False))
@@ -94,11 +94,6 @@ def explain(checked: Checked, model: nn.Module, model_name: str, tp: int,
             placement: Placement = placements[pname]
             shape = tuple(p.shape)
             local = placement.local_shape(shape, tp)
-            nbytes = p.numel() * elem
-            if placement.shard_dim is None:
-                replicated += nbytes
-            else:
-                sharded += nbytes
             local_bytes = int(torch.Size(local).numel()) * elem
             rows.append(ParamRow(full, path, type(module).__name__,
                                  f"{rule.pos.file}:{rule.pos.line}" if rule else "-", style or "-", str(placement),
@@ -110,8 +105,9 @@ def explain(checked: Checked, model: nn.Module, model_name: str, tp: int,
     except NotModeled as err:
         steps, not_modeled = None, str(err)
     return Explanation(plan.name, plan.plan_version, plan.file, model_name, tp, str(dtype).replace("torch.", ""),
-                       tuple(rows), sharded + replicated, sum(r.bytes_per_rank for r in rows),
-                       replicated + sharded // tp, _group_paths(untouched), batch, seq, steps,
+                       tuple(rows), param_bytes_per_rank(checked, model, 1, 1, elem)[0],
+                       param_bytes_per_rank(checked, model, tp, 1, elem)[0], ideal_param_bytes(checked, model, tp, 1, elem),
+                       _group_paths(untouched), batch, seq, steps,
                        summarize(list(steps), tp, dp) if steps is not None else None, not_modeled)
 
 

@@ -18,7 +18,8 @@ from dtp.cli import main
 from dtp.launcher import launch_local
 from dtp.syntax import load
 from dtp.train import data
-from dtp.train.init import build_sharded, local_indices, normal_at, param_bytes_per_rank
+from dtp.param_bytes import param_bytes_per_rank
+from dtp.train.init import build_sharded, local_indices, normal_at
 from dtp.train.optim import Schedule, clip_, grad_norm
 
 

@@ -133,7 +133,7 @@ def summary(cfg, corpus, results: list[dict]) -> dict:
     from dtp.check import check
     from dtp.syntax import load
     from dtp.train import data
-    from dtp.train.init import param_bytes_per_rank
+    from dtp.param_bytes import param_bytes_per_rank
 
     first = results[0]
     model = models.build(models.resolve(cfg.model), device="meta")

@@ -139,23 +139,3 @@ def build_sharded(plan: Checked, source: models.ModelSource, mesh: DeviceMesh, *
         data_parallel(model, mesh["dp"])
     return applied
 
-
-def param_bytes_per_rank(checked: Checked, model: nn.Module, tp: int, dp: int = 1, elem: int = 4) -> list[int]:
-    """Parameter bytes on each rank (rank = dp_index · tp + tp_index) from the placement table: torch.chunk's
-    tp shards, then FSDP2's dim-0 shards over dp (dim 0 padded to a multiple of dp)."""
-    res = checked.resolution
-    out = []
-    for rank in range(tp * dp):
-        tp_rank = rank % tp
-        total, seen = 0, set()
-        for path, module in model.named_modules():
-            placements = res.placements(path)
-            for name, p in module.named_parameters(recurse=False):
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
-                shape = placements[name].local_shape(tuple(p.shape), tp, tp_rank)
-                rows = -(-shape[0] // dp) if shape and dp > 1 else (shape[0] if shape else 1)
-                total += rows * int(torch.Size(shape[1:]).numel()) * elem
-        out.append(total)
-    return out

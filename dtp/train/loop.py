@@ -27,6 +27,7 @@ from dtp import models, syntax
 from dtp.check import check
 from dtp.comm import CommCounter, merge
 from dtp.data_parallel import units
+from dtp.param_bytes import local_param_bytes
 from dtp.schedule import NotModeled, schedule, summarize
 from dtp.train import data
 from dtp.train.init import build_sharded
@@ -103,8 +104,7 @@ class Trainer:
         self.dp_group = mesh["dp"].get_group() if cfg.dp > 1 else None
         self.loss_ctx = loss_parallel if self.applied.compiled.loss_parallel else contextlib.nullcontext
         self.step = 0
-        self.param_bytes = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
-                               for p in self.model.parameters())
+        self.param_bytes = local_param_bytes(self.model)
         self.val = data.val_batches(corpus, self.tokens, cfg.batch, cfg.seq, cfg.dp, self.dp_rank, cfg.eval_batches)
 
     def train_state(self) -> dict:
