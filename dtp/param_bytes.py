@@ -56,5 +56,6 @@ def ideal_param_bytes(checked: Checked, model: nn.Module, tp: int, dp: int = 1, 
 
 
 def local_param_bytes(model: nn.Module) -> int:
-    """The bytes this rank actually holds: its local shard of every (DTensor) parameter, tied ones once."""
+    """The bytes of this rank's local shards (tied parameters once). Equal to the table under tp; under FSDP2
+    a short last dp shard is a view of a padded allocation, which the table counts and this does not."""
     return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in model.parameters())
