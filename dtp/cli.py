@@ -106,7 +106,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     dtype = _dtype(args.dtype)
     plan, model, checked = _load_checked(args.plan, args.model, args.tp, args.dp)
     seq = args.seq or getattr(getattr(model, "config", None), "block_size", None) or 1024
-    ex = explain(checked, model, args.model, args.tp, dtype, args.batch, seq, args.dp)
+    ex = explain(checked, model, args.model, args.tp, dtype, args.batch, seq, args.dp, args.checkpoint_activations)
     print(render(ex))
     if args.json:
         _write_json(args.json, ex.to_json())
@@ -161,6 +161,8 @@ def build_parser(full: bool = True) -> argparse.ArgumentParser:
     e.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     e.add_argument("--batch", type=positive_int, default=1, help="sequences per step, for the schedule (default 1)")
     e.add_argument("--seq", type=positive_int, help="tokens per sequence, for the schedule (default: the block size)")
+    e.add_argument("--checkpoint-activations", action="store_true",
+                   help="the schedule with each block's forward recomputed in backward (as dtp train does)")
     e.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     e.set_defaults(func=cmd_explain)
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from dtp.check import Checked
+from dtp.param_bytes import ideal_param_bytes, param_bytes_per_rank
 from dtp.placement import Placement
 from dtp.schedule import Collective, NotModeled, schedule, summarize
 
@@ -63,9 +64,11 @@ def _group_paths(paths: list[str]) -> tuple[str, ...]:
 
 
 def explain(checked: Checked, model: nn.Module, model_name: str, tp: int,
-            dtype: torch.dtype = torch.float32, batch: int = 1, seq: int = 1024, dp: int = 1) -> Explanation:
+            dtype: torch.dtype = torch.float32, batch: int = 1, seq: int = 1024, dp: int = 1,
+            checkpoint_activations: bool = False) -> Explanation:
     """Tabulate `model`'s parameters under the checked plan at `tp` (the model may be on meta), and the
-    collectives of one training step on `batch` × `seq` tokens."""
+    collectives of one training step on `batch` × `seq` tokens (block forwards recomputed in backward
+    with `checkpoint_activations`)."""
     res = checked.resolution
     assert res is not None, "explain needs a plan checked against a model"
     elem = torch.empty((), dtype=dtype).element_size()
@@ -73,7 +76,6 @@ def explain(checked: Checked, model: nn.Module, model_name: str, tp: int,
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
     rows: list[ParamRow] = []
-    sharded = replicated = 0
     untouched: list[str] = []
     for path, module in res.modules.items():
         own = list(module.named_parameters(recurse=False))
@@ -92,23 +94,20 @@ def explain(checked: Checked, model: nn.Module, model_name: str, tp: int,
             placement: Placement = placements[pname]
             shape = tuple(p.shape)
             local = placement.local_shape(shape, tp)
-            nbytes = p.numel() * elem
-            if placement.shard_dim is None:
-                replicated += nbytes
-            else:
-                sharded += nbytes
             local_bytes = int(torch.Size(local).numel()) * elem
             rows.append(ParamRow(full, path, type(module).__name__,
                                  f"{rule.pos.file}:{rule.pos.line}" if rule else "-", style or "-", str(placement),
                                  shape, local, local_bytes, tuple(names[1:]), placement.is_uneven(shape, tp)))
     plan = checked.plan
     try:
-        steps, not_modeled = tuple(schedule(checked, tp, batch, seq, dtype, dp=dp, model=model)), None
+        steps, not_modeled = tuple(schedule(checked, tp, batch, seq, dtype, dp=dp, model=model,
+                                        checkpoint_activations=checkpoint_activations)), None
     except NotModeled as err:
         steps, not_modeled = None, str(err)
     return Explanation(plan.name, plan.plan_version, plan.file, model_name, tp, str(dtype).replace("torch.", ""),
-                       tuple(rows), sharded + replicated, sum(r.bytes_per_rank for r in rows),
-                       replicated + sharded // tp, _group_paths(untouched), batch, seq, steps,
+                       tuple(rows), param_bytes_per_rank(checked, model, 1, 1, elem)[0],
+                       param_bytes_per_rank(checked, model, tp, 1, elem)[0], ideal_param_bytes(checked, model, tp, 1, elem),
+                       _group_paths(untouched), batch, seq, steps,
                        summarize(list(steps), tp, dp) if steps is not None else None, not_modeled)
 
 

@@ -23,6 +23,7 @@ from dtp import models, syntax
 from dtp.shard import apply, tied_groups
 from dtp.comm import CommCounter, merge
 from dtp.data_parallel import data_parallel
+from dtp.param_bytes import ideal_param_bytes, local_param_bytes
 from dtp.schedule import NotModeled, schedule, summarize
 from dtp.parity import ParityCheck, dropout_sources
 from dtp.reference import MixedSGD, cross_entropy, logits_of, own_rng, reference_step, references
@@ -148,20 +149,10 @@ def run(cfg: RunConfig, out_dir: Path | None, mesh: DeviceMesh | None = None) ->
         raise
 
 
-def _tp_sharded(p: torch.Tensor) -> bool:
-    """Whether the plan shards `p` (its mesh's tp dimension holds a Shard; FSDP2 puts plain parameters on
-    a dp-only mesh)."""
-    if not isinstance(p, DTensor):
-        return False
-    names = p.device_mesh.mesh_dim_names or ()
-    return "tp" in names and p.placements[names.index("tp")].is_shard()
-
-
 def _report(cfg: RunConfig, plan, parity: ParityCheck, collectives: dict, analytic: dict, model: nn.Module,
-            gathered: list[dict], step_times: list[float], device: torch.device) -> dict:
+            gathered: list[dict], step_times: list[float], device: torch.device, ideal_bytes: int) -> dict:
     """The report dict (the JSON of `dtp apply --json`)."""
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    sharded_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if _tp_sharded(p))
     median = statistics.median(step_times)
     return {
         "plan": {"name": plan.name, "version": plan.plan_version, "file": cfg.plan},
@@ -177,7 +168,7 @@ def _report(cfg: RunConfig, plan, parity: ParityCheck, collectives: dict, analyt
         "tied_parameters": [[f"{path}.{name}".lstrip(".") for path, name in group] for group in tied_groups(model)],
         "param_bytes_unsharded": total_bytes,
         "param_bytes_per_rank": [g["param_bytes"] for g in gathered],
-        "ideal_param_bytes_per_rank": ((total_bytes - sharded_bytes) + sharded_bytes // cfg.tp) // cfg.dp,
+        "ideal_param_bytes_per_rank": ideal_bytes,
         "activation_bytes_per_rank": [g["activations"] for g in gathered],
         "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "rss",
         "peak_memory_bytes": [g["peak"] for g in gathered],
@@ -279,14 +270,14 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: 
                                unsharded.param(n) if unsharded else None, held_in=opt.master_dtype)
 
     trail.phase = "report"
+    meta = models.build(source, device="meta", dtype=dtype)
     try:
         steps = schedule(applied.checked, cfg.tp, cfg.batch // cfg.dp, cfg.seq, dtype, applied.compiled.lowered,
-                         cfg.dp, models.build(source, device="meta", dtype=dtype))
+                         cfg.dp, meta)
         analytic = summarize(steps, cfg.tp, cfg.dp)
     except NotModeled as err:
         analytic = {"not_modeled": str(err)}
-    local_bytes = sum(p.to_local().numel() * p.element_size() if isinstance(p, DTensor) else p.numel() * p.element_size()
-                      for p in model.parameters())
+    local_bytes = local_param_bytes(model)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss
     gathered: list = [None] * world
@@ -294,7 +285,8 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: 
     if rank != 0:
         return None
 
-    report = _report(cfg, plan, parity, merge(counters), analytic, model, gathered, step_times, device)
+    report = _report(cfg, plan, parity, merge(counters), analytic, model, gathered, step_times, device,
+                     ideal_param_bytes(applied.checked, meta, cfg.tp, cfg.dp, next(model.parameters()).element_size()))
     if out_dir is not None:
         (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
     return report

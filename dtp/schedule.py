@@ -21,7 +21,7 @@ Sibling colwise layers that share their parent's input pay the input cost once (
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -29,7 +29,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from dtp.check import Checked
 from dtp.compiler import SEQUENCE, Lowered, lower
-from dtp.data_parallel import unit_bytes
+from dtp.data_parallel import unit_bytes, units
 from dtp.placement import features
 
 
@@ -58,11 +58,14 @@ class NotModeled(Exception):
 
 
 def schedule(checked: Checked, tp: int, batch: int, seq: int, dtype: torch.dtype = torch.float32,
-             lowered: Lowered | None = None, dp: int = 1, model: nn.Module | None = None) -> list[Collective]:
+             lowered: Lowered | None = None, dp: int = 1, model: nn.Module | None = None,
+             checkpoint_activations: bool = False) -> list[Collective]:
     """Every collective of one forward + backward pass of the plan at `tp` on `batch` × `seq` tokens per
     data-parallel rank; with dp > 1 (give `model`) also FSDP2's parameter all-gathers and gradient
-    reduce-scatters."""
+    reduce-scatters; with `checkpoint_activations`, each block's forward collectives again in backward."""
     out = _tensor_parallel(checked, tp, batch, seq, dtype, lowered)
+    if checkpoint_activations:
+        out += recomputed(out, units(checked.resolution.modules[""]))
     if dp > 1:
         elem = torch.empty((), dtype=dtype).element_size()
         for path, nbytes in unit_bytes(checked, model, tp, dp, elem):
@@ -72,6 +75,14 @@ def schedule(checked: Checked, tp: int, batch: int, seq: int, dtype: torch.dtype
                 out.append(Collective("all_gather", "backward", nbytes, name, "FSDP2 parameters again", "dp"))
             out.append(Collective("reduce_scatter", "backward", nbytes, name, "FSDP2 gradients", "dp"))
     return out
+
+
+def recomputed(collectives: list[Collective], blocks: list[str]) -> list[Collective]:
+    """Activation checkpointing per block re-runs each block's whole forward in backward (Megatron's
+    recomputation): the block's forward tensor-parallel collectives again, in the backward phase."""
+    inside = [c for c in collectives if c.phase == "forward" and c.group == "tp"
+              and any(c.module == b or c.module.startswith(b + ".") for b in blocks)]
+    return [replace(c, phase="backward", reason=f"recomputed forward: {c.reason}") for c in inside]
 
 
 def _tensor_parallel(checked: Checked, tp: int, batch: int, seq: int, dtype: torch.dtype,

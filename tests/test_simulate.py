@@ -51,10 +51,11 @@ def test_simulated_collectives_are_the_ones_apply_measures(repo, applied):
     report, work = applied
     run = Run(2, 1, 2, 2, 16, "fp32", "none", "sgd")
     assert summarize(tp_collectives(work, run), 2) == report["collectives"]
-    # full recompute re-runs the 2 forward all-reduces (g) of each of the 2 blocks
+    # full recompute re-runs the 2 forward all-reduces (g) of each of the 2 blocks, in backward
     full = summarize(tp_collectives(work, Run(2, 1, 2, 2, 16, "fp32", "full", "sgd")), 2)
     measured = report["collectives"]
-    assert full["forward"]["all_reduce"] == measured["forward"]["all_reduce"] + 2 * 2
+    assert full["forward"] == measured["forward"]
+    assert full["backward"]["all_reduce"] == measured["backward"]["all_reduce"] + 2 * 2
     assert full["sent_bytes"]["all_reduce"] == measured["sent_bytes"]["all_reduce"] + 4 * (2 * 16 * 64 * 4)  # 2 ranks: each sends the buffer once
     sim = simulate(work, run, load("dgx2h-v100"))
     assert sim.tp_sent_bytes == measured["sent_bytes"]["all_reduce"]

@@ -18,7 +18,8 @@ from dtp.cli import main
 from dtp.launcher import launch_local
 from dtp.syntax import load
 from dtp.train import data
-from dtp.train.init import build_sharded, local_indices, normal_at, param_bytes_per_rank
+from dtp.param_bytes import param_bytes_per_rank
+from dtp.train.init import build_sharded, local_indices, normal_at
 from dtp.train.optim import Schedule, clip_, grad_norm
 
 
@@ -183,6 +184,14 @@ def test_curves_agree_across_tp_and_the_model_learns(repo, tmp_path):
     # Megatron's 13 all-reduces, plus the 2 forward all-reduces of each of the 2 recomputed blocks
     assert summary["collectives"]["by_op"] == summary["analytic_collectives"]["by_op"] == {"all_reduce": 17}
     assert summary["collectives"]["backward"] == {"all_reduce": 5 + 4}
+    # `dtp explain --checkpoint-activations` prints the same schedule train measured (one model: dtp.schedule)
+    assert main(["explain", "plans/gpt2.tp", "gpt2-tiny", "--tp", "2", "--batch", "4", "--seq", "32",
+                 "--checkpoint-activations", "--json", str(tmp_path / "ex.json")]) == 0
+    explained = json.loads((tmp_path / "ex.json").read_text())["schedule_summary"]
+    for key in ("by_op", "forward", "backward", "bytes"):
+        assert explained[key] == summary["collectives"][key], key
+    assert sum(c["reason"].startswith("recomputed forward") for c in
+               json.loads((tmp_path / "ex.json").read_text())["schedule"]) == 4
 
 
 @pytest.mark.parametrize("args,message", [

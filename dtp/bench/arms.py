@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from dtp.bench.megatron import MegatronGPT
 from dtp.models.gpt import GPT, GPTConfig
+from dtp.param_bytes import local_param_bytes
 from dtp.styles import pack_rows
 
 # plans/gpt2.tp, shipped inside the package so `dtp bench` runs from any install (a test keeps them equal).
@@ -69,10 +70,6 @@ class Arm:
     extra: dict  # what else the arm knows (dtp: its checked plan for the analytic schedule)
 
 
-def _param_bytes(model: torch.nn.Module) -> int:
-    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in model.parameters())
-
-
 def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.01)
 
@@ -105,7 +102,7 @@ def _dtensor_arm(name: str, model: torch.nn.Module, x, y, extra: dict | None = N
         return Probe(logits.full_tensor().detach(), loss.full_tensor().item(), grad_sq, dict(counted["by_op"]),
                      dict(counted["bytes"]))
 
-    return Arm(name, step, probe, _param_bytes(model), extra or {})
+    return Arm(name, step, probe, local_param_bytes(model), extra or {})
 
 
 def build_dtp(base: GPT, mesh, x, y) -> Arm:
@@ -193,7 +190,7 @@ def build_megatron(base: GPT, mesh, x, y) -> Arm:
         return Probe(torch.cat(gathered, dim=-1), loss.item(), float(sharded) + replicated, dict(counts),
                      dict(nbytes))
 
-    return Arm("megatron", step, probe, _param_bytes(meg), {})
+    return Arm("megatron", step, probe, local_param_bytes(meg), {})
 
 
 ARMS: dict[str, Callable] = {"dtp": build_dtp, "hand": build_hand, "megatron": build_megatron,

@@ -27,6 +27,7 @@ from dtp.errors import DtpError, PlanError, UsageError
 from dtp.fuzz.cases import Case
 from dtp.fuzz.pool import Hang, Pools
 from dtp.launch import sequence_shape_problem
+from dtp.param_bytes import param_bytes_per_rank
 from dtp.run import RunConfig
 from dtp.syntax import parse
 
@@ -46,21 +47,6 @@ def _model_spec(case: Case, scratch: Path) -> str:
     if not path.exists():
         path.write_text(yaml.safe_dump(case.model))
     return str(path)
-
-
-def expected_param_bytes(checked, model, tp: int, elem: int) -> list[int]:
-    """Per-rank parameter bytes from the placement table (dp = 1)."""
-    out = [0] * tp
-    seen: set[int] = set()
-    for path, module in model.named_modules():
-        placements = checked.resolution.placements(path)
-        for name, p in module.named_parameters(recurse=False):
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            for r in range(tp):
-                out[r] += int(torch.Size(placements[name].local_shape(tuple(p.shape), tp, r)).numel()) * elem
-    return out
 
 
 def evaluate(case: Case, pools: Pools, timeout: float = 120.0) -> Outcome:
@@ -108,7 +94,7 @@ def evaluate(case: Case, pools: Pools, timeout: float = 120.0) -> Outcome:
                                  f"{measured['bytes']}, analytic {analytic.get('by_op')} {analytic.get('bytes')}")
     if case.dp == 1:
         elem = torch.empty((), dtype=getattr(torch, case.dtype)).element_size()
-        want = expected_param_bytes(checked, meta_model, case.tp, elem)
+        want = param_bytes_per_rank(checked, meta_model, case.tp, 1, elem)
         if report["param_bytes_per_rank"] != want:
             return Outcome("failed", f"parameter bytes per rank {report['param_bytes_per_rank']} but the placement "
                                      f"table says {want}")

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from dtp.schedule import Collective, schedule, sent_bytes
+from dtp.schedule import Collective, recomputed, schedule, sent_bytes
 from dtp.simulate.flops import Flops, block_paths
 from dtp.simulate.memory import Memory, activation_bytes, memory, Shape
 from dtp.simulate.profile import Link, Profile
@@ -108,8 +108,7 @@ def tp_collectives(work: Workload, run: Run) -> list[Collective]:
     """One micro-batch's tensor-parallel collectives, with Megatron's recomputed forward ones."""
     out = list(work.collectives)
     if run.recompute == "full":
-        out += [c for c in work.collectives
-                if c.phase == "forward" and any(c.module == b or c.module.startswith(b + ".") for b in work.block_paths)]
+        out += recomputed(out, list(work.block_paths))  # the model `explain` and `train` use
     return out
 
 

@@ -84,6 +84,11 @@ def _preflight(args, tps: list[int]):
         if args.seq < tp and lower(check(plan, model, tp), tp).sequence_parallel:
             raise UsageError(f"--seq {args.seq} is shorter than tp={tp}: sequence parallelism gives every rank a "
                              f"part of the sequence, so use --seq {tp} or more")
+    if args.max_rank_memory is not None:
+        from dtp.train.budget import check_budget
+
+        for tp in tps:
+            check_budget(check(plan, model, tp), model, tp, args.dp, args.max_rank_memory)
     vocab = models.vocab_size(model)
     if vocab is None:
         raise UsageError(f"{args.model}: cannot tell the vocabulary size (no config.vocab_size, no nn.Embedding)")
@@ -135,7 +140,7 @@ def summary(cfg, corpus, results: list[dict]) -> dict:
     from dtp.check import check
     from dtp.syntax import load
     from dtp.train import data
-    from dtp.train.init import param_bytes_per_rank
+    from dtp.param_bytes import param_bytes_per_rank
 
     first = results[0]
     model = models.build(models.resolve(cfg.model), device="meta")
@@ -284,6 +289,9 @@ def add_train_parser(sub) -> None:
     t.add_argument("--eval-every", type=positive_int, default=50, help="validation every E steps and at the end")
     t.add_argument("--checkpoint-activations", action="store_true", help="recompute each block's forward in backward")
     t.add_argument("--seed", type=int, default=0)
+    from dtp.train.budget import memory_size
+    t.add_argument("--max-rank-memory", type=memory_size, metavar="BYTES",
+                   help="refuse a tp whose per-rank parameters + gradients + AdamW state exceed BYTES (e.g. 1.5MiB)")
     t.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     t.add_argument("--timeout", type=float, default=900.0, help="seconds before every rank is stopped (default 900)")
     t.add_argument("--out", default="dtp-train", help="directory for metrics.jsonl, summary.json, loss.png")

@@ -8,6 +8,7 @@ tp and dp, and no rank ever holds more than its shards (plus one parameter's ind
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 
@@ -100,9 +101,14 @@ def _fill(local: torch.Tensor, seed: int, name: str, shape: tuple[int, ...], dim
 def materialise(applied: Applied, device: torch.device, seed: int) -> None:
     """Allocate this rank's shards of `applied.model` (built on meta, then sharded) and initialise them."""
     model = applied.model
-    if any(True for _ in model.buffers()):
-        raise UsageError("dtp train builds the model on the meta device; models with buffers are not supported yet")
+    buffers = dict(model.named_buffers(remove_duplicate=False))  # built on CPU by `build_on_meta`
+    if any(b.is_meta for b in buffers.values()):
+        raise UsageError("the model's buffers were built on the meta device; build it with dtp.train.init."
+                         "build_on_meta, which keeps buffers (e.g. rotary frequencies) real")
     model.to_empty(device=device)
+    for name, b in buffers.items():  # to_empty left them uninitialised: put back the values __init__ computed
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = b.to(device)
     seen: set[int] = set()
     for path, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
@@ -126,36 +132,42 @@ def materialise(applied: Applied, device: torch.device, seed: int) -> None:
             _fill(local, seed, full_name, tuple(p.shape), dims, std)
 
 
+@contextlib.contextmanager
+def _parameters_to_meta():
+    """Every parameter moves to meta as it is registered; buffers stay where __init__ built them. Non-persistent
+    buffers (HF rotary `inv_freq`) are computed in __init__ and restored by nothing else, so they must be real;
+    parameters are drawn later by the keyed init. A parameter exists on CPU only between its allocation
+    (torch.empty: untouched pages) and its registration."""
+    register = nn.Module.register_parameter
+
+    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = to_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def build_on_meta(source: models.ModelSource) -> nn.Module:
+    """The model in float32 with its parameters on meta and its buffers real (on CPU)."""
+    with _parameters_to_meta():
+        return models.build(source, device="cpu", dtype=torch.float32)
+
+
 def build_sharded(plan: Checked, source: models.ModelSource, mesh: DeviceMesh, *, seed: int,
                   device: torch.device, dp: int = 1) -> Applied:
-    """The one way to build a sharded model: meta → shard on `mesh`'s tp dimension → materialise this
-    rank's shards in float32 → FSDP2 over dp (which shards the materialised tp-local tensors again)."""
+    """The one way to build a sharded model: meta (buffers real) → shard on `mesh`'s tp dimension →
+    materialise this rank's shards in float32 → FSDP2 over dp (which shards the materialised tp-local tensors again)."""
     from dtp.data_parallel import data_parallel
 
-    model = models.build(source, device="meta", dtype=torch.float32)
+    model = build_on_meta(source)
     applied = apply(plan, model, mesh, seed)
     materialise(applied, device, seed)
     if dp > 1:
         data_parallel(model, mesh["dp"])
     return applied
 
-
-def param_bytes_per_rank(checked: Checked, model: nn.Module, tp: int, dp: int = 1, elem: int = 4) -> list[int]:
-    """Parameter bytes on each rank (rank = dp_index · tp + tp_index) from the placement table: torch.chunk's
-    tp shards, then FSDP2's dim-0 shards over dp (dim 0 padded to a multiple of dp)."""
-    res = checked.resolution
-    out = []
-    for rank in range(tp * dp):
-        tp_rank = rank % tp
-        total, seen = 0, set()
-        for path, module in model.named_modules():
-            placements = res.placements(path)
-            for name, p in module.named_parameters(recurse=False):
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
-                shape = placements[name].local_shape(tuple(p.shape), tp, tp_rank)
-                rows = -(-shape[0] // dp) if shape and dp > 1 else (shape[0] if shape else 1)
-                total += rows * int(torch.Size(shape[1:]).numel()) * elem
-        out.append(total)
-    return out

@@ -25,12 +25,13 @@ from torch.utils.checkpoint import checkpoint
 
 from dtp import models, syntax
 from dtp.check import check
-from dtp.comm import merge
+from dtp.comm import CommCounter, merge
 from dtp.data_parallel import units
+from dtp.param_bytes import local_param_bytes
 from dtp.schedule import NotModeled, schedule, summarize
 from dtp.train import data, resume
 from dtp.train.init import build_sharded
-from dtp.train.meter import CommTimer, PhaseCounter, peak_memory, recompute_collectives, sync
+from dtp.train.meter import CommTimer, peak_memory, sync
 from dtp.train.optim import Schedule, adamw, clip_, set_lr
 
 
@@ -107,8 +108,7 @@ class Trainer:
         self.dp_group = mesh["dp"].get_group() if cfg.dp > 1 else None
         self.loss_ctx = loss_parallel if self.applied.compiled.loss_parallel else contextlib.nullcontext
         self.step = 0
-        self.param_bytes = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
-                               for p in self.model.parameters())
+        self.param_bytes = local_param_bytes(self.model)
         self.val = data.val_batches(corpus, self.tokens, cfg.batch, cfg.seq, cfg.dp, self.dp_rank, cfg.eval_batches)
 
     def train_state(self) -> dict:
@@ -180,8 +180,8 @@ class Trainer:
         try:
             dtype = torch.bfloat16 if self.cfg.dtype == "bfloat16" else torch.float32
             steps = schedule(self.checked, self.cfg.tp, self.cfg.batch // self.cfg.dp, self.cfg.seq, dtype,
-                             self.applied.compiled.lowered, self.cfg.dp, models.build(self.source, device="meta"))
-            steps += recompute_collectives(steps, self.blocks)
+                             self.applied.compiled.lowered, self.cfg.dp, models.build(self.source, device="meta"),
+                             checkpoint_activations=self.cfg.checkpoint_activations)
             return summarize(steps, self.cfg.tp, self.cfg.dp)
         except NotModeled as err:
             return {"not_modeled": str(err)}
@@ -206,7 +206,7 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
     start, saves = trainer.step, []
     metrics = Path(cfg.out, "metrics.jsonl") if rank == 0 else None
     bar = _progress(cfg, rank)
-    counters = {"forward": PhaseCounter(), "backward": PhaseCounter()}
+    counters = {"forward": CommCounter(), "backward": CommCounter()}
     losses, val_losses, times, shares = [], [], [], []
     if trainer.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(trainer.device)
