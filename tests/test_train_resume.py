@@ -110,7 +110,7 @@ def test_checkpoint_of_another_plan_is_refused_unless_converted(repo, runs, tmp_
 
 
 def test_checkpoint_of_another_model_is_refused_before_any_rank(repo, runs, tmp_path, capsys):
-    ck, mid = runs[0] / "ck", "tests/fixtures/gpt-train-mid.yaml"  # gpt2-tiny's names, 4 layers, n_embd 256
+    ck, mid = runs[0] / "ck", "tests/fixtures/gpt-train-mid.yaml"  # gpt2-tiny's names, 4 layers, n_embd 512
     code = main(["train", TINY[0], mid, *TINY[2:], "--steps", "6", "--resume", str(ck), "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"error: checkpoint {ck} does not fit {mid}: it has no "
