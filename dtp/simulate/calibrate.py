@@ -17,8 +17,8 @@ SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # all-reduce buffers, b
 
 
 def gemm_flops(n: int = 1024, seconds: float = 1.0) -> float:
-    """Median fp32 FLOP/s of an n × n × n matmul on one thread (the median, not the best: on a shared
-    machine the step it predicts runs at the typical rate, not the luckiest)."""
+    """Best-of-runs fp32 FLOP/s of an n × n × n matmul on one thread: the rate while the process holds a
+    core (time other processes take is a CPU share, measured separately by simulate_check)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -29,7 +29,7 @@ def gemm_flops(n: int = 1024, seconds: float = 1.0) -> float:
             t0 = time.perf_counter()
             a @ b
             rates.append(2 * n ** 3 / (time.perf_counter() - t0))
-        return statistics.median(rates)
+        return max(rates)
     finally:
         torch.set_num_threads(threads)
 
@@ -42,7 +42,7 @@ def gemm_table(sizes: tuple[int, ...] = (128, 256, 512, 1024), seconds: float = 
 
 
 def elementwise_bandwidth(n: int = 1 << 22, reps: int = 20) -> float:
-    """Bytes per second of a single-thread elementwise add (two reads and one write per element), median."""
+    """Bytes per second of a single-thread elementwise add (two reads and one write per element), best of runs."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -53,7 +53,7 @@ def elementwise_bandwidth(n: int = 1 << 22, reps: int = 20) -> float:
             t0 = time.perf_counter()
             torch.add(a, b, out=out)
             times.append(time.perf_counter() - t0)
-        return 3 * 4 * n / statistics.median(times)
+        return 3 * 4 * n / min(times)
     finally:
         torch.set_num_threads(threads)
 
@@ -61,7 +61,7 @@ def elementwise_bandwidth(n: int = 1 << 22, reps: int = 20) -> float:
 def op_overhead(reps: int = 2000) -> float:
     """Seconds of one eager op on a one-element tensor: dispatch cost with no work (median of batches)."""
     x = torch.ones(1)
-    batches = []
+    batches = []  # the median batch: a batch is long enough to be preempted, its best would be optimistic
     for _ in range(5):
         t0 = time.perf_counter()
         for _ in range(reps):
