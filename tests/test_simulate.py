@@ -192,9 +192,9 @@ def test_kernel_time_overhead_and_gemm_table():
                  " hbm_GBps: 1, gemm_efficiency: {1: 0.5, 100: 1.0}, op_overhead_us: 1000}\n"
                  "node: {gpus: 1, intra: {busbw_GBps: 1, latency_us: 1}, inter: {busbw_GBps: 1, latency_us: 1}}\n", "t")
     assert [prof.gemm_fraction(g * 1e9) for g in (0.1, 10, 1000)] == pytest.approx([0.5, 0.75, 1.0])
-    ops = Flops(1, (), (Op("gemm", 10**10, 0, True, True, 1), Op("memory", 0, 10**6, False, True, 2)))
+    ops = Flops(1, (), (Op("gemm", 2 * 10**10, 0, True, True, 1), Op("memory", 0, 10**6, False, True, 2)))
     run = Run(2, 1, 1, 1, 1, "fp32", "none", "sgd")
-    gemm = 0.5e10 / (1e12 * 0.75)  # half the GEMM per rank, at 5 GFLOP's efficiency (log-interpolated)
+    gemm = 1e10 / (1e12 * 0.75)  # half the GEMM per rank: 10 GFLOP, halfway (in log) from 1 to 100: 0.75
     memory = 4e6 / 1e9  # 10⁶ fp32 elements over 1 GB/s
     # async (a GPU): each op costs max(1 ms, work); 3 passes (forward + backward) each
     assert kernel_time(ops, run, prof) == pytest.approx(3 * (max(1e-3, gemm) + 2 * max(1e-3, memory)))
