@@ -1,12 +1,15 @@
 """`python -m dtp.bench.simulate_check`: calibrate this machine, then run `dtp apply` (plans/gpt2.tp, fp32,
 SGD, batch 8 × 128) at tp 1, 2, 4 on two GPT sizes and set `dtp simulate`'s prediction next to each
 measured step time and activation size. Calibration and measurement run back to back so that they see
-the same machine; on a shared machine both carry its contention (the load average is recorded)."""
+the same machine; on a shared machine both carry its contention (the load average is recorded), and the
+CPU share the ranks actually got (their CPU seconds ÷ wall seconds × busy cores) scales a second column."""
 from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
+import time
 import tempfile
 from pathlib import Path
 
@@ -37,24 +40,36 @@ def main(out: str) -> None:
             prepared = Prepared("plans/gpt2.tp", str(spec), SEQ)
             for tp in (1, 2, 4):
                 load = os.getloadavg()[0]
+                before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
                 report = launch(RunConfig("plans/gpt2.tp", str(spec), tp=tp, batch=BATCH, seq=SEQ, steps=5, timeout=900))
+                share = _cpu_share(before, time.perf_counter() - t0, min(tp, os.cpu_count() or 1))
                 work = prepared.workload(tp, BATCH, "fp32")
                 sim = simulate(work, Run(tp, 1, BATCH, BATCH, SEQ, "fp32", "none", "sgd"), prof)
                 acts = activation_bytes(work.shape, BATCH, SEQ, tp, elem=4, recompute="none", dropout=False, flash=True)
                 rows.append({"model": name, "tp": tp, "load": load, "measured_ms": report["step_time_ms"],
                              "predicted_ms": sim.iteration_s * 1e3, "compute_ms": sim.compute_s * 1e3,
-                             "tp_comm_ms": sim.tp_comm_s * 1e3, "measured_activation_bytes":
+                             "tp_comm_ms": sim.tp_comm_s * 1e3, "cpu_share": share,
+                             "adjusted_ms": sim.iteration_s * 1e3 / share, "measured_activation_bytes":
                              report["activation_bytes_per_rank"][0], "predicted_activation_bytes": acts})
                 print(rows[-1], flush=True)
-    lines = ["| model | tp | load avg | measured ms | predicted ms (compute + TP comm) | error | activations measured → predicted |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | tp | load avg | measured ms | predicted ms (compute + TP comm) | error | CPU share | "
+             "predicted ÷ share | error | activations measured → predicted |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['tp']} | {r['load']:.1f} | {r['measured_ms']:.0f} | {r['predicted_ms']:.0f} "
                      f"({r['compute_ms']:.0f} + {r['tp_comm_ms']:.0f}) | {100 * (r['predicted_ms'] / r['measured_ms'] - 1):+.0f} % "
+                     f"| {r['cpu_share']:.2f} | {r['adjusted_ms']:.0f} | {100 * (r['adjusted_ms'] / r['measured_ms'] - 1):+.0f} % "
                      f"| {r['measured_activation_bytes'] / 2**20:.1f} → {r['predicted_activation_bytes'] / 2**20:.1f} MiB |")
     Path(out, "this-machine.md").write_text("\n".join(lines) + "\n")
     Path(out, "this-machine.json").write_text(json.dumps({"calibration": raw, "rows": rows}, indent=2, default=str))
     print("\n".join(lines))
+
+
+def _cpu_share(before: resource.struct_rusage, wall: float, cores: int) -> float:
+    """CPU seconds the run's ranks got ÷ what `cores` busy ranks would get in `wall` seconds: on a shared
+    machine the other processes take the rest, which a calibration of rates cannot see."""
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return min(1.0, max(cpu / (wall * cores), 1e-3))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from dtp.resolve import Resolution
+from dtp.simulate.ops import Recorder, summarize
 
 SHARDING_STYLES = ("colwise", "rowwise", "vocab_parallel")
 RECOMPUTE = ("none", "selective", "full")
@@ -35,6 +36,7 @@ class Flops:
 
     seq: int
     modules: tuple[ModuleFlops, ...]
+    ops: tuple = ()  # ops.Op: every kernel of the forward, for the time model
 
     def forward(self, tp: int = 1) -> float:
         """Forward FLOPs of one sequence on one tensor-parallel rank."""
@@ -63,11 +65,14 @@ def count(model: nn.Module, seq: int, resolution: Resolution | None = None) -> F
         raise ValueError("flops.count runs on a meta-device model (it never allocates)")
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     counter = FlopCounterMode(display=False, depth=None)
-    with counter, torch.no_grad():
+    recorder = Recorder()
+    with counter, recorder, torch.no_grad():
         model(ids)
     totals = {_strip(k): v for k, v in counter.get_flop_counts().items() if k != "Global"}
     blocks = block_paths(model)
-    sharded = {p for p, rule in (resolution.claims.items() if resolution else ()) if rule.style.name in SHARDING_STYLES}
+    styles = {p: rule.style.name for p, rule in (resolution.claims.items() if resolution else ())
+              if rule.style.name in SHARDING_STYLES}
+    sharded = set(styles)
     own = {path: dict(ops) for path, ops in totals.items()}
     for path, ops in totals.items():  # FlopCounterMode counts a module's children in it: take them out
         parent = _tracked_parent(path, totals)
@@ -82,7 +87,7 @@ def count(model: nn.Module, seq: int, resolution: Resolution | None = None) -> F
             split = any(p == path or p.startswith(path + ".") for p in sharded) if path else False
             within = any(path == b or path.startswith(b + ".") for b in blocks)
             out.append(ModuleFlops(path, int(gemm), int(attention), split, within))
-    return Flops(seq, tuple(out))
+    return Flops(seq, tuple(out), summarize(recorder.raw, styles, blocks))
 
 
 def _strip(key: str) -> str:

@@ -127,7 +127,8 @@ def simulate(work: Workload, run: Run, prof: Profile) -> Result:
     rate = prof.flops_per_s(run.precision) * min(1.0, prof.compute_slots / per_node)
     m = run.microbatches
     rank_flops = m * work.flops.iteration(run.micro_batch, run.recompute, run.tp)
-    compute = rank_flops / rate
+    share = min(1.0, prof.compute_slots / per_node)
+    compute = m * kernel_time(work.flops, run, prof, share) if work.flops.ops else rank_flops / rate
 
     tp_link = prof.intra if run.tp <= prof.gpus_per_node else _per_gpu_inter(prof)
     colls = tp_collectives(work, run)
@@ -152,6 +153,29 @@ def simulate(work: Workload, run: Run, prof: Profile) -> Result:
     model_flops = run.global_batch * 3 * work.flops.forward(1)
     return Result(run, compute, tp_time, dp_exposed, dp_total, optimizer, total_flops, model_flops,
                   m * len(colls) if run.tp > 1 else 0, tp_sent, sent_bytes("all_reduce", int(grad_bytes), run.dp), mem)
+
+
+def kernel_time(flops: Flops, run: Run, prof: Profile, share: float = 1.0) -> float:
+    """One micro-batch's compute, op by op: a GEMM at the profile's rate × its size's efficiency, a
+    memory-bound op's elements read and written over `hbm_GBps`, each op paying `op_overhead_us` (hidden
+    behind the work when ops run asynchronously). Backward costs twice the forward (two GEMMs per GEMM;
+    the gradient of an elementwise op reads and writes about twice its traffic); full recompute runs the
+    forward of every block op again, selective only its attention."""
+    rate = prof.flops_per_s(run.precision) * share
+    bandwidth = prof.hbm_GBps * 1e9 * share
+    overhead = prof.op_overhead_us * 1e-6
+    b, elem, total = run.micro_batch, ELEM[run.precision], 0.0
+    for op in flops.ops:
+        n = run.tp if op.split else 1
+        if op.kind == "memory":
+            work = op.elements * b / n * elem / bandwidth
+        else:
+            size = op.flops * b / n
+            work = size / (rate * prof.gemm_fraction(size))
+        one = max(overhead, work) if prof.async_ops else work + overhead
+        again = op.in_block and (run.recompute == "full" or (run.recompute == "selective" and op.kind == "attention"))
+        total += op.count * one * (3 + again)
+    return total
 
 
 def _per_gpu_inter(prof: Profile) -> Link:

@@ -7,6 +7,7 @@ profiles live in `profiles/` (inside the wheel as `dtp/profiles/`); any other pa
 from __future__ import annotations
 
 import importlib.resources
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +53,9 @@ class Profile:
     inter: Link
     dp_overlap: bool
     calibrated: str
+    gemm_efficiency: tuple[tuple[float, float], ...] = ()  # (GFLOP of one op, fraction of the rate), sorted
+    op_overhead_us: float = 0.0  # fixed cost of every op: dispatch + kernel launch
+    async_ops: bool = True  # GPUs queue kernels: an op costs max(overhead, work); a CPU rank adds them
 
     def flops_per_s(self, precision: str) -> float:
         """Achieved dense GEMM FLOP/s of one accelerator at `precision`."""
@@ -59,6 +63,21 @@ class Profile:
             raise UsageError(f"profile {self.name} has no peak_tflops for {precision} "
                              f"(it has: {', '.join(self.peak_tflops)})")
         return self.peak_tflops[precision] * 1e12 * self.achieved_fraction
+
+    def gemm_fraction(self, flops: float) -> float:
+        """Fraction of `flops_per_s` one GEMM of `flops` reaches: the table, log-linear between its points,
+        flat beyond its ends (1.0 without a table)."""
+        table = self.gemm_efficiency
+        if not table:
+            return 1.0
+        x = math.log(max(flops, 1.0) / 1e9)
+        points = [(math.log(g), f) for g, f in table]
+        if x <= points[0][0]:
+            return points[0][1]
+        for (x0, f0), (x1, f1) in zip(points, points[1:]):
+            if x <= x1:
+                return f0 + (f1 - f0) * (x - x0) / (x1 - x0)
+        return points[-1][1]
 
 
 # key → (type, lower bound, upper bound); nested dicts are sections.
@@ -69,7 +88,8 @@ _SCHEMA = {
     "calibrated": (str, 0, 2000),
     "gpu": {"name": (str, 1, 100), "peak_tflops": {p: (float, 1e-6, 1e5) for p in PRECISIONS},
             "achieved_fraction": (float, 1e-3, 1.0), "memory_GiB": (float, 1e-3, 1e5),
-            "hbm_GBps": (float, 1e-3, 1e6)},
+            "hbm_GBps": (float, 1e-3, 1e6), "gemm_efficiency": "table", "op_overhead_us": (float, 0.0, 1e6),
+            "async_ops": (bool, None, None)},
     "node": {"gpus": (int, 1, 4096), "compute_slots": (int, 1, 4096), "intra": _LINK, "inter": _LINK},
     "dp_overlap": (bool, None, None),
 }
@@ -137,7 +157,9 @@ def parse(text: str, where: str) -> Profile:
         compute_slots=node.get("compute_slots", node["gpus"]),
         intra=Link(**{k: float(v) for k, v in node["intra"].items()}),
         inter=Link(**{k: float(v) for k, v in node["inter"].items()}),
-        dp_overlap=bool(data.get("dp_overlap", False)), calibrated=data.get("calibrated", ""))
+        dp_overlap=bool(data.get("dp_overlap", False)), calibrated=data.get("calibrated", ""),
+        gemm_efficiency=tuple(sorted((float(g), float(f)) for g, f in gpu.get("gemm_efficiency", {}).items())),
+        op_overhead_us=float(gpu.get("op_overhead_us", 0.0)), async_ops=bool(gpu.get("async_ops", True)))
 
 
 def _get(data: dict, dotted: str):
@@ -155,6 +177,9 @@ def _validate(data: dict, schema: dict, prefix: str, where: str) -> None:
             allowed = ", ".join(schema)
             raise UsageError(f"{where}: unknown key '{name}' (allowed here: {allowed})")
         rule = schema[key]
+        if rule == "table":
+            _check_table(value, name, where)
+            continue
         if isinstance(rule, dict):
             if not isinstance(value, dict):
                 raise UsageError(f"{where}: '{name}' must be a mapping")
@@ -162,6 +187,15 @@ def _validate(data: dict, schema: dict, prefix: str, where: str) -> None:
             continue
         kind, low, high = rule
         _check_value(value, kind, low, high, name, where)
+
+
+def _check_table(value, name: str, where: str) -> None:
+    # GFLOP of one GEMM → the fraction of the achieved rate it reaches
+    if not isinstance(value, dict) or not 1 <= len(value) <= 32:
+        raise UsageError(f"{where}: '{name}' must be a mapping of 1–32 entries, GFLOP per op: fraction")
+    for gflop, frac in value.items():
+        _check_value(gflop, float, 1e-9, 1e9, f"{name} key", where)
+        _check_value(frac, float, 1e-3, 1.0, f"{name}[{gflop}]", where)
 
 
 def _check_value(value, kind: type, low, high, name: str, where: str) -> None:
