@@ -57,6 +57,7 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
     torch.manual_seed(seed)
     model = hf.build(family).train()
     reference = copy.deepcopy(model)
+    truth = copy.deepcopy(model).double()  # ParityCheck's rule: float64 truth, the float32 run's own error as scale
     plan = syntax.load(str(plan_path or PLANS / f"{hf.FAMILIES[family][0]}.tp"))
     applied = apply(plan, model, mesh, seed)
     vocab = model.config.vocab_size
@@ -74,12 +75,15 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
     ref_logits = reference(inputs).logits
     ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten())
     ref_loss.backward()
-    parity.compare("logits", "logits", _full(logits), ref_logits)
-    parity.compare("loss", "loss", _full(loss), ref_loss)
-    ref_params = dict(reference.named_parameters())
+    truth_logits = truth(inputs).logits
+    truth_loss = F.cross_entropy(truth_logits.flatten(0, 1), targets.flatten())
+    truth_loss.backward()
+    parity.compare("logits", "logits", _full(logits), truth_logits, ref_logits)
+    parity.compare("loss", "loss", _full(loss), truth_loss, ref_loss)
+    ref_params, truth_params = dict(reference.named_parameters()), dict(truth.named_parameters())
     for name, p in model.named_parameters():
         got = applied.full(name, p.grad) if p.grad is not None else None
-        parity.compare("grads", f"{name}.grad", got, ref_params[name].grad)
+        parity.compare("grads", f"{name}.grad", got, truth_params[name].grad, ref_params[name].grad)
     tp = mesh.size()
     analytic = summarize(schedule(applied.checked, tp, batch, seq, lowered=applied.compiled.lowered), tp)
     measured = {"forward": dict(fwd.counts), "backward": dict(bwd.counts), "bytes": dict(fwd.bytes + bwd.bytes)}

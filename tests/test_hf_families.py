@@ -20,13 +20,14 @@ from dtp.models import hf  # noqa: E402
 from dtp.ranks import on_ranks  # noqa: E402
 from dtp.syntax import parse  # noqa: E402
 
-FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+# Variants run the shipped plan of their model type, whose `when config.…` blocks pick their layout.
 TP2 = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_neox", "gptj", "gpt_bigcode", "falcon",
        "phi", "opt", "olmo2", "mixtral", "qwen2_moe", "bloom", "phi3",
-       ("llama_mqa", FIXTURES / "llama-mqa.tp"),  # one key/value head, replicated
-       ("falcon_40b", FIXTURES / "falcon-40b.tp"),  # grouped query_key_value, in-place residual
-       ("gpt_bigcode_mha", FIXTURES / "gpt_bigcode-mha.tp")]  # multi-head c_attn
-TP4 = ["gpt2", "gpt_bigcode", "falcon", "bloom"]  # 4 heads (and one replicated k/v head) divide by 4
+       "gemma",  # one key/value head (Gemma-2B): replicated
+       "llama_mqa",  # the same branch of llama.tp
+       "falcon_40b",  # new_decoder_architecture: grouped query_key_value, in-place residual
+       "gpt_bigcode_mha"]  # multi_query false: per-head interleaved c_attn
+TP4 = ["gpt2", "gpt_bigcode", "falcon", "bloom", "gemma"]  # 4 heads (and one replicated k/v head) divide by 4
 
 # Collectives per step of the 2-layer tiny models, forward and backward (3 of the forward all-reduces
 # are the vocabulary-parallel loss's). Written out so a change in either measurement or schedule shows.
@@ -39,6 +40,7 @@ EXPECTED = {
     "qwen2_moe": {"forward": {"all_reduce": 10}, "backward": {"all_reduce": 9}},  # + shared expert
     "phi3": {"forward": {"all_reduce": 8, "all_gather": 2}, "backward": {"all_reduce": 5, "all_gather": 2}},
     "llama_mqa": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},  # + 2 × k, v weight gradients
+    "gemma": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},  # + 2 × k, v weight gradients
 }
 MEGATRON = {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 5}}  # 4 × 2 layers + 1 + 1 + 3
 
