@@ -48,6 +48,16 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _float64(model: torch.nn.Module) -> torch.nn.Module:
+    """A float64 copy; experts run eagerly (torch's grouped_mm takes no float64)."""
+    truth = copy.deepcopy(model).double()
+    for module in truth.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "_experts_implementation", None) is not None:
+            config._experts_implementation = "eager"
+    return truth
+
+
 def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq: int = 8, seed: int = 0) -> dict:
     """{family, ok, logits, loss, grads, worst, measured, analytic} for one family on `mesh` (every rank)."""
     from dtp.models import hf
@@ -57,7 +67,7 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
     torch.manual_seed(seed)
     model = hf.build(family).train()
     reference = copy.deepcopy(model)
-    truth = copy.deepcopy(model).double()  # ParityCheck's rule: float64 truth, the float32 run's own error as scale
+    truth = _float64(model)  # ParityCheck's rule: float64 truth, the float32 run's own error as scale
     plan = syntax.load(str(plan_path or PLANS / f"{hf.FAMILIES[family][0]}.tp"))
     applied = apply(plan, model, mesh, seed)
     vocab = model.config.vocab_size
