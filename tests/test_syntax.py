@@ -388,3 +388,33 @@ def test_labelled_syntax_message_wherever_the_mistake_stands(text):
         parse(text)
     assert info.value.diagnostics[0].message == (
         "unexpected 'colwise': expected ':' and a style after the pattern, or '{' to open a block")
+
+
+def test_when_blocks_parse_format_and_pick_a_branch():
+    """`when config.ATTR [OP VALUE] { } else { }`: IR with positions, fmt round trip, branch by config."""
+    from types import SimpleNamespace
+
+    from dtp import conditions, fmt
+
+    text = ("dtp 1\na {\n    when config.multi_query { # mq\n        b: colwise\n    } else {\n        c: rowwise\n"
+            "    }\n}\nwhen config.n_kv != 2 {\n    set d.n = n / tp\n}\n")
+    plan = parse(text, "p.tp")
+    when = plan.body[0].body[0]
+    assert isinstance(when, ir.When) and when.condition == ir.Condition(ir.ConfigRef("multi_query"))
+    assert (when.pos.line, when.pos.column, when.end.line, when.else_end.line) == (3, 5, 5, 7)
+    assert plan.body[1].condition == ir.Condition(ir.ConfigRef("n_kv"), "!=", ir.Literal(2))
+    out = fmt.format_plan(plan, text)
+    assert parse(out) == plan and fmt.format_plan(parse(out), out) == out
+    assert "    when config.multi_query {  # mq\n" in out and "    } else {\n" in out
+
+    def styles(config) -> list[tuple[str, str]]:
+        rules, sets, _ = ir.flatten(plan, lambda w: conditions.evaluate(w.condition, config))
+        return [(str(r.pattern), r.style.name) for r in rules] + [(str(s.pattern), s.attr) for s in sets]
+
+    assert styles(SimpleNamespace(multi_query=True, n_kv=2)) == [("a.b", "colwise")]
+    assert styles(SimpleNamespace(multi_query=False, n_kv=1)) == [("a.c", "rowwise"), ("d", "n")]
+    assert len(ir.flatten(plan)[0]) == 2  # without a model both branches are checked
+    with pytest.raises(conditions.ConditionError, match=r"no attribute 'multi_query'; did you mean 'config.multi_quer'"):
+        styles(SimpleNamespace(multi_quer=True, n_kv=2))
+    with pytest.raises(conditions.ConditionError, match=r"`config.multi_query` is 'yes' \(str\)"):
+        styles(SimpleNamespace(multi_query="yes", n_kv=2))
