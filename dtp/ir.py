@@ -123,10 +123,13 @@ class Num:
 
 @dataclass(frozen=True)
 class Var:
-    """An attribute of the matched module, or `tp`."""
+    """An attribute of the matched module, `config.ATTR` (the model's config), or `tp`."""
 
     name: str
     pos: Pos = _pos()
+
+    def __str__(self) -> str:
+        return self.name
 
 
 @dataclass(frozen=True)
@@ -195,7 +198,7 @@ class Literal:
         return str(self.value).lower() if isinstance(self.value, bool) else str(self.value)
 
 
-Operand = Union[ConfigRef, Literal]
+Operand = Union[ConfigRef, Literal, "Var"]  # Var: only `tp`
 
 
 @dataclass(frozen=True)

@@ -110,10 +110,11 @@ def _pick(candidates: list, path: str, what: str, diags: list[Diagnostic], repor
     return best
 
 
-def resolve(plan: ir.Plan, model: nn.Module) -> Resolution:
-    """Match every rule, block and set of `plan` against `model`'s modules; collect diagnostics."""
+def resolve(plan: ir.Plan, model: nn.Module, tp: int | None = None) -> Resolution:
+    """Match every rule, block and set of `plan` against `model`'s modules (`when` branches chosen by its
+    config and `tp`); collect diagnostics."""
     diags: list[Diagnostic] = []
-    rules, sets, blocks = ir.flatten(plan, conditions.chooser(model, diags))
+    rules, sets, blocks = ir.flatten(plan, conditions.chooser(model, diags, tp))
     modules = dict(model.named_modules())
     paths = [p for p in modules if p]
 

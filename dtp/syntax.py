@@ -275,9 +275,11 @@ class _ToIR(Transformer):
         text, pos = str(token), self._pos(token)
         if text in ("true", "false"):
             return ir.Literal(text == "true", pos)
+        if text == "tp":
+            return ir.Var("tp", pos)
         head, _, name = text.partition(".")
         if head != "config" or not name.isidentifier():
-            self.errors.append(Diagnostic(pos, f"a condition reads `config.ATTR`, an integer, true or false, "
+            self.errors.append(Diagnostic(pos, f"a condition reads `config.ATTR`, `tp`, an integer, true or false, "
                                           f"not '{text}'", len(text)))
         return ir.ConfigRef(name if name.isidentifier() else text, pos)
 

@@ -23,11 +23,16 @@ from dtp.syntax import parse  # noqa: E402
 # Variants run the shipped plan of their model type, whose `when config.…` blocks pick their layout.
 TP2 = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_neox", "gptj", "gpt_bigcode", "falcon",
        "phi", "opt", "olmo2", "mixtral", "qwen2_moe", "bloom", "phi3",
-       "gemma",  # one key/value head (Gemma-2B): replicated
+       "gemma",  # one key/value head (Gemma-2B): repeat(kv) keeps it whole on both ranks
        "llama_mqa",  # the same branch of llama.tp
        "falcon_40b",  # new_decoder_architecture: grouped query_key_value, in-place residual
        "gpt_bigcode_mha"]  # multi_query false: per-head interleaved c_attn
-TP4 = ["gpt2", "gpt_bigcode", "falcon", "bloom", "gemma"]  # 4 heads (and one replicated k/v head) divide by 4
+TP4 = ["gpt2", "gpt_bigcode", "falcon", "bloom",  # 4 heads (and one replicated k/v head) divide by 4
+       "gemma", "llama", "qwen2"]  # 1 and 2 key/value heads < tp: repeat(kv), each rank the head it reads
+# At tp 4 the repeated k/v rows add one gradient all-reduce per projection (and per bias: qwen2).
+EXPECTED_TP4 = {"gemma": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},
+                "llama": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},
+                "qwen2": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 13}}}
 
 # Collectives per step of the 2-layer tiny models, forward and backward (3 of the forward all-reduces
 # are the vocabulary-parallel loss's). Written out so a change in either measurement or schedule shows.
@@ -64,7 +69,10 @@ def test_every_family_at_tp2():
 
 
 def test_families_at_tp4():
-    _assert_families(on_ranks(verify_on_rank, 4, TP4, timeout=600), TP4)
+    results = on_ranks(verify_on_rank, 4, TP4, timeout=600)
+    _assert_families(results, TP4)
+    counts = {r["family"]: {k: v for k, v in r["measured"].items() if k != "bytes"} for r in results[0]}
+    assert {f: counts[f] for f in EXPECTED_TP4} == EXPECTED_TP4
 
 
 def test_a_plan_exists_for_every_listed_model_type():
