@@ -71,7 +71,7 @@ _EXAMPLES: dict[str, list[str]] = {
 _TOKEN_NAMES = {
     "PATTERN": "a module pattern", "NAME": "a name", "INT": "an integer", "SIGNED_INT": "an integer",
     "PLAN_NAME": "a plan name", "_NL": "end of line", "$END": "end of file", "ADD_OP": "'+' or '-'",
-    "MUL_OP": "'*' or '/'", "CMP_OP": "a comparison (== != < <= > >=)",
+    "MUL_OP": "'*' or '/'", "CONFIG_REF": "config.ATTR", "CMP_OP": "a comparison (== != < <= > >=)",
 }
 
 
