@@ -333,7 +333,7 @@ class _Walk:
 
     def _output(self, stream: Act) -> None:
         src = stream.producer
-        if stream == PLAIN or (stream.dtensor and src and self._style(src) == "vocab_parallel"
+        if (stream.layout, stream.dtensor) == (PLAIN.layout, PLAIN.dtensor) or (stream.dtensor and src and self._style(src) == "vocab_parallel"
                                and not self.layouts[src].embedding):
             return
         self._fail(src or "the model", f"its output ({stream.describe()}) is the model's output, which nothing "

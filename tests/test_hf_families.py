@@ -117,7 +117,7 @@ def _errors(text: str, family: str, tp: int) -> list[str]:
 
 
 def test_part_list_checks():
-    rule = "dtp 1\ntransformer.h.*.attn.c_attn: colwise(packed={})\n"
+    rule = "dtp 1\ntransformer.h.*.attn.c_attn: colwise(packed={})\ntransformer.h.*.attn.c_proj: rowwise\n"
     assert _errors(rule.format("[q, q, q]"), "gpt_bigcode", 2) == [
         "2:45: transformer.h.0.attn.c_attn (and 1 more module): packed parts [q, q, q] add up to 64 + 64 + 64 "
         "= 192, not the 96 output features"]
@@ -135,7 +135,7 @@ def test_style_module_checks():
         "2:26: model.layers.0.mlp.gate (and 1 more module): experts applies to a module with 3-D expert parameters "
         "gate_up_proj (E, 2·I, H) and down_proj (E, H, I); this module is MixtralTopKRouter"]
     assert _errors("dtp 1\ntransformer.h.*.attn.c_attn: colwise(packed=5)\n", "gpt2", 2)[0].endswith(
-        "packed=5 needs out_features=192 to split into 5 equal parts")
+        "out_features=192 holds 3 equal parts (q, k and v of 64), not 5; use packed=3")  # read from the attention
 
 
 def test_slice_input_checks():
@@ -165,11 +165,13 @@ def test_explain_rows_of_the_new_layouts():
 
 def test_unequal_parts_on_phi3_qkv():
     model = models.build("dtp.models.hf:phi3")  # qkv_proj: 4 query heads, 2 key/value heads of 16: 64/32/32
-    plan = parse("dtp 1\nmodel.layers.*.self_attn.qkv_proj: colwise(packed=[q, kv, kv])\n", "p.tp")
+    # output=replicate as plans/hf/phi3.tp: attention reads its head counts from the shared config
+    plan = parse("dtp 1\nmodel.layers.*.self_attn.qkv_proj: colwise(packed=[q, kv, kv], output=replicate)\n", "p.tp")
     ex = explain(check(plan, model, 2), model, "phi3", 2, batch=2, seq=8)
     row = next(r for r in ex.rows if r.name == "model.layers.0.self_attn.qkv_proj.weight")
     assert (row.placement, row.shape, row.local_shape) == ("Shard(0) parts[64,32,32]", (128, 64), (64, 64))
-    assert _errors("dtp 1\nmodel.layers.*.self_attn.qkv_proj: colwise(packed=[q, kv, kv])\n", "phi3", 4)[0].endswith(
+    assert _errors("dtp 1\nmodel.layers.*.self_attn.qkv_proj: colwise(packed=[q, kv, kv], output=replicate)\n", "phi3",
+                   4)[0].endswith(
         "packed part 2 (kv, 32 features) holds 2 heads (head size 16), which do not divide by tp=4; each rank must "
         "hold whole heads; tp values that work: 1, 2; keep it whole with replicate(kv)")
 
