@@ -186,3 +186,24 @@ def test_pack_parts_round_trip_and_layout():
     packed = pack_parts(t, parts, 2)
     assert packed.flatten().tolist() == [0, 1, 2, 3, 8, 9, 12, 13, 4, 5, 6, 7, 10, 11, 12, 13]
     assert torch.equal(unpack_parts(packed, parts, 2), t)
+
+
+def test_repeat_parts_give_each_rank_its_query_heads_kv_head():
+    import torch
+
+    from dtp.layouts import pack_parts, unpack_parts
+    from dtp.placement import Placement
+
+    t = torch.arange(8.0 + 4).reshape(-1, 1)  # q of 8 rows (sharded), 2 key/value heads of 2 rows (repeat)
+    parts = ((8, True), (4, 2))
+    packed = pack_parts(t, parts, 4)  # ranks 0, 1 read head 0 (rows 8, 9); ranks 2, 3 head 1 (rows 10, 11)
+    assert packed.flatten().tolist() == [0, 1, 8, 9, 2, 3, 8, 9, 4, 5, 10, 11, 6, 7, 10, 11]
+    assert torch.equal(unpack_parts(packed, parts, 4), t)
+    assert pack_parts(t, parts, 2).flatten().tolist() == [0, 1, 2, 3, 8, 9, 4, 5, 6, 7, 10, 11]  # tp divides: shard
+    placement = Placement(0, 1, parts)
+    assert (placement.local_shape((12, 1), 4), placement.replicated_rows(4), placement.replicated_rows(2)) == \
+        ((4, 1), 4, 0)
+    assert _errors("dtp 1\nmodel.layers.*.self_attn.k_proj: colwise(packed=[repeat(kv)])\n"
+                   "model.layers.*.self_attn.v_proj: colwise(packed=[repeat(kv)])\n", "llama", 3)[0].endswith(
+        "packed part 1 (repeat(kv), 32 features) holds 2 key/value heads: tp=3 neither divides them nor is a "
+        "multiple of them, so ranks cannot share whole heads")

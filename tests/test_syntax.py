@@ -418,3 +418,24 @@ def test_when_blocks_parse_format_and_pick_a_branch():
         styles(SimpleNamespace(multi_quer=True, n_kv=2))
     with pytest.raises(conditions.ConditionError, match=r"`config.multi_query` is 'yes' \(str\)"):
         styles(SimpleNamespace(multi_query="yes", n_kv=2))
+
+
+def test_when_reads_tp_and_set_reads_config():
+    """`when config.ATTR < tp` is chosen per tp (an error without one); `set` may read `config.ATTR`."""
+    from types import SimpleNamespace
+
+    from dtp import conditions, fmt
+
+    text = ("dtp 1\n\nwhen config.kv < tp {\n    set a.groups = config.heads / tp\n} else {\n    a.k: colwise\n}\n")
+    plan = parse(text)
+    when = plan.body[0]
+    assert when.condition == ir.Condition(ir.ConfigRef("kv"), "<", ir.Var("tp"))
+    assert when.body[0].expr == ir.BinOp("/", ir.Var("config.heads"), ir.Var("tp"))
+    assert fmt.format_plan(plan, text) == text and parse(fmt.format_plan(plan, text)) == plan
+    config = SimpleNamespace(kv=2, heads=8)
+    assert [conditions.evaluate(when.condition, config, tp) for tp in (1, 2, 4)] == [False, False, True]
+    assert conditions.reads_tp(plan) and conditions.branches(plan, config, 4) == (True,)
+    with pytest.raises(conditions.ConditionError, match=r"reads `tp`: give the tp the plan runs at \(--tp N\)"):
+        conditions.evaluate(when.condition, config)
+    with pytest.raises(conditions.ConditionError, match=r"`config.kv < tp` orders None and 2"):
+        conditions.evaluate(when.condition, SimpleNamespace(kv=None), 2)
