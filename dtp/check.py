@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dtp import check_layouts, ir
+from dtp import check_layouts, conditions, ir
 from dtp.advice import check_mesh, replicated_share, replication_warning  # noqa: F401 (re-exported)
 from dtp.errors import Diagnostic, PlanError
 from dtp.placement import OPTIONS, STYLES, Placement, features, is_linear, module_fits, sharded_sizes
@@ -258,6 +258,11 @@ def _check_sets(res: Resolution, tp: int | None, rep: _Reporter) -> None:
         def lookup(var: ir.Var) -> int | None:
             if var.name == "tp":
                 return tp
+            if var.name.startswith("config."):
+                try:
+                    return conditions.config_int(res.modules[""], var)
+                except conditions.ConditionError as err:
+                    raise _ExprError(var.pos, err.diagnostic.message, len(var.name)) from None
             if var.name not in attrs:
                 raise _ExprError(var.pos, f"unknown name '{var.name}': {type(module).__name__} has no integer attribute "
                                  f"of that name{did_you_mean(var.name, list(attrs) + ['tp'])}", len(var.name))
@@ -289,12 +294,40 @@ def check(plan: ir.Plan, model: nn.Module | None = None, tp: int | None = None, 
     plan's `mesh` header must agree with it)."""
     if tp is not None and tp < 1:
         raise ValueError("tp must be positive")
+    if tp is None and model is not None and conditions.reads_tp(plan):
+        return _check_every_branch(plan, model, dp)
+    return _check(plan, model, tp, dp, tp)
+
+
+def _check_every_branch(plan: ir.Plan, model: nn.Module, dp: int | None) -> Checked:
+    """No tp given, but `when` conditions read it: check once per distinct choice of branches over the tp
+    values listed, and admit each tp its own branches admit (errors: those of tp=1's branches)."""
+    config = conditions.model_config(model)
+    by_choice: dict[tuple, list[int]] = {}
+    for d in range(1, MAX_TP_SHOWN + 1):
+        by_choice.setdefault(conditions.branches(plan, config, d), []).append(d)
+    first: Checked | None = None
+    admissible: list[int] = []
+    for values in by_choice.values():
+        try:
+            checked = _check(plan, model, None, dp, values[0])
+        except PlanError:
+            if 1 in values:
+                raise
+            continue
+        first = first or checked
+        admissible += [d for d in values if d in checked.admissible_tp]
+    assert first is not None  # tp=1's choice raised otherwise
+    return Checked(first.plan, first.resolution, None, tuple(sorted(admissible)), first.warnings)
+
+
+def _check(plan: ir.Plan, model: nn.Module | None, tp: int | None, dp: int | None, cond_tp: int | None) -> Checked:
     diags = check_syntax_level(plan) + check_mesh(plan, dp)
     res = None
     sizes: list[int] = []
     warnings: list[Diagnostic] = []
     if model is not None:
-        res = resolve(plan, model)
+        res = resolve(plan, model, cond_tp)
         structural = bool(diags or res.diagnostics)
         diags += res.diagnostics
         rep = _Reporter()

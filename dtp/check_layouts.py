@@ -34,9 +34,14 @@ def check_parts(path: str, module: nn.Module, style: ir.Style, root: nn.Module, 
     from dtp import models  # torch, only once a model is checked
     info = models.heads(root)
     for index, (size, sharded) in enumerate(parts):
-        if not sharded:
-            continue
         what = f"packed part {index + 1} ({opt.value.items[index]}, {size} features)"
+        if sharded is False:
+            continue
+        if sharded is not True:  # repeat(kv) of `sharded` heads: tp divides them, or they divide tp
+            if tp and sharded % tp and tp % sharded:
+                rep.add(opt.value_pos, length, path, f"{what} holds {sharded} key/value heads: tp={tp} neither "
+                        f"divides them nor is a multiple of them, so ranks cannot share whole heads")
+            continue
         sizes.append(size)
         if tp and size % tp:
             rep.add(opt.value_pos, length, path, f"colwise shards {what} over tp={tp}, which does not divide it; "

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from dtp import ir, models
+from dtp import conditions, ir, models
 from dtp.check import Checked, checked_for, evaluate
 from dtp.layouts import ExpertsParallel, PlacedColwise, PlacedRowwise, ReplicateReduceGrad, SliceHeadsInput
 from dtp.placement import Placement as Placement_
@@ -142,7 +142,8 @@ def lower(checked: Checked, tp: int) -> Lowered:
     rewrites: dict[str, dict[str, int]] = {}
     for (path, attr), stmt in res.sets.items():
         attrs = vars(res.modules[path])
-        rewrites.setdefault(path, {})[attr] = evaluate(stmt.expr, lambda v: tp if v.name == "tp" else attrs[v.name])
+        rewrites.setdefault(path, {})[attr] = evaluate(stmt.expr, lambda v: tp if v.name == "tp" else conditions.config_int(
+            res.modules[""], v) if v.name.startswith("config.") else attrs[v.name])
     loss = any(m.style == "vocab_parallel" and not m.embedding for m in modules.values())
     return Lowered(modules, shared, rewrites, sp, loss)
 

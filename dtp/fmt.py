@@ -93,17 +93,30 @@ def format_plan(plan: ir.Plan, source: str | None = None) -> str:
     if plan.mesh != ("tp",) or plan.mesh_pos.line > 0:
         w.emit(f"mesh {', '.join(plan.mesh)}", plan.mesh_pos, "")
 
+    def close(end: ir.Pos, indent: str, text: str) -> None:
+        # the comments inside a body before its closing brace, then the brace line
+        if end.line > 0:
+            w.comments_before(end.line, indent + INDENT)
+            w.last_line = max(w.last_line, end.line)
+        comment = w.trailing.pop(end.line, None) if end.line > 0 else None
+        w.lines.append(indent + text + (f"  {comment}" if comment else ""))
+
     def body(stmts: tuple[ir.Statement, ...], indent: str, first_blank: bool) -> None:
         for i, stmt in enumerate(stmts):
             blank = first_blank and i == 0
             if isinstance(stmt, ir.Block):
                 w.emit(f"{stmt.pattern} {{", stmt.pos, indent, blank)
                 body(stmt.body, indent + INDENT, False)
-                if stmt.end.line > 0:
-                    w.comments_before(stmt.end.line, indent + INDENT)
-                    w.last_line = max(w.last_line, stmt.end.line)
-                comment = w.trailing.pop(stmt.end.line, None)
-                w.lines.append(indent + "}" + (f"  {comment}" if comment else ""))
+                close(stmt.end, indent, "}")
+            elif isinstance(stmt, ir.When):
+                w.emit(f"when {stmt.condition} {{", stmt.pos, indent, blank)
+                body(stmt.body, indent + INDENT, False)
+                if stmt.orelse is None:
+                    close(stmt.end, indent, "}")
+                    continue
+                close(stmt.end, indent, "} else {")
+                body(stmt.orelse, indent + INDENT, False)
+                close(stmt.else_end, indent, "}")
             else:
                 w.emit(format_statement(stmt), stmt.pos, indent, blank)
 

@@ -6,7 +6,7 @@ original (the round-trip property the tests check).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Callable, Union
 
 
 @dataclass(frozen=True)
@@ -123,10 +123,13 @@ class Num:
 
 @dataclass(frozen=True)
 class Var:
-    """An attribute of the matched module, or `tp`."""
+    """An attribute of the matched module, `config.ATTR` (the model's config), or `tp`."""
 
     name: str
     pos: Pos = _pos()
+
+    def __str__(self) -> str:
+        return self.name
 
 
 @dataclass(frozen=True)
@@ -173,7 +176,57 @@ class Block:
     end: Pos = _pos()  # the closing brace
 
 
-Statement = Union[Rule, SetAttr, Block]
+@dataclass(frozen=True)
+class ConfigRef:
+    """`config.ATTR`: an attribute of the model's config, read when the plan meets a model."""
+
+    name: str
+    pos: Pos = _pos()
+
+    def __str__(self) -> str:
+        return f"config.{self.name}"
+
+
+@dataclass(frozen=True)
+class Literal:
+    """An integer, `true` or `false` in a condition."""
+
+    value: Union[int, bool]
+    pos: Pos = _pos()
+
+    def __str__(self) -> str:
+        return str(self.value).lower() if isinstance(self.value, bool) else str(self.value)
+
+
+Operand = Union[ConfigRef, Literal, "Var"]  # Var: only `tp`
+
+
+@dataclass(frozen=True)
+class Condition:
+    """`LEFT` (truthiness) or `LEFT OP RIGHT` with OP one of == != < <= > >=."""
+
+    left: Operand
+    op: str | None = None
+    right: Operand | None = None
+    pos: Pos = _pos()
+
+    def __str__(self) -> str:
+        return str(self.left) if self.op is None else f"{self.left} {self.op} {self.right}"
+
+
+@dataclass(frozen=True)
+class When:
+    """`when CONDITION { ... } else { ... }`: the branch the model's config selects (see dtp/conditions.py)."""
+
+    condition: Condition
+    body: tuple[Statement, ...]
+    orelse: tuple[Statement, ...] | None = None  # None: no else branch
+    pos: Pos = _pos()
+    end: Pos = _pos()  # the closing brace of the body
+    else_end: Pos = _pos()  # the closing brace of the else branch
+
+
+Statement = Union[Rule, SetAttr, Block, When]
 
 
 @dataclass(frozen=True)
@@ -222,14 +275,24 @@ class FlatSet:
     pos: Pos
 
 
-def flatten(plan: Plan) -> tuple[list[FlatRule], list[FlatSet], list[Pattern]]:
-    """Rules and sets with absolute patterns, plus every block prefix (each must match something)."""
+def flatten(plan: Plan, choose: Callable[[When], bool | None] | None = None
+            ) -> tuple[list[FlatRule], list[FlatSet], list[Pattern]]:
+    """Rules and sets with absolute patterns, plus every block prefix (each must match something).
+
+    `choose` picks the branch of each `when` (True: its body, False: its else, None: neither, for a
+    condition that could not be evaluated); without it both branches count (checks that need no model)."""
     rules: list[FlatRule] = []
     sets: list[FlatSet] = []
     blocks: list[Pattern] = []
 
     def walk(body: tuple[Statement, ...], prefix: Pattern | None) -> None:
         for stmt in body:
+            if isinstance(stmt, When):
+                taken = (True, False) if choose is None else (choose(stmt),)
+                for branch in taken:
+                    inner = stmt.body if branch is True else stmt.orelse if branch is False else None
+                    walk(inner or (), prefix)
+                continue
             pattern = stmt.pattern if prefix is None else prefix.joined(stmt.pattern)
             if isinstance(stmt, Rule):
                 rules.append(FlatRule(pattern, stmt.style, stmt.pos))

@@ -19,9 +19,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.nn.utils.stateless import _reparametrize_module
 
+from dtp.parts import local_rows, repeated
 from dtp.placement import Placement, is_conv1d
 
-Parts = tuple[tuple[int, bool], ...]
+Parts = tuple[tuple[int, bool | int], ...]  # (size, kind): dtp/parts.py
 
 
 def equal_parts(size: int, k: int) -> Parts:
@@ -29,35 +30,57 @@ def equal_parts(size: int, k: int) -> Parts:
     return tuple((size // k, True) for _ in range(k))
 
 
+def _block(piece: torch.Tensor, kind: bool | int, r: int, tp: int, dim: int) -> torch.Tensor:
+    if kind is False:
+        return piece
+    if kind is True or kind % tp == 0:
+        return piece.chunk(tp, dim)[r]
+    return piece.chunk(kind, dim)[r * kind // tp]  # repeat(kv): the head rank r's query heads read
+
+
 def pack_parts(t: torch.Tensor, parts: Parts, tp: int, dim: int = 0) -> torch.Tensor:
     """The tensor laid out so that Shard(dim) chunk r is rank r's block: its slice of every sharded part,
-    the whole of every replicated part."""
+    the whole of every replicated part, its head of a repeated part."""
     pieces = t.split([n for n, _ in parts], dim)
-    blocks = [torch.cat([p.chunk(tp, dim)[r] if sharded else p for p, (_, sharded) in zip(pieces, parts)], dim)
+    blocks = [torch.cat([_block(p, kind, r, tp, dim) for p, (_, kind) in zip(pieces, parts)], dim)
               for r in range(tp)]
     return torch.cat(blocks, dim)
 
 
 def unpack_parts(t: torch.Tensor, parts: Parts, tp: int, dim: int = 0) -> torch.Tensor:
-    """Inverse of `pack_parts` on the gathered tensor (a replicated part is read from rank 0's block)."""
-    local = [n // tp if sharded else n for n, sharded in parts]
+    """Inverse of `pack_parts` on the gathered tensor (a replicated part is read from rank 0's block, a
+    repeated head from the first rank that holds it)."""
+    local = [local_rows(n, kind, tp) for n, kind in parts]
     blocks = [b.split(local, dim) for b in t.chunk(tp, dim)]
-    return torch.cat([torch.cat([b[i] for b in blocks], dim) if sharded else blocks[0][i]
-                      for i, (_, sharded) in enumerate(parts)], dim)
+    out = []
+    for i, (_, kind) in enumerate(parts):
+        if kind is False:
+            out.append(blocks[0][i])
+        elif repeated(kind, tp):
+            out.append(torch.cat([blocks[h * tp // kind][i] for h in range(kind)], dim))
+        else:
+            out.append(torch.cat([b[i] for b in blocks], dim))
+    return torch.cat(out, dim)
 
 
-def _replicated_ranges(parts: Parts, tp: int) -> list[tuple[int, int]]:
+def _reduced_ranges(parts: Parts, tp: int, rank: int) -> list[tuple[int, int, int, int]]:
+    """(start, rows, buffer rows, offset) per part whose gradient rows are summed over ranks: a replicated
+    part is its own buffer; a repeated head goes at its head's offset in a zero buffer of every head, so
+    one all-reduce sums each head over exactly the ranks that hold it."""
     out, start = [], 0
-    for n, sharded in parts:
-        size = n // tp if sharded else n
-        if not sharded:
-            out.append((start, size))
+    for n, kind in parts:
+        size = local_rows(n, kind, tp)
+        if kind is False:
+            out.append((start, size, size, 0))
+        elif repeated(kind, tp):
+            out.append((start, size, n, rank * kind // tp * size))
         start += size
     return out
 
 
-def _reduce_rows(grad: torch.Tensor, ranges: list[tuple[int, int]], dim: int, mesh: DeviceMesh) -> torch.Tensor:
-    """All-reduce the rows of the local gradient that belong to replicated parts (one collective)."""
+def _reduce_rows(grad: torch.Tensor, ranges: list[tuple[int, int, int, int]], dim: int,
+                 mesh: DeviceMesh) -> torch.Tensor:
+    """All-reduce the rows of the local gradient that belong to replicated or repeated parts (one collective)."""
     placements = [Shard(dim)]
     if isinstance(grad, DTensor):
         if list(grad.placements) != placements:
@@ -65,13 +88,21 @@ def _reduce_rows(grad: torch.Tensor, ranges: list[tuple[int, int]], dim: int, me
         local = grad.to_local()
     else:
         local = grad
-    rows = torch.cat([local.narrow(dim, s, n) for s, n in ranges], dim)
-    summed = funcol.all_reduce(rows, "sum", (mesh, 0))
+    buffers = []
+    for s, n, total, offset in ranges:
+        rows = local.narrow(dim, s, n)
+        if total != n:
+            shape = list(rows.shape)
+            shape[dim] = total
+            rows = torch.zeros(shape, dtype=rows.dtype, device=rows.device).narrow(dim, 0, total) \
+                .index_copy(dim, torch.arange(offset, offset + n, device=rows.device), rows)
+        buffers.append(rows)
+    summed = funcol.all_reduce(torch.cat(buffers, dim), "sum", (mesh, 0))
     summed = summed.wait() if isinstance(summed, funcol.AsyncCollectiveTensor) else summed
-    pieces, cursor, offset = [], 0, 0
-    for s, n in ranges:
-        pieces += [local.narrow(dim, cursor, s - cursor), summed.narrow(dim, offset, n)]
-        cursor, offset = s + n, offset + n
+    pieces, cursor, base = [], 0, 0
+    for s, n, total, offset in ranges:
+        pieces += [local.narrow(dim, cursor, s - cursor), summed.narrow(dim, base + offset, n)]
+        cursor, base = s + n, base + total
     pieces.append(local.narrow(dim, cursor, local.shape[dim] - cursor))
     new = torch.cat(pieces, dim)
     if not isinstance(grad, DTensor):
@@ -92,7 +123,7 @@ def distribute_param(module: nn.Module, name: str, placement: Placement, mesh: D
         data = pack_parts(param.detach(), parts, tp, placement.shard_dim) if parts else param.detach()
         dist = distribute_tensor(data, mesh, [Shard(placement.shard_dim)])
     new = nn.Parameter(dist, requires_grad=param.requires_grad)
-    ranges = _replicated_ranges(placement.parts, tp) if placement.parts else []
+    ranges = _reduced_ranges(placement.parts, tp, mesh.get_local_rank()) if placement.parts else []
     if ranges and new.requires_grad and tp > 1:
         new.register_hook(partial(_reduce_rows, ranges=ranges, dim=placement.shard_dim, mesh=mesh))
     module.register_parameter(name, new)

@@ -96,19 +96,22 @@ class Placement:
     packed: int = 1  # >1: the sharded dim holds `packed` equal parts, each sharded separately
     # Unequal packed parts, in order: (size, sharded). A part that is not sharded is held whole by every
     # rank (multi-query k/v), so its rows are duplicated across ranks and their gradient all-reduced.
-    parts: tuple[tuple[int, bool], ...] = ()
+    # An int instead of a bool is repeat(kv) of that many heads (dtp/parts.py).
+    parts: tuple[tuple[int, bool | int], ...] = ()
 
     def __str__(self) -> str:
         if self.shard_dim is None:
             return "Replicate()"
         if self.parts:
-            shown = ",".join(f"{n}" if sharded else f"{n}r" for n, sharded in self.parts)
+            shown = ",".join(f"{n}" if kind is True else f"{n}r" if kind is False else f"{n}h{kind}"
+                             for n, kind in self.parts)
             return f"Shard({self.shard_dim}) parts[{shown}]"
         return f"Shard({self.shard_dim})" + (f" packed×{self.packed}" if self.packed > 1 else "")
 
-    def replicated_rows(self) -> int:
-        """Rows of the sharded dim that every rank holds whole (unsharded packed parts)."""
-        return sum(n for n, sharded in self.parts if not sharded)
+    def replicated_rows(self, tp: int) -> int:
+        """Rows of the sharded dim whose gradient is all-reduced (replicated parts, repeated heads)."""
+        from dtp.parts import reduced_rows
+        return sum(reduced_rows(n, kind, tp) for n, kind in self.parts)
 
     def local_shape(self, shape: tuple[int, ...], tp: int, rank: int = 0) -> tuple[int, ...]:
         """The shape `rank` holds: torch.chunk's layout, so uneven sizes leave the last ranks shorter
@@ -117,7 +120,8 @@ class Placement:
             return shape
         out = list(shape)
         if self.parts:
-            out[self.shard_dim] = sum(n // tp if sharded else n for n, sharded in self.parts)
+            from dtp.parts import local_rows
+            out[self.shard_dim] = sum(local_rows(n, kind, tp) for n, kind in self.parts)
             return tuple(out)
         n = out[self.shard_dim]
         chunk = -(-n // tp)
@@ -133,7 +137,7 @@ REPLICATE = Placement()
 
 
 def param_placements(style: str | None, module: nn.Module, packed: int = 1,
-                     parts: tuple[tuple[int, bool], ...] = ()) -> dict[str, Placement]:
+                     parts: tuple[tuple[int, bool | int], ...] = ()) -> dict[str, Placement]:
     """Placement of each of `module`'s own parameters (not its children's) under `style`."""
     names = [n for n, _ in module.named_parameters(recurse=False)]
     table: dict[str, Placement] = {}

@@ -10,7 +10,7 @@ import fnmatch
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
-from dtp import ir
+from dtp import conditions, ir
 from dtp.errors import MAX_SHOWN, Diagnostic
 from dtp.parts import try_parts
 from dtp.placement import Placement, features, is_linear, param_placements
@@ -110,12 +110,13 @@ def _pick(candidates: list, path: str, what: str, diags: list[Diagnostic], repor
     return best
 
 
-def resolve(plan: ir.Plan, model: nn.Module) -> Resolution:
-    """Match every rule, block and set of `plan` against `model`'s modules; collect diagnostics."""
-    rules, sets, blocks = ir.flatten(plan)
+def resolve(plan: ir.Plan, model: nn.Module, tp: int | None = None) -> Resolution:
+    """Match every rule, block and set of `plan` against `model`'s modules (`when` branches chosen by its
+    config and `tp`); collect diagnostics."""
+    diags: list[Diagnostic] = []
+    rules, sets, blocks = ir.flatten(plan, conditions.chooser(model, diags, tp))
     modules = dict(model.named_modules())
     paths = [p for p in modules if p]
-    diags: list[Diagnostic] = []
 
     unmatched = [0]
 

@@ -116,7 +116,7 @@ def _tensor_parallel(checked: Checked, tp: int, batch: int, seq: int, dtype: tor
     for path, m in low.modules.items():
         module = res.modules[path]
         for name, placement in m.placements:  # replicated packed parts: their rows' gradient is summed
-            rows = placement.replicated_rows()
+            rows = placement.replicated_rows(tp)
             param = getattr(module, name, None)
             if rows and param is not None:
                 numel = param.numel() // param.shape[placement.shard_dim] * rows

@@ -60,12 +60,18 @@ _EXAMPLES: dict[str, list[str]] = {
         "dtp 1\nset", "dtp 1\nset a.b", "dtp 1\nset a.b =", "dtp 1\nset a.b = 1 +",
     ],
     "unclosed '(' in the expression; expected ')'": ["dtp 1\nset a.b = (1", "dtp 1\nset a.b = (a * 2"],
+    "expected a condition after `when`: `when config.ATTR { ... }` or `when config.ATTR == VALUE { ... }`": [
+        "dtp 1\nwhen", "dtp 1\nwhen {",
+    ],
+    "expected '{' after the condition (or a comparison: == != < <= > >=)": ["dtp 1\nwhen config.a"],
+    "expected '{' after the condition": ["dtp 1\nwhen config.a == 1"],
+    "expected a value to compare with: `config.ATTR`, an integer, true or false": ["dtp 1\nwhen config.a =="],
 }
 
 _TOKEN_NAMES = {
     "PATTERN": "a module pattern", "NAME": "a name", "INT": "an integer", "SIGNED_INT": "an integer",
     "PLAN_NAME": "a plan name", "_NL": "end of line", "$END": "end of file", "ADD_OP": "'+' or '-'",
-    "MUL_OP": "'*' or '/'",
+    "MUL_OP": "'*' or '/'", "CONFIG_REF": "config.ATTR", "CMP_OP": "a comparison (== != < <= > >=)",
 }
 
 
@@ -241,8 +247,44 @@ class _ToIR(Transformer):
     @v_args(meta=True)
     def block(self, meta, children):
         pattern, *body = children
+        if str(pattern) == "else":
+            self.errors.append(Diagnostic(self._pos(pattern), "`else` must follow the `}` of a `when` block on "
+                                          "the same line: `} else {`", 4))
         end = ir.Pos(self.file, meta.end_line, meta.end_column - 1)
         return ir.Block(self._pattern(pattern), tuple(body), self._pos(meta), end)
+
+    @v_args(meta=True)
+    def body(self, meta, children):
+        return tuple(children), ir.Pos(self.file, meta.end_line, meta.end_column - 1)
+
+    @v_args(meta=True)
+    def when_block(self, meta, children):
+        condition, (body, end), *rest = children
+        orelse, else_end = rest[0] if rest else (None, ir.NOWHERE)
+        return ir.When(condition, body, orelse, self._pos(meta), end, else_end)
+
+    @v_args(meta=True)
+    def condition(self, meta, children):
+        if len(children) == 1:
+            return ir.Condition(children[0], pos=self._pos(meta))
+        left, op, right = children
+        return ir.Condition(left, str(op), right, self._pos(meta))
+
+    def ref_operand(self, children):
+        (token,) = children
+        text, pos = str(token), self._pos(token)
+        if text in ("true", "false"):
+            return ir.Literal(text == "true", pos)
+        if text == "tp":
+            return ir.Var("tp", pos)
+        head, _, name = text.partition(".")
+        if head != "config" or not name.isidentifier():
+            self.errors.append(Diagnostic(pos, f"a condition reads `config.ATTR`, `tp`, an integer, true or false, "
+                                          f"not '{text}'", len(text)))
+        return ir.ConfigRef(name if name.isidentifier() else text, pos)
+
+    def int_operand(self, children):
+        return ir.Literal(self._int(children[0]), self._pos(children[0]))
 
     @v_args(meta=True)
     def set_attr(self, meta, children):
@@ -319,7 +361,7 @@ def _nesting_error(tree: Tree, file: str) -> Diagnostic | None:
     stack = [(tree, 0, 0)]
     while stack:  # iterative: the transformer below and `dtp fmt` recurse, so depth is bounded first
         node, depth, expr = stack.pop()
-        if node.data == "block":
+        if node.data in ("block", "when_block"):
             depth += 1
             if depth > MAX_NESTING:
                 return Diagnostic(ir.Pos(file, node.meta.line, node.meta.column),

@@ -20,13 +20,19 @@ from dtp.models import hf  # noqa: E402
 from dtp.ranks import on_ranks  # noqa: E402
 from dtp.syntax import parse  # noqa: E402
 
-FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+# Variants run the shipped plan of their model type, whose `when config.…` blocks pick their layout.
 TP2 = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_neox", "gptj", "gpt_bigcode", "falcon",
        "phi", "opt", "olmo2", "mixtral", "qwen2_moe", "bloom", "phi3",
-       ("llama_mqa", FIXTURES / "llama-mqa.tp"),  # one key/value head, replicated
-       ("falcon_40b", FIXTURES / "falcon-40b.tp"),  # grouped query_key_value, in-place residual
-       ("gpt_bigcode_mha", FIXTURES / "gpt_bigcode-mha.tp")]  # multi-head c_attn
-TP4 = ["gpt2", "gpt_bigcode", "falcon", "bloom"]  # 4 heads (and one replicated k/v head) divide by 4
+       "gemma",  # one key/value head (Gemma-2B): repeat(kv) keeps it whole on both ranks
+       "llama_mqa",  # the same branch of llama.tp
+       "falcon_40b",  # new_decoder_architecture: grouped query_key_value, in-place residual
+       "gpt_bigcode_mha"]  # multi_query false: per-head interleaved c_attn
+TP4 = ["gpt2", "gpt_bigcode", "falcon", "bloom",  # 4 heads (and one replicated k/v head) divide by 4
+       "gemma", "llama", "qwen2"]  # 1 and 2 key/value heads < tp: repeat(kv), each rank the head it reads
+# At tp 4 the repeated k/v rows add one gradient all-reduce per projection (and per bias: qwen2).
+EXPECTED_TP4 = {"gemma": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},
+                "llama": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},
+                "qwen2": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 13}}}
 
 # Collectives per step of the 2-layer tiny models, forward and backward (3 of the forward all-reduces
 # are the vocabulary-parallel loss's). Written out so a change in either measurement or schedule shows.
@@ -39,6 +45,7 @@ EXPECTED = {
     "qwen2_moe": {"forward": {"all_reduce": 10}, "backward": {"all_reduce": 9}},  # + shared expert
     "phi3": {"forward": {"all_reduce": 8, "all_gather": 2}, "backward": {"all_reduce": 5, "all_gather": 2}},
     "llama_mqa": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},  # + 2 × k, v weight gradients
+    "gemma": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},  # + 2 × k, v weight gradients
 }
 MEGATRON = {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 5}}  # 4 × 2 layers + 1 + 1 + 3
 
@@ -62,7 +69,10 @@ def test_every_family_at_tp2():
 
 
 def test_families_at_tp4():
-    _assert_families(on_ranks(verify_on_rank, 4, TP4, timeout=600), TP4)
+    results = on_ranks(verify_on_rank, 4, TP4, timeout=600)
+    _assert_families(results, TP4)
+    counts = {r["family"]: {k: v for k, v in r["measured"].items() if k != "bytes"} for r in results[0]}
+    assert {f: counts[f] for f in EXPECTED_TP4} == EXPECTED_TP4
 
 
 def test_a_plan_exists_for_every_listed_model_type():
@@ -107,7 +117,7 @@ def _errors(text: str, family: str, tp: int) -> list[str]:
 
 
 def test_part_list_checks():
-    rule = "dtp 1\ntransformer.h.*.attn.c_attn: colwise(packed={})\n"
+    rule = "dtp 1\ntransformer.h.*.attn.c_attn: colwise(packed={})\ntransformer.h.*.attn.c_proj: rowwise\n"
     assert _errors(rule.format("[q, q, q]"), "gpt_bigcode", 2) == [
         "2:45: transformer.h.0.attn.c_attn (and 1 more module): packed parts [q, q, q] add up to 64 + 64 + 64 "
         "= 192, not the 96 output features"]
@@ -125,7 +135,7 @@ def test_style_module_checks():
         "2:26: model.layers.0.mlp.gate (and 1 more module): experts applies to a module with 3-D expert parameters "
         "gate_up_proj (E, 2·I, H) and down_proj (E, H, I); this module is MixtralTopKRouter"]
     assert _errors("dtp 1\ntransformer.h.*.attn.c_attn: colwise(packed=5)\n", "gpt2", 2)[0].endswith(
-        "out_features=192 holds 3 equal parts (q, k and v of 64), not 5; use packed=3")  # read from Conv1D's shape
+        "out_features=192 holds 3 equal parts (q, k and v of 64), not 5; use packed=3")  # read from the attention
 
 
 def test_slice_input_checks():
@@ -155,13 +165,13 @@ def test_explain_rows_of_the_new_layouts():
 
 def test_unequal_parts_on_phi3_qkv():
     model = models.build("dtp.models.hf:phi3")  # qkv_proj: 4 query heads, 2 key/value heads of 16: 64/32/32
-    attention = ("dtp 1\nmodel.layers.*.self_attn.qkv_proj: colwise(packed=[q, kv, kv])\n"
-                 "model.layers.*.self_attn.o_proj: rowwise\n")  # the layout flow wants the pair
-    plan = parse(attention, "p.tp")
+    # output=replicate as plans/hf/phi3.tp: attention reads its head counts from the shared config
+    plan = parse("dtp 1\nmodel.layers.*.self_attn.qkv_proj: colwise(packed=[q, kv, kv], output=replicate)\n", "p.tp")
     ex = explain(check(plan, model, 2), model, "phi3", 2, batch=2, seq=8)
     row = next(r for r in ex.rows if r.name == "model.layers.0.self_attn.qkv_proj.weight")
     assert (row.placement, row.shape, row.local_shape) == ("Shard(0) parts[64,32,32]", (128, 64), (64, 64))
-    assert _errors(attention, "phi3", 4)[0].endswith(
+    assert _errors("dtp 1\nmodel.layers.*.self_attn.qkv_proj: colwise(packed=[q, kv, kv], output=replicate)\n", "phi3",
+                   4)[0].endswith(
         "packed part 2 (kv, 32 features) holds 2 heads (head size 16), which do not divide by tp=4; each rank must "
         "hold whole heads; tp values that work: 1, 2; keep it whole with replicate(kv)")
 
@@ -176,3 +186,24 @@ def test_pack_parts_round_trip_and_layout():
     packed = pack_parts(t, parts, 2)
     assert packed.flatten().tolist() == [0, 1, 2, 3, 8, 9, 12, 13, 4, 5, 6, 7, 10, 11, 12, 13]
     assert torch.equal(unpack_parts(packed, parts, 2), t)
+
+
+def test_repeat_parts_give_each_rank_its_query_heads_kv_head():
+    import torch
+
+    from dtp.layouts import pack_parts, unpack_parts
+    from dtp.placement import Placement
+
+    t = torch.arange(8.0 + 4).reshape(-1, 1)  # q of 8 rows (sharded), 2 key/value heads of 2 rows (repeat)
+    parts = ((8, True), (4, 2))
+    packed = pack_parts(t, parts, 4)  # ranks 0, 1 read head 0 (rows 8, 9); ranks 2, 3 head 1 (rows 10, 11)
+    assert packed.flatten().tolist() == [0, 1, 8, 9, 2, 3, 8, 9, 4, 5, 10, 11, 6, 7, 10, 11]
+    assert torch.equal(unpack_parts(packed, parts, 4), t)
+    assert pack_parts(t, parts, 2).flatten().tolist() == [0, 1, 2, 3, 8, 9, 4, 5, 6, 7, 10, 11]  # tp divides: shard
+    placement = Placement(0, 1, parts)
+    assert (placement.local_shape((12, 1), 4), placement.replicated_rows(4), placement.replicated_rows(2)) == \
+        ((4, 1), 4, 0)
+    assert _errors("dtp 1\nmodel.layers.*.self_attn.k_proj: colwise(packed=[repeat(kv)])\n"
+                   "model.layers.*.self_attn.v_proj: colwise(packed=[repeat(kv)])\n", "llama", 3)[0].endswith(
+        "packed part 1 (repeat(kv), 32 features) holds 2 key/value heads: tp=3 neither divides them nor is a "
+        "multiple of them, so ranks cannot share whole heads")

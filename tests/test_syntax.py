@@ -388,3 +388,54 @@ def test_labelled_syntax_message_wherever_the_mistake_stands(text):
         parse(text)
     assert info.value.diagnostics[0].message == (
         "unexpected 'colwise': expected ':' and a style after the pattern, or '{' to open a block")
+
+
+def test_when_blocks_parse_format_and_pick_a_branch():
+    """`when config.ATTR [OP VALUE] { } else { }`: IR with positions, fmt round trip, branch by config."""
+    from types import SimpleNamespace
+
+    from dtp import conditions, fmt
+
+    text = ("dtp 1\na {\n    when config.multi_query { # mq\n        b: colwise\n    } else {\n        c: rowwise\n"
+            "    }\n}\nwhen config.n_kv != 2 {\n    set d.n = n / tp\n}\n")
+    plan = parse(text, "p.tp")
+    when = plan.body[0].body[0]
+    assert isinstance(when, ir.When) and when.condition == ir.Condition(ir.ConfigRef("multi_query"))
+    assert (when.pos.line, when.pos.column, when.end.line, when.else_end.line) == (3, 5, 5, 7)
+    assert plan.body[1].condition == ir.Condition(ir.ConfigRef("n_kv"), "!=", ir.Literal(2))
+    out = fmt.format_plan(plan, text)
+    assert parse(out) == plan and fmt.format_plan(parse(out), out) == out
+    assert "    when config.multi_query {  # mq\n" in out and "    } else {\n" in out
+
+    def styles(config) -> list[tuple[str, str]]:
+        rules, sets, _ = ir.flatten(plan, lambda w: conditions.evaluate(w.condition, config))
+        return [(str(r.pattern), r.style.name) for r in rules] + [(str(s.pattern), s.attr) for s in sets]
+
+    assert styles(SimpleNamespace(multi_query=True, n_kv=2)) == [("a.b", "colwise")]
+    assert styles(SimpleNamespace(multi_query=False, n_kv=1)) == [("a.c", "rowwise"), ("d", "n")]
+    assert len(ir.flatten(plan)[0]) == 2  # without a model both branches are checked
+    with pytest.raises(conditions.ConditionError, match=r"no attribute 'multi_query'; did you mean 'config.multi_quer'"):
+        styles(SimpleNamespace(multi_quer=True, n_kv=2))
+    with pytest.raises(conditions.ConditionError, match=r"`config.multi_query` is 'yes' \(str\)"):
+        styles(SimpleNamespace(multi_query="yes", n_kv=2))
+
+
+def test_when_reads_tp_and_set_reads_config():
+    """`when config.ATTR < tp` is chosen per tp (an error without one); `set` may read `config.ATTR`."""
+    from types import SimpleNamespace
+
+    from dtp import conditions, fmt
+
+    text = ("dtp 1\n\nwhen config.kv < tp {\n    set a.groups = config.heads / tp\n} else {\n    a.k: colwise\n}\n")
+    plan = parse(text)
+    when = plan.body[0]
+    assert when.condition == ir.Condition(ir.ConfigRef("kv"), "<", ir.Var("tp"))
+    assert when.body[0].expr == ir.BinOp("/", ir.Var("config.heads"), ir.Var("tp"))
+    assert fmt.format_plan(plan, text) == text and parse(fmt.format_plan(plan, text)) == plan
+    config = SimpleNamespace(kv=2, heads=8)
+    assert [conditions.evaluate(when.condition, config, tp) for tp in (1, 2, 4)] == [False, False, True]
+    assert conditions.reads_tp(plan) and conditions.branches(plan, config, 4) == (True,)
+    with pytest.raises(conditions.ConditionError, match=r"reads `tp`: give the tp the plan runs at \(--tp N\)"):
+        conditions.evaluate(when.condition, config)
+    with pytest.raises(conditions.ConditionError, match=r"`config.kv < tp` orders None and 2"):
+        conditions.evaluate(when.condition, SimpleNamespace(kv=None), 2)
