@@ -115,5 +115,5 @@ def test_checkpoint_of_another_model_is_refused_before_any_rank(repo, runs, tmp_
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"error: checkpoint {ck} does not fit {mid}: it has no "
                                         "model/transformer.h.2.attn.c_attn.bias, ")
-    assert "model/transformer.h.0.attn.c_attn.weight is [192, 64] in the checkpoint, [768, 256] here" in err
+    assert "model/transformer.h.0.attn.c_attn.weight is [192, 64] in the checkpoint, [1536, 512] here" in err
     assert not (tmp_path / "o").exists()
