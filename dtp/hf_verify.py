@@ -1,6 +1,6 @@
 """Parity of a shipped `plans/hf/*.tp` plan on a tiny Hugging Face model, in this process's rank (no
 CommDebugMode): one forward + backward of the sharded model next to an unsharded copy, every gradient
-gathered and compared, and the collectives counted by a plain dispatch mode, set against the analytic
+gathered and compared, and the collectives counted by dtp.comm's dispatch counter, set against the analytic
 schedule. Used by tests/test_hf_families.py, several families per rank launch.
 """
 from __future__ import annotations
@@ -14,35 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dtp import syntax
-from dtp.comm import _bytes, op_name
+from dtp.comm import CommCounter
 from dtp.hf_plan import PLANS
 from dtp.parity import ParityCheck
 from dtp.reference import copy_in
 from dtp.schedule import schedule, summarize
-
-_COLLECTIVES = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}
-
-
-class CountCollectives(TorchDispatchMode):
-    """Counts collective ops as they are dispatched (functional and c10d), with no module hooks."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter = Counter()
-        self.bytes: Counter = Counter()  # each collective's full buffer, as dtp.comm counts it
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t is DTensor for t in types):  # let DTensor run the op: its redistributions come back here
-            return NotImplemented
-        name = op_name(func._overloadpacket)
-        out = func(*args, **(kwargs or {}))
-        if name in _COLLECTIVES:
-            self.counts[name] += 1
-            self.bytes[name] += max(_bytes((args, kwargs)), _bytes(out))
-        return out
 
 
 def _full(t):
@@ -65,7 +43,7 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
     ids = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(seed + 1))
     inputs, targets = ids[:, :-1], ids[:, 1:]
     ctx = loss_parallel if applied.compiled.loss_parallel else contextlib.nullcontext
-    fwd, bwd = CountCollectives(), CountCollectives()
+    fwd, bwd = CommCounter(), CommCounter()
     with ctx():
         with fwd:
             logits = model(inputs).logits
@@ -87,7 +65,8 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
         parity.compare("grads", f"{name}.grad", got, true_params[name].grad, ref_params[name].grad)
     tp = mesh.size()
     analytic = summarize(schedule(applied.checked, tp, batch, seq, lowered=applied.compiled.lowered), tp)
-    measured = {"forward": dict(fwd.counts), "backward": dict(bwd.counts), "bytes": dict(fwd.bytes + bwd.bytes)}
+    measured = {"forward": fwd.get_comm_counts(), "backward": bwd.get_comm_counts(),
+                "bytes": dict(Counter(fwd.comm_bytes) + Counter(bwd.comm_bytes))}
     report = parity.to_json()
     return {"family": family, "rank": rank, "ok": report["ok"], "worst": report["worst_tensor"],
             "errors": {q: report[q]["max_rel"] for q in ("logits", "loss", "grads")},
