@@ -74,20 +74,13 @@ def _broken_hand(base, mesh, x, y):
     """A classic mistake: plain ColwiseParallel on the fused QKV without reordering its rows, so rank 0
     gets all of q and half of k — wrong whenever tp > 1 (and nothing crashes)."""
     import copy
+    from unittest import mock
 
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from dtp.bench.arms import _dtensor_arm
+    from dtp.bench.arms import _dtensor_arm, handwritten
 
     model = copy.deepcopy(base)
-    plan = {"transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
-    for i in range(len(model.transformer.h)):
-        plan |= {f"transformer.h.{i}.attn.c_attn": ColwiseParallel(), f"transformer.h.{i}.attn.c_proj": RowwiseParallel(),
-                 f"transformer.h.{i}.mlp.c_fc": ColwiseParallel(), f"transformer.h.{i}.mlp.c_proj": RowwiseParallel()}
-    parallelize_module(model, mesh, plan)
-    model.lm_head.weight = model.transformer.wte.weight
+    with mock.patch("dtp.bench.arms.pack_rows", lambda p, parts, tp: p):  # the hand-written plan, rows left as they are
+        handwritten(model, mesh)
     return _dtensor_arm("hand", model, x, y)
 
 
