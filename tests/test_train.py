@@ -217,3 +217,15 @@ def test_bad_data_and_hyper_parameters_exit_2(repo, tmp_path, capsys, args, mess
     err = capsys.readouterr().err
     assert code == 2
     assert message in err and err.startswith("error: ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--timeout", "nan"], "argument --timeout: expected a finite number > 0, got nan"),
+    (["--timeout", "-5"], "argument --timeout: expected a finite number > 0, got -5"),
+    (["--seed", "-3"], "argument --seed: seed must be between 0 and"),
+])
+def test_bad_timeout_and_seed_exit_2_as_for_apply(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "plans/gpt2.tp", "gpt2-tiny", *args])
+    assert exit_.value.code == 2
+    assert f"dtp train: error: {message}" in capsys.readouterr().err

@@ -265,7 +265,7 @@ def _write(path: Path, data: dict) -> None:
 
 def add_train_parser(sub) -> None:
     """Register `dtp train` on the CLI's subparsers."""
-    from dtp.cli import positive_int
+    from dtp.cli import positive_float, positive_int, seed_int
 
     t = sub.add_parser("train", help="train a sharded model on real text; --compare-tp for convergence parity")
     t.add_argument("plan")
@@ -288,12 +288,12 @@ def add_train_parser(sub) -> None:
                    help="bfloat16: autocast forward with float32 master weights")
     t.add_argument("--eval-every", type=positive_int, default=50, help="validation every E steps and at the end")
     t.add_argument("--checkpoint-activations", action="store_true", help="recompute each block's forward in backward")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=seed_int, default=0)
     from dtp.train.budget import memory_size
     t.add_argument("--max-rank-memory", type=memory_size, metavar="BYTES",
                    help="refuse a tp whose per-rank parameters + gradients + AdamW state exceed BYTES (e.g. 1.5MiB)")
     t.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    t.add_argument("--timeout", type=float, default=900.0, help="seconds before every rank is stopped (default 900)")
+    t.add_argument("--timeout", type=positive_float, default=900.0, help="seconds before every rank is stopped (default 900)")
     t.add_argument("--out", default="dtp-train", help="directory for metrics.jsonl, summary.json, loss.png")
     t.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
     t.add_argument("--compare-tp", type=_tp_list, metavar="1,2,4",
