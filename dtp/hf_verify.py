@@ -6,7 +6,6 @@ schedule. Used by tests/test_hf_families.py, several families per rank launch.
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections import Counter
 from pathlib import Path
 
@@ -29,16 +28,22 @@ def _full(t):
 
 def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq: int = 8, seed: int = 0) -> dict:
     """{family, ok, logits, loss, grads, worst, measured, analytic} for one family on `mesh` (every rank)."""
+    from dtp import models
+    from dtp.build import build_sharded
+    from dtp.check import checked_for
     from dtp.models import hf
-    from dtp.shard import apply
 
     rank = mesh.get_local_rank()
     torch.manual_seed(seed)
-    model = hf.build(family).train()
-    reference = copy.deepcopy(model)  # unsharded, float32: the error sharding may add is measured against its own
-    truth = copy_in(model, torch.float64)  # the parity rule's ground truth (dtp/parity.py)
+    reference = hf.build(family).train()  # unsharded, float32: the error sharding may add is measured against its own
+    truth = copy_in(reference, torch.float64)  # the parity rule's ground truth (dtp/parity.py)
     plan = syntax.load(str(plan_path or PLANS / f"{hf.FAMILIES[family][0]}.tp"))
-    applied = apply(plan, model, mesh, seed)
+    # The sharded model comes from the build path `dtp apply` uses: meta → shard → blocks scattered from rank 0.
+    source = models.resolve(f"dtp.models.hf:{family}")
+    checked = checked_for(plan, models.build(source, device="meta"), mesh.size())
+    applied = build_sharded(checked, source, mesh, seed=seed, device=torch.device("cpu"),
+                            full=reference if rank == 0 else None, from_rank0=True)
+    model = applied.model.train()
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(seed + 1))
     inputs, targets = ids[:, :-1], ids[:, 1:]

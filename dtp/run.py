@@ -20,9 +20,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from dtp import models, syntax
-from dtp.shard import apply, tied_groups
+from dtp.build import build_sharded
+from dtp.check import checked_for
+from dtp.shard import tied_groups
 from dtp.comm import CommCounter, merge
-from dtp.data_parallel import data_parallel
 from dtp.param_bytes import ideal_param_bytes, local_param_bytes
 from dtp.schedule import NotModeled, schedule, summarize
 from dtp.parity import ParityCheck, dropout_sources
@@ -52,10 +53,13 @@ class RunConfig:
 class ModuleTrail:
     """Forward hooks that remember which module is running, to say where a rank failed."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self):
         self.stack: list[str] = []
         self.phase = "setup"
         self.handles = []
+
+    def attach(self, model: nn.Module) -> None:
+        """Follow `model`'s modules from now on."""
         for path, module in model.named_modules():
             self.handles.append(module.register_forward_pre_hook(lambda m, a, p=path: self._enter(p)))
             self.handles.append(module.register_forward_hook(lambda m, a, o: self._leave()))
@@ -186,17 +190,27 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: 
     dtype = DTYPES[cfg.dtype]
     plan = syntax.load(cfg.plan)
     source = models.resolve(cfg.model)
-
-    model = models.build(source, device="cpu", dtype=dtype).to(device)  # the same weights on every rank
-    model.train()
-    refs = references(model, dtype, cfg.lr) if rank == 0 else []  # rank 0: the float64 truth (+ same dtype)
-    dropout = dropout_sources(model)
-    trail = ModuleTrail(model)
+    trail = ModuleTrail()
     trails.append(trail)
+
+    # One build path (dtp.build): rank 0 alone builds the whole model, with the model's own initialisation,
+    # for its unsharded references; every rank builds on meta, shards, and receives its blocks from rank 0.
+    full = models.build(source, device="cpu", dtype=dtype).to(device) if rank == 0 else None
+    refs = references(full.train(), dtype, cfg.lr) if rank == 0 else []  # the float64 truth (+ same dtype)
     trail.phase = "sharding (apply)"
-    applied = apply(plan, model, mesh, cfg.seed)
-    if cfg.dp > 1:
-        data_parallel(model, mesh["dp"])
+    checked = checked_for(plan, models.build(source, device="meta", dtype=dtype), cfg.tp)
+    applied = build_sharded(checked, source, mesh, seed=cfg.seed, device=device, dp=cfg.dp, dtype=dtype,
+                            full=full, from_rank0=True)
+    del full
+    model = applied.model
+    model.train()
+    # Only rank 0 drew the weights: every rank continues from its generator state, so the shared dropout
+    # stream (colwise(output=replicate) regions) is the same on every rank, as if each had built the model.
+    state = [torch.get_rng_state()]
+    dist.broadcast_object_list(state, src=0)
+    torch.set_rng_state(state[0])
+    dropout = dropout_sources(model)
+    trail.attach(model)
 
     vocab = models.vocab_size(model)
     gen = torch.Generator().manual_seed(cfg.seed + 1)

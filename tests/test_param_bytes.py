@@ -11,7 +11,7 @@ from dtp.explain import explain
 from dtp.launcher import launch_local
 from dtp.param_bytes import ideal_param_bytes, local_param_bytes, param_bytes_per_rank
 from dtp.syntax import load
-from dtp.train.init import build_sharded
+from dtp.build import build_sharded
 
 ODD = "tests/fixtures/gpt-odd-vocab.yaml"  # 257 rows: rank 0 holds 129, rank 1 holds 128
 

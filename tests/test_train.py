@@ -19,7 +19,8 @@ from dtp.launcher import launch_local
 from dtp.syntax import load
 from dtp.train import data
 from dtp.param_bytes import param_bytes_per_rank
-from dtp.train.init import build_sharded, local_indices, normal_at
+from dtp.build import build_sharded, row_order
+from dtp.train.init import normal_at
 from dtp.train.optim import Schedule, clip_, grad_norm
 
 
@@ -68,8 +69,12 @@ def test_full_init_is_identical_at_every_tp_and_ranks_hold_the_table(repo, plan,
 
 def test_packed_indices_and_keyed_draws():
     # Megatron's packed QKV: rank 0 of tp 2 holds rows 0-1 of each of 3 parts of 4 rows each
-    rows = local_indices((12, 5), 0, tp=2, tp_rank=0, packed=3)[0]
-    assert rows.tolist() == [0, 1, 4, 5, 8, 9]
+    size, order = row_order(3, 12, tp=2)
+    assert size == 12 and order.chunk(2)[0].tolist() == [0, 1, 4, 5, 8, 9]
+    # multi-query [q, k, v] with k and v whole on every rank: the global dim holds them twice
+    from dtp.placement import Placement
+    size, order = row_order(Placement(0, parts=((4, True), (2, False), (2, False))), 12, tp=2)
+    assert size == 8 and order.chunk(2)[0].tolist() == [0, 1, 4, 5, 6, 7] and order.chunk(2)[1].tolist() == [2, 3, 4, 5, 6, 7]
     full = normal_at(7, "w", np.arange(100), 1.0)
     assert np.array_equal(normal_at(7, "w", np.arange(40, 60), 1.0), full[40:60])
     assert not np.array_equal(normal_at(7, "v", np.arange(100), 1.0), full)

@@ -105,25 +105,33 @@ def _dtensor_arm(name: str, model: torch.nn.Module, x, y, extra: dict | None = N
     return Arm(name, step, probe, local_param_bytes(model), extra or {})
 
 
-def build_dtp(base: GPT, mesh, x, y) -> Arm:
-    """dtp's compiled plan."""
-    from dtp.shard import apply
+def _dtp_model(base: GPT, mesh):
+    """dtp's sharded GPT through the one build path (dtp.build): built on meta, sharded by the plan, each
+    rank's blocks scattered from rank 0's `base`."""
+    from dtp.build import build_sharded
+    from dtp.check import check
+    from dtp.models import ModelSource
     from dtp.syntax import parse
 
-    model = copy.deepcopy(base)
-    applied = apply(parse(PLAN, "gpt2.tp"), model, mesh)
-    return _dtensor_arm("dtp", model, x, y, extra={"checked": applied.checked})
+    source = ModelSource("bench-gpt", "gpt", base.config)
+    with torch.device("meta"):
+        checked = check(parse(PLAN, "gpt2.tp"), GPT(base.config), mesh.size())
+    applied = build_sharded(checked, source, mesh, seed=0, device=base.lm_head.weight.device,
+                            full=base if dist.get_rank() == 0 else None, from_rank0=True)
+    return applied.model, checked
+
+
+def build_dtp(base: GPT, mesh, x, y) -> Arm:
+    """dtp's compiled plan."""
+    model, checked = _dtp_model(base, mesh)
+    return _dtensor_arm("dtp", model, x, y, extra={"checked": checked})
 
 
 def build_dtp_compiled(base: GPT, mesh, x, y) -> Arm:
     """dtp's compiled plan with every transformer block under torch.compile (inductor), as torchtitan
     compiles per block; the vocabulary-parallel embedding and head stay eager (DTensor's masked embedding
     does not trace here: "Mixing fake modes")."""
-    from dtp.shard import apply
-    from dtp.syntax import parse
-
-    model = copy.deepcopy(base)
-    apply(parse(PLAN, "gpt2.tp"), model, mesh)
+    model, _ = _dtp_model(base, mesh)
     for block in model.transformer.h:
         block.compile()
     return _dtensor_arm("dtp-compile", model, x, y)

@@ -2,7 +2,7 @@
 
 A rank of `dtp train` holds its parameter shards in float32 (master weights, whatever --dtype), a gradient
 of the same shape and AdamW's two moments: 4 × its row of the placement table (dtp.param_bytes). The model
-is built on meta and only those shards are ever materialised (dtp.train.init), so at tp 1 the whole model
+is built on meta and only those shards are ever materialised (dtp.build), so at tp 1 the whole model
 counts against one rank and at tp 2 about half of it: the budget decides which tp can train. Activations
 are not counted (they scale with --batch × --seq, not with the model).
 """

@@ -30,7 +30,7 @@ from dtp.data_parallel import units
 from dtp.param_bytes import local_param_bytes
 from dtp.schedule import NotModeled, schedule, summarize
 from dtp.train import data, resume
-from dtp.train.init import build_sharded
+from dtp.build import build_sharded
 from dtp.train.meter import CommTimer, peak_memory, sync
 from dtp.train.optim import Schedule, adamw, clip_, set_lr
 

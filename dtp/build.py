@@ -1,0 +1,191 @@
+"""The one way every command builds a sharded model: meta → shard → materialise.
+
+The model is built with its parameters on the meta device (buffers real), sharded in place by the plan,
+and then each rank allocates only its own shards and fills them from one of two sources:
+
+- keyed (`dtp train`): dtp.train.init's counter-based generator, a pure function of (seed, parameter,
+  element index), so no rank ever holds more than its shards;
+- rank 0's model (`dtp apply`, the fuzz pools, `dtp bench`): the model's own initialisation, built whole on
+  rank 0 only (which keeps unsharded references of it anyway), each rank's block scattered from it.
+
+Either way a parameter's full value does not depend on tp or dp. Both fillers see a parameter through the
+same index map (`local_rows`): which rows of the model's own layout a rank holds, packed parts included.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from dtp import models
+from dtp.check import Checked
+from dtp.errors import UsageError
+from dtp.layouts import equal_parts, pack_parts
+from dtp.placement import Placement
+from dtp.shard import Applied, apply, tied_groups
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """One parameter of a sharded model, seen from the model's own (unsharded) layout."""
+
+    name: str  # first owner's name (a tied weight appears once)
+    module: nn.Module
+    pname: str
+    param: nn.Parameter
+    shape: tuple[int, ...]  # the model's own shape (a replicated packed part counted once)
+    dim: int | None  # the tp-sharded dim, None when every tp rank holds it whole
+    order: torch.Tensor | None  # model-layout row of each global row of `dim`, in the DTensor's order
+    tp: int
+
+    def rows(self, tp_rank: int) -> torch.Tensor | None:
+        """The model-layout rows of `dim` that `tp_rank` holds (torch.chunk's layout, as DTensor's Shard)."""
+        return None if self.order is None else self.order.chunk(self.tp)[tp_rank]
+
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's storage of the parameter."""
+        return self.param.to_local() if isinstance(self.param, DTensor) else self.param
+
+
+def row_order(entry: Placement | int | None, n: int, tp: int) -> tuple[int, torch.Tensor]:
+    """(model size of the sharded dim, model row of each global row) for a `Compiled.packed` entry and a
+    global dim of `n` rows: packed parts are interleaved per rank (dtp.layouts.pack_parts), a replicated
+    part is held by every rank."""
+    if isinstance(entry, Placement):
+        parts = entry.parts or equal_parts(n, entry.packed)
+    elif isinstance(entry, int) and entry > 1:
+        parts = equal_parts(n, entry)
+    else:
+        return n, torch.arange(n)
+    size = sum(s for s, _ in parts)
+    return size, pack_parts(torch.arange(size), parts, tp)
+
+
+def param_layouts(applied: Applied) -> Iterator[ParamLayout]:
+    """Every parameter of `applied.model` once, with its index map."""
+    seen: set[int] = set()
+    for path, module in applied.model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            name = f"{path}.{pname}" if path else pname
+            shape, dim, order, tp = tuple(p.shape), None, None, 1
+            placement = p.placements[0] if isinstance(p, DTensor) else None  # the tp mesh: before FSDP2
+            if placement is not None and placement.is_shard():
+                tp = p.device_mesh.size()
+                dim = placement.dim % p.dim()
+                packed = applied.compiled.packed
+                size, order = row_order(packed.get(name, packed.get(path)), shape[dim], tp)
+                shape = shape[:dim] + (size,) + shape[dim + 1:]
+            layout = ParamLayout(name, module, pname, p, shape, dim, order, tp)
+            if dim is not None:
+                held = len(layout.rows(p.device_mesh.get_local_rank()))
+                if held != layout.local.shape[dim]:
+                    raise AssertionError(f"{name}: this rank holds {layout.local.shape[dim]} rows of dim {dim}, "
+                                         f"the chunk layout says {held}")
+            yield layout
+
+
+def build_on_meta(source: models.ModelSource, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model in `dtype` with its parameters on meta and its buffers real (on CPU)."""
+    from dtp.train.init import parameters_to_meta
+
+    with parameters_to_meta():
+        return models.build(source, device="cpu", dtype=dtype)
+
+
+def allocate(model: nn.Module, device: torch.device) -> None:
+    """Give the sharded meta model real, uninitialised storage on `device`, buffers kept as built."""
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    if any(b.is_meta for b in buffers.values()):
+        raise UsageError("the model's buffers were built on the meta device; build it with dtp.build."
+                         "build_on_meta, which keeps buffers (e.g. rotary frequencies) real")
+    groups = tied_groups(model)
+    before = dict(model.named_parameters())
+    model.to_empty(device=device)  # new Parameter objects: tied weights untied, gradient hooks left behind
+    for (first_path, first_name), *others in groups:
+        shared = getattr(model.get_submodule(first_path), first_name)
+        for path, name in others:
+            setattr(model.get_submodule(path), name, shared)
+    for name, new in model.named_parameters():
+        # The styles' gradient reductions (replicated rows, reduce_grad) are tensor hooks, which the new
+        # storage lost (even a Parameter that stayed the same object): setting the dict installs them again.
+        old = before[name]
+        if old._backward_hooks:
+            new._backward_hooks = old._backward_hooks
+        if new is not old:
+            new.__dict__.update(old.__dict__)
+    for name, b in buffers.items():  # to_empty left them uninitialised: put back the values __init__ computed
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = b.to(device)
+
+
+@torch.no_grad()
+def scatter_from(full: nn.Module | None, applied: Applied, device: torch.device) -> None:
+    """Fill every rank's shards from rank 0's unsharded `full` (None on the other ranks): one scatter per
+    sharded parameter, one broadcast per replicated parameter and floating-point buffer."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tp_ranks: list = [None] * world
+    layouts = list(param_layouts(applied))
+    tp_rank = next((lay.param.device_mesh.get_local_rank() for lay in layouts if lay.dim is not None), 0)
+    dist.all_gather_object(tp_ranks, tp_rank)
+    sources = dict(full.named_parameters()) if rank == 0 else {}
+    for lay in layouts:
+        local = lay.local
+        if rank == 0:
+            value = sources.get(lay.name)
+            if value is None or tuple(value.shape) != lay.shape:
+                raise AssertionError(f"{lay.name}: rank 0's model has {None if value is None else tuple(value.shape)}, "
+                                     f"the sharded model {lay.shape}")
+        if lay.dim is None:
+            if rank == 0:
+                local.copy_(value)
+            dist.broadcast(local, src=0)
+            continue
+        longest = max(len(lay.rows(r)) for r in range(lay.tp)) * (local.numel() // max(local.shape[lay.dim], 1))
+        received = torch.empty(longest, dtype=local.dtype, device=device)
+        blocks = None
+        if rank == 0:  # uneven chunks (vocabulary 257 at tp 2) travel padded to the longest
+            padded = [torch.zeros(longest, dtype=local.dtype, device=device) for _ in range(lay.tp)]
+            for r, block in enumerate(padded):
+                piece = value.index_select(lay.dim, lay.rows(r)).reshape(-1)
+                block[:piece.numel()].copy_(piece)
+            blocks = [padded[tp_ranks[w]] for w in range(world)]
+        dist.scatter(received, blocks, src=0)
+        local.view(-1).copy_(received[:local.numel()])
+    full_buffers = dict(full.named_buffers()) if rank == 0 else {}
+    for name, buf in applied.model.named_buffers():  # random buffers would differ otherwise
+        if buf.is_floating_point() and not isinstance(buf, DTensor):
+            if rank == 0 and name in full_buffers and full_buffers[name].shape == buf.shape:
+                buf.copy_(full_buffers[name])
+            dist.broadcast(buf, src=0)
+
+
+def build_sharded(plan: Checked, source: models.ModelSource, mesh: DeviceMesh, *, seed: int,
+                  device: torch.device, dp: int = 1, dtype: torch.dtype = torch.float32,
+                  full: nn.Module | None = None, from_rank0: bool = False) -> Applied:
+    """The one way to build a sharded model: meta (buffers real) → shard on `mesh`'s tp dimension →
+    materialise this rank's shards (keyed init, or scattered from rank 0's `full` model when `from_rank0`)
+    → FSDP2 over dp (which shards the materialised tp-local tensors again)."""
+    from dtp.data_parallel import data_parallel
+    from dtp.train.init import fill_keyed
+
+    model = build_on_meta(source, dtype)
+    applied = apply(plan, model, mesh, seed)
+    allocate(model, device)
+    if from_rank0:
+        if (dist.get_rank() == 0) != (full is not None):
+            raise AssertionError("build_sharded(from_rank0=True) takes the full model on rank 0 only")
+        scatter_from(full, applied, device)
+    else:
+        fill_keyed(applied, seed)
+    if dp > 1:
+        data_parallel(model, mesh["dp"])
+    return applied
