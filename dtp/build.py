@@ -93,6 +93,19 @@ def param_layouts(applied: Applied) -> Iterator[ParamLayout]:
             yield layout
 
 
+def shared_rows(applied: Applied) -> dict[str, tuple[int, torch.Tensor]]:
+    """Parameter name → (sharded dim, weight of each global row: 1 / the copies of its model row) for the
+    parameters some of whose rows several tp ranks hold (replicated parts, repeated k/v heads): a global
+    gradient norm counts each model row once with these weights."""
+    out = {}
+    for name, entry in applied.compiled.packed.items():
+        if isinstance(entry, Placement) and any(kind is not True for _, kind in entry.parts):
+            _, order = row_order(entry, 0, applied.tp)
+            copies = torch.bincount(order)
+            out[name] = (entry.shard_dim, 1.0 / copies[order].double())
+    return out
+
+
 def build_on_meta(source: models.ModelSource, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The model in `dtype` with its parameters on meta and its buffers real (on CPU)."""
     from dtp.train.init import parameters_to_meta
@@ -108,20 +121,11 @@ def allocate(model: nn.Module, device: torch.device) -> None:
         raise UsageError("the model's buffers were built on the meta device; build it with dtp.build."
                          "build_on_meta, which keeps buffers (e.g. rotary frequencies) real")
     groups = tied_groups(model)
-    before = dict(model.named_parameters())
-    model.to_empty(device=device)  # new Parameter objects: tied weights untied, gradient hooks left behind
+    model.to_empty(device=device)  # a new Parameter per owner: tied weights come apart, so tie them again
     for (first_path, first_name), *others in groups:
         shared = getattr(model.get_submodule(first_path), first_name)
         for path, name in others:
             setattr(model.get_submodule(path), name, shared)
-    for name, new in model.named_parameters():
-        # The styles' gradient reductions (replicated rows, reduce_grad) are tensor hooks, which the new
-        # storage lost (even a Parameter that stayed the same object): setting the dict installs them again.
-        old = before[name]
-        if old._backward_hooks:
-            new._backward_hooks = old._backward_hooks
-        if new is not old:
-            new.__dict__.update(old.__dict__)
     for name, b in buffers.items():  # to_empty left them uninitialised: put back the values __init__ computed
         owner, _, leaf = name.rpartition(".")
         model.get_submodule(owner)._buffers[leaf] = b.to(device)

@@ -124,9 +124,43 @@ def distribute_param(module: nn.Module, name: str, placement: Placement, mesh: D
         dist = distribute_tensor(data, mesh, [Shard(placement.shard_dim)])
     new = nn.Parameter(dist, requires_grad=param.requires_grad)
     ranges = _reduced_ranges(placement.parts, tp, mesh.get_local_rank()) if placement.parts else []
-    if ranges and new.requires_grad and tp > 1:
-        new.register_hook(partial(_reduce_rows, ranges=ranges, dim=placement.shard_dim, mesh=mesh))
     module.register_parameter(name, new)
+    if ranges and new.requires_grad and tp > 1:
+        reduce_grad_on_use(module, name, partial(_reduce_rows, ranges=ranges, dim=placement.shard_dim, mesh=mesh))
+
+
+class _ReduceGrad(torch.autograd.Function):
+    """Identity forward; `reduce` applied to the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, reduce) -> torch.Tensor:
+        ctx.reduce = reduce
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.reduce(grad), None
+
+
+def reduce_grad_on_use(module: nn.Module, name: str, reduce) -> None:
+    """Apply `reduce` to the gradient of `module.name` (a collective over tp) on its way to the parameter.
+
+    Not a tensor hook: the Parameter object changes after sharding (materialising a meta model, FSDP2's
+    unsharded parameter during forward), so the module reads its parameter through an identity whose
+    backward reduces, whichever object holds the parameter when the module runs."""
+    def swap_in(mod: nn.Module, args: tuple) -> None:
+        param = mod._parameters.get(name)
+        if isinstance(param, nn.Parameter) and param.requires_grad and torch.is_grad_enabled():
+            mod._parameters[name] = _ReduceGrad.apply(param, reduce)
+            mod._dtp_held = getattr(mod, "_dtp_held", {}) | {name: param}
+
+    def swap_back(mod: nn.Module, args: tuple, output: object) -> None:
+        held = getattr(mod, "_dtp_held", {})
+        if name in held:
+            mod._parameters[name] = held.pop(name)
+
+    module.register_forward_pre_hook(swap_in)
+    module.register_forward_hook(swap_back, always_call=True)
 
 
 class PlacedColwise(ColwiseParallel):
@@ -188,9 +222,9 @@ class ReplicateReduceGrad(ParallelStyle):
     backward pass (Hugging Face's `replicated_with_grad_allreduce`)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for param in module.parameters(recurse=False):
+        for name, param in module.named_parameters(recurse=False):
             if param.requires_grad and device_mesh.size() > 1:
-                param.register_hook(partial(all_reduce_grad, mesh=device_mesh))
+                reduce_grad_on_use(module, name, partial(all_reduce_grad, mesh=device_mesh))
         return module
 
 

@@ -82,6 +82,17 @@ def test_cli_main_job_prints_report_and_json(repo, tmp_path):
     assert set(report["parity"]) >= {"ok", "logits", "loss", "grads", "params", "worst_tensor"}
 
 
+def test_gradient_reducing_layouts_under_fsdp2(repo):
+    # Qwen3's replicate(reduce_grad=true) q/k norms at dp 2 × tp 2: their gradient reductions must survive
+    # the build path's new storage and FSDP2's unsharded parameters (they were lost to both once)
+    pytest.importorskip("transformers")
+    report = launch(RunConfig(plan="plans/hf/qwen3.tp", model="dtp.models.hf:qwen3", tp=2, dp=2, batch=4,
+                              seq=8, steps=1))
+    assert report["parity"]["ok"], report["parity"]
+    assert report["collectives"]["by_op"] == report["analytic_collectives"]["by_op"]
+    assert report["collectives"]["backward"]["all_reduce"] == 4 + 1 + 2 * 2  # Megatron's, the loss's, 2 × (q, k) norms
+
+
 def test_mispacked_qkv_fails_parity(repo):
     proc = dtp_cli("apply", "tests/fixtures/unpacked-qkv.tp", "gpt2-tiny", "--tp", "2", "--steps", "1")
     assert proc.returncode == 1, proc.stdout + proc.stderr

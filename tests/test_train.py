@@ -16,10 +16,11 @@ from dtp import models
 from dtp.check import check
 from dtp.cli import main
 from dtp.launcher import launch_local
+from dtp.reference import logits_of
 from dtp.syntax import load
 from dtp.train import data
 from dtp.param_bytes import param_bytes_per_rank
-from dtp.build import build_sharded, row_order
+from dtp.build import build_sharded, row_order, shared_rows
 from dtp.train.init import normal_at
 from dtp.train.optim import Schedule, clip_, grad_norm
 
@@ -135,29 +136,40 @@ def test_every_tp_rank_of_a_group_sees_its_dp_slice_of_the_same_global_batch(rep
     assert data.train_batch(corpus, corpus.tokens(), 0, 5, 8, 16, 1, 0)[0].max() < 256
 
 
-def _clip(rank, world, dp):
-    applied, _, _ = _build("plans/gpt2.tp", "gpt2-tiny", world, dp)
-    reference = models.build("gpt2-tiny", device="cpu")
+def _clip(rank, world, dp, plan="plans/gpt2.tp", spec="gpt2-tiny"):
+    applied, _, _ = _build(plan, spec, world, dp)
+    reference = models.build(spec, device="cpu")
     reference.load_state_dict({n: applied.full(n, p.detach()) for n, p in applied.model.named_parameters()},
                               strict=False)
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 256, (4, 17), generator=gen)
+    ids = torch.randint(0, 128, (4, 17), generator=gen)
     per = 4 // dp
     mine = slice(rank // (world // dp) * per, (rank // (world // dp) + 1) * per)
     with loss_parallel():
-        logits = applied.model(ids[mine, :-1])
+        logits = logits_of(applied.model(ids[mine, :-1]))
         F.cross_entropy(logits.flatten(0, 1), ids[mine, 1:].flatten()).backward()
-    ref_logits = reference(ids[:, :-1])
+    ref_logits = logits_of(reference(ids[:, :-1]))
     F.cross_entropy(ref_logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
     expected = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
-    before = clip_(applied.model.parameters(), 0.05)
-    after = grad_norm(applied.model.parameters())
-    return float(before), float(expected), float(after)
+    rows = shared_rows(applied)
+    shared = {id(p): rows[n] for n, p in applied.model.named_parameters() if n in rows}
+    before = clip_(applied.model.parameters(), 0.05, shared)
+    after = grad_norm(applied.model.parameters(), shared)
+    return float(before), float(expected), float(after), sorted(rows)
 
 
-@pytest.mark.parametrize("world,dp", [(2, 1), (4, 2)])
-def test_clip_norm_equals_the_unsharded_norm(repo, world, dp):
-    for before, expected, after in launch_local(_clip, world, dp, timeout=120):
+@pytest.mark.parametrize("world,dp,plan,spec,shared", [
+    (2, 1, "plans/gpt2.tp", "gpt2-tiny", []),
+    (4, 2, "plans/gpt2.tp", "gpt2-tiny", []),
+    # multi-query c_attn: k and v rows on every rank; one kv head at tp 2 (repeat(kv)): k, v on both ranks
+    (2, 1, "plans/hf/gpt_bigcode.tp", "dtp.models.hf:gpt_bigcode", [f"transformer.h.{i}.attn.c_attn.{p}"
+                                                                    for i in (0, 1) for p in ("bias", "weight")]),
+    (4, 2, "plans/hf/gemma.tp", "dtp.models.hf:gemma", [f"model.layers.{i}.self_attn.{m}_proj.weight"
+                                                        for i in (0, 1) for m in ("k", "v")]),
+])
+def test_clip_norm_equals_the_unsharded_norm(repo, world, dp, plan, spec, shared):
+    for before, expected, after, rows in launch_local(_clip, world, dp, plan, spec, timeout=120):
+        assert rows == shared
         assert before > 0.05
         assert abs(before - expected) <= 1e-5 * expected, (before, expected)
         assert abs(after - 0.05) <= 1e-5, after
@@ -234,3 +246,12 @@ def test_bad_timeout_and_seed_exit_2_as_for_apply(capsys, args, message):
         main(["train", "plans/gpt2.tp", "gpt2-tiny", *args])
     assert exit_.value.code == 2
     assert f"dtp train: error: {message}" in capsys.readouterr().err
+
+
+def test_bpe_on_a_vocabulary_of_256_or_less_exits_2(repo, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    code = main(["train", "plans/hf/gpt_bigcode.tp", "dtp.models.hf:gpt_bigcode", "--tokenizer", "bpe",
+                 "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and err == ("error: --tokenizer bpe needs a vocabulary above 256 (its byte alphabet plus "
+                                 "merges); the model has 128\n")

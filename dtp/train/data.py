@@ -136,9 +136,15 @@ def prepare(data: str | None, cache_dir: Path, *, tokenizer: str = "bytes", mode
     key = hashlib.sha256(text).hexdigest()[:16]
     cache_dir.mkdir(parents=True, exist_ok=True)
     if tokenizer == "bpe":
+        if model_vocab <= 256:  # byte-level BPE starts from all 256 bytes; merges come on top
+            raise UsageError(f"--tokenizer bpe needs a vocabulary above 256 (its byte alphabet plus merges); "
+                             f"the model has {model_vocab}")
         tok = _bpe(text, model_vocab, cache_dir / f"bpe-{key}-{model_vocab}.json")
         ids = np.asarray(tok.encode(text.decode("utf-8")).ids, dtype=TOKEN_DTYPE)
         vocab = tok.get_vocab_size()
+        if vocab > model_vocab or (len(ids) and int(ids.max()) >= model_vocab):
+            raise UsageError(f"the BPE trained for a vocabulary of {model_vocab} has {vocab} ids; give a model "
+                             f"with a larger vocabulary")
     else:
         if model_vocab < 256:
             raise UsageError(f"byte-level tokens need a vocabulary of at least 256; the model has {model_vocab}")

@@ -30,7 +30,7 @@ from dtp.data_parallel import units
 from dtp.param_bytes import local_param_bytes
 from dtp.schedule import NotModeled, schedule, summarize
 from dtp.train import data, resume
-from dtp.build import build_sharded
+from dtp.build import build_sharded, shared_rows
 from dtp.train.meter import CommTimer, peak_memory, sync
 from dtp.train.optim import Schedule, adamw, clip_, set_lr
 
@@ -100,6 +100,8 @@ class Trainer:
         self.checked = check(syntax.load(cfg.plan), models.build(self.source, device="meta"), cfg.tp)
         self.applied = build_sharded(self.checked, self.source, mesh, seed=cfg.seed, device=self.device, dp=cfg.dp)
         self.model = self.applied.model
+        rows = shared_rows(self.applied)  # k/v rows every rank holds: counted once in the clip norm
+        self.shared_rows = {id(p): rows[n] for n, p in self.model.named_parameters() if n in rows}
         self.blocks = _checkpoint_blocks(self.model) if cfg.checkpoint_activations else []
         self.optimizer = adamw(self.model, cfg.lr, cfg.weight_decay)
         self.schedule = Schedule(cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
@@ -152,7 +154,7 @@ class Trainer:
                     loss = self._loss(inputs, targets)
                 with counters["backward"] if counters else contextlib.nullcontext():
                     loss.backward()
-            norm = clip_(self.model.parameters(), cfg.clip)  # not counted: see analytic()
+            norm = clip_(self.model.parameters(), cfg.clip, self.shared_rows)  # not counted: see analytic()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             sync(self.device)

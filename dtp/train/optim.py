@@ -47,19 +47,28 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def grad_norm(parameters) -> torch.Tensor:
+def grad_norm(parameters, shared: dict[int, tuple[int, torch.Tensor]] | None = None) -> torch.Tensor:
     """The global L2 norm of all gradients, equal to the unsharded model's: each DTensor contributes its
-    norm over the whole mesh (one collective per mesh), each plain tensor (replicated) its local norm."""
+    norm over the whole mesh (one collective per mesh), each plain tensor (replicated) its local norm. A
+    parameter in `shared` (id → dtp.build.shared_rows' dim and row weights) holds some rows on several
+    ranks: its gradient is gathered and each row weighted so that every model row counts once."""
+    shared = shared or {}
     by_mesh: dict[object, list[torch.Tensor]] = {}
     plain: list[torch.Tensor] = []
+    squares = []
     for p in parameters:
         if p.grad is None:
             continue
-        if isinstance(p.grad, DTensor):
+        if id(p) in shared:
+            dim, weights = shared[id(p)]
+            full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            shape = [1] * full.dim()
+            shape[dim] = -1
+            squares.append((full.double().pow(2) * weights.to(full.device).view(shape)).sum().float())
+        elif isinstance(p.grad, DTensor):
             by_mesh.setdefault(p.grad.device_mesh, []).append(p.grad)
         else:
             plain.append(p.grad)
-    squares = []
     for grads in by_mesh.values():
         total = torch.nn.utils.get_total_norm(grads, 2.0)
         squares.append((total.full_tensor() if isinstance(total, DTensor) else total).float() ** 2)
@@ -71,11 +80,11 @@ def grad_norm(parameters) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_(parameters, max_norm: float) -> torch.Tensor:
+def clip_(parameters, max_norm: float, shared: dict[int, tuple[int, torch.Tensor]] | None = None) -> torch.Tensor:
     """Scale all gradients so that their global norm is at most `max_norm` (0: no clipping); returns the
-    norm before clipping."""
+    norm before clipping (`shared`: see grad_norm)."""
     parameters = [p for p in parameters if p.grad is not None]
-    norm = grad_norm(parameters)
+    norm = grad_norm(parameters, shared)
     if max_norm > 0:
         scale = min(1.0, max_norm / (float(norm) + 1e-6))
         for p in parameters:
