@@ -240,18 +240,27 @@ def evaluate(expr: ir.Expr, lookup) -> int | None:
     return left // right
 
 
-def int_attributes(module: nn.Module) -> dict[str, int]:
-    """The module's integer attributes (what a set expression may name)."""
+def int_attributes(module: object) -> dict[str, int]:
+    """The module's (or a held object's) integer attributes (what a set expression may name)."""
     return {k: v for k, v in vars(module).items() if isinstance(v, int) and not isinstance(v, bool)}
 
 
+def set_target(module: nn.Module, attr: str) -> tuple[object, str]:
+    """(the object a `set` rewrites, its attribute): the module itself, or for `HOLDER.ATTR` the plain object
+    it holds (dtp.resolve.holder_paths); a set expression's bare names read that object's attributes."""
+    from dtp.resolve import held_object
+
+    holder, _, name = attr.rpartition(".")
+    return (held_object(module, holder), name) if holder else (module, attr)
+
+
 def _check_sets(res: Resolution, tp: int | None, rep: _Reporter) -> None:
-    for (path, attr), stmt in res.sets.items():
-        module = res.modules[path]
+    for (path, target), stmt in res.sets.items():
+        module, attr = set_target(res.modules[path], target)
         attrs = int_attributes(module)
         shown = path or "the model"
         if attr not in attrs:
-            rep.add(stmt.pattern.pos, len(str(stmt.pattern)) + len(attr) + 1, shown,
+            rep.add(stmt.pattern.pos, len(str(stmt.pattern)) + len(stmt.attr) + 1, shown,
                     f"{type(module).__name__} has no integer attribute '{attr}'{did_you_mean(attr, list(attrs))}")
             continue
 

@@ -27,7 +27,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from dtp import conditions, ir, models
-from dtp.check import Checked, checked_for, evaluate
+from dtp.check import Checked, checked_for, evaluate, set_target
 from dtp.layouts import ExpertsParallel, PlacedColwise, PlacedRowwise, ReplicateReduceGrad, SliceHeadsInput
 from dtp.placement import Placement as Placement_
 from dtp.placement import is_conv1d
@@ -141,7 +141,7 @@ def lower(checked: Checked, tp: int) -> Lowered:
             modules[path] = replace(modules[path], input=Replicate())
     rewrites: dict[str, dict[str, int]] = {}
     for (path, attr), stmt in res.sets.items():
-        attrs = vars(res.modules[path])
+        attrs = vars(set_target(res.modules[path], attr)[0])
         rewrites.setdefault(path, {})[attr] = evaluate(stmt.expr, lambda v: tp if v.name == "tp" else conditions.config_int(
             res.modules[""], v) if v.name.startswith("config.") else attrs[v.name])
     loss = any(m.style == "vocab_parallel" and not m.embedding for m in modules.values())

@@ -110,6 +110,29 @@ def _pick(candidates: list, path: str, what: str, diags: list[Diagnostic], repor
     return best
 
 
+def held_object(module: nn.Module, name: str) -> object | None:
+    """The plain object (a config, not a module, tensor or number) `module` keeps in attribute `name`."""
+    import torch
+    import torch.nn as nn
+
+    value = vars(module).get(name)
+    if value is None or isinstance(value, (nn.Module, torch.Tensor, int, float, str, bool, tuple, list, dict)):
+        return None
+    return value if hasattr(value, "__dict__") else None
+
+
+def holder_paths(pattern: ir.Pattern, modules: Mapping[str, nn.Module], paths: list[str]) -> list[str]:
+    """For `set MODULES.HOLDER.ATTR`, whose MODULES.HOLDER is no module: the modules MODULES matches that keep a
+    plain object in attribute HOLDER (Phi-3's attention reads its query width from `self.config`). The
+    rewrite then goes to a per-module copy of that object (dtp.styles.SetAttributes)."""
+    *prefix, last = pattern.segments
+    if not isinstance(last, str) or not last.isidentifier() or any(matches(pattern, p) for p in paths):
+        return []
+    inner = ir.Pattern(tuple(prefix), pattern.pos)
+    hits = [p for p in modules if matches(inner, p)] if prefix else [""]
+    return [p for p in hits if held_object(modules[p], last) is not None]
+
+
 def resolve(plan: ir.Plan, model: nn.Module, tp: int | None = None) -> Resolution:
     """Match every rule, block and set of `plan` against `model`'s modules (`when` branches chosen by its
     config and `tp`); collect diagnostics."""
@@ -142,8 +165,10 @@ def resolve(plan: ir.Plan, model: nn.Module, tp: int | None = None) -> Resolutio
             by_module.setdefault(path, []).append(rule)
     by_attr: dict[tuple[str, str], list[ir.FlatSet]] = {}
     for stmt in sets:
-        for path in matched(stmt.pattern, allow_root=True):
-            by_attr.setdefault((path, stmt.attr), []).append(stmt)
+        held = holder_paths(stmt.pattern, modules, paths)  # `set self_attn.config.X`: an object the module holds
+        for path in held or matched(stmt.pattern, allow_root=True):
+            attr = f"{stmt.pattern.segments[-1]}.{stmt.attr}" if held else stmt.attr
+            by_attr.setdefault((path, attr), []).append(stmt)
 
     reported: set = set()
     claims = {path: _pick(c, path, "rules", diags, reported) for path, c in by_module.items()}

@@ -38,6 +38,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "falcon_40b": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2, alibi=False, ffn_hidden_size=128)),
     "phi": ("phi", dict(num_key_value_heads=4)),
     "phi3": ("phi3", dict(num_key_value_heads=2)),
+    # Phi-3-mini's shape: no grouped-query attention; plus partial rotary, a sliding window, tied embeddings
+    "phi3_mha": ("phi3", dict(num_key_value_heads=4, partial_rotary_factor=0.5, sliding_window=4,
+                              tie_word_embeddings=True)),
     "opt": ("opt", {}),
     "bloom": ("bloom", {}),
     "olmo2": ("olmo2", dict(num_key_value_heads=2)),
