@@ -144,6 +144,13 @@ def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Repo
         if style.name == "slice_input":
             check_layouts.check_slice_input(path, style, res.modules[""], tp, rep, sizes)
             continue
+        if style.name == "sharded_norm":  # an RMS norm over colwise-sharded features (dtp/sharded_norm.py)
+            from dtp.sharded_norm import check_sharded_norm
+            before = len(rep.groups)
+            check_sharded_norm(res, path, style, rep)
+            if len(rep.groups) != before:
+                fits = False
+                continue
         if isinstance(style.option("packed"), ir.PartList):  # unequal or replicated parts (dtp/parts.py)
             before = len(rep.groups)
             check_layouts.check_parts(path, module, style, res.modules[""], tp, rep, sizes)
@@ -341,6 +348,9 @@ def _check(plan: ir.Plan, model: nn.Module | None, tp: int | None, dp: int | Non
         diags += res.diagnostics
         rep = _Reporter()
         fits = _check_modules(res, model, tp, rep, sizes)
+        if fits:
+            from dtp.sharded_norm import check_unsharded_norms
+            check_unsharded_norms(res, rep)
         if fits and not structural:  # layouts of styles that do not apply would only echo those errors
             _check_flow(res, model, rep)
         _check_sets(res, tp, rep)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Mapping
 from dtp import conditions, ir
 from dtp.errors import MAX_SHOWN, Diagnostic
 from dtp.parts import try_parts
-from dtp.placement import Placement, features, is_linear, param_placements
+from dtp.placement import Placement, features, is_linear, norm_width, param_placements
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -78,7 +78,8 @@ class Resolution:
         packed = rule.style.option("packed", 1)
         valid = isinstance(packed, int) and not isinstance(packed, bool) and packed >= 1
         module = self.modules[path]
-        parts = try_parts(packed, features(module)[1], self.modules[""]) if is_linear(module) else ()
+        width = features(module)[1] if is_linear(module) else norm_width(module) if rule.style.name == "sharded_norm" else 0
+        parts = try_parts(packed, width, self.modules[""]) if width else ()
         return param_placements(rule.style.name, module, packed if valid else 1, parts)
 
 

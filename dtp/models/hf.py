@@ -44,6 +44,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "opt": ("opt", {}),
     "bloom": ("bloom", {}),
     "olmo2": ("olmo2", dict(num_key_value_heads=2)),
+    "olmo2_mha": ("olmo2", dict(num_key_value_heads=4, attention_bias=True, tie_word_embeddings=True)),
     "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
     "qwen2_moe": ("qwen2_moe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                     moe_intermediate_size=32, shared_expert_intermediate_size=64)),
