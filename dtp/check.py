@@ -13,7 +13,7 @@ from dtp import check_layouts, conditions, ir
 from dtp.advice import check_mesh, replicated_share, replication_warning  # noqa: F401 (re-exported)
 from dtp.errors import Diagnostic, PlanError
 from dtp.placement import OPTIONS, STYLES, Placement, features, is_linear, module_fits, sharded_sizes
-from dtp.resolve import Resolution, resolve
+from dtp.resolve import Resolution, resolve, written_length
 
 if TYPE_CHECKING:  # torch only where a model is checked: `dtp check PLAN` stays instant
     import torch.nn as nn
@@ -261,13 +261,13 @@ def set_target(module: nn.Module, attr: str) -> tuple[object, str]:
     return (held_object(module, holder), name) if holder else (module, attr)
 
 
-def _check_sets(res: Resolution, tp: int | None, rep: _Reporter) -> None:
+def _check_sets(res: Resolution, tp: int | None, rep: _Reporter, plan: ir.Plan) -> None:
     for (path, target), stmt in res.sets.items():
         module, attr = set_target(res.modules[path], target)
         attrs = int_attributes(module)
         shown = path or "the model"
         if attr not in attrs:
-            rep.add(stmt.pattern.pos, len(str(stmt.pattern)) + len(stmt.attr) + 1, shown,
+            rep.add(stmt.pattern.pos, written_length(plan, stmt.pattern), shown,
                     f"{type(module).__name__} has no integer attribute '{attr}'{did_you_mean(attr, list(attrs))}")
             continue
 
@@ -348,12 +348,14 @@ def _check(plan: ir.Plan, model: nn.Module | None, tp: int | None, dp: int | Non
         diags += res.diagnostics
         rep = _Reporter()
         fits = _check_modules(res, model, tp, rep, sizes)
-        if fits:
+        if fits:  # a norm left whole over a sharded output: the flow walk would only echo it
             from dtp.sharded_norm import check_unsharded_norms
+            before = len(rep.groups)
             check_unsharded_norms(res, rep)
+            fits = len(rep.groups) == before
         if fits and not structural:  # layouts of styles that do not apply would only echo those errors
             _check_flow(res, model, rep)
-        _check_sets(res, tp, rep)
+        _check_sets(res, tp, rep, plan)
         diags += rep.diagnostics()
         _check_ties(res, model, diags)
         warnings = replication_warning(plan, res)

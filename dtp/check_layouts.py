@@ -52,6 +52,8 @@ def check_parts(path: str, module: nn.Module, style: ir.Style, root: nn.Module, 
             if tp and heads % tp:
                 hint = ("; keep it whole with replicate(" + str(opt.value.items[index]) + ")"
                         if heads < tp else "")
+                if opt.value.items[index] == "kv" and tp % heads == 0:  # grouped-query: each rank its own head
+                    hint = "; give each rank the key/value head its query heads read with repeat(kv)"
                 rep.add(opt.value_pos, length, path, f"{what} holds {heads} heads (head size {info.head_dim}), which "
                         f"do not divide by tp={tp}; each rank must hold whole heads; tp values that work: "
                         f"{_working(heads)}{hint}")

@@ -134,6 +134,33 @@ def holder_paths(pattern: ir.Pattern, modules: Mapping[str, nn.Module], paths: l
     return [p for p in hits if held_object(modules[p], last) is not None]
 
 
+def written_length(plan: ir.Plan, pattern: ir.Pattern) -> int:
+    """How long the pattern is as written at its position (inside a block it is shorter than the joined one)."""
+    lines = (plan.source or "").splitlines()
+    line = lines[pattern.pos.line - 1] if 0 < pattern.pos.line <= len(lines) else ""
+    written = line[pattern.pos.column - 1:].split("=")[0].split()
+    return len(written[0]) if written else len(str(pattern))
+
+
+def _not_held(pattern: ir.Pattern, modules: Mapping[str, nn.Module], paths: list[str]) -> str | None:
+    """Why `set MODULES.NAME.ATTR` reaches nothing when MODULES matches modules but NAME is neither a child
+    module nor a held object (None when MODULES matches nothing: the usual no-match message says so)."""
+    *prefix, last = pattern.segments
+    if not prefix or not isinstance(last, str) or any(matches(pattern, p) for p in paths):
+        return None
+    inner = ir.Pattern(tuple(prefix), pattern.pos)
+    hits = [p for p in paths if matches(inner, p)]
+    if not hits:
+        return None
+    module = modules[hits[0]]
+    held = [k for k in vars(module) if held_object(module, k) is not None]
+    names = held + [n for n, _ in module.named_children()]
+    best = difflib.get_close_matches(str(last), names, n=1, cutoff=0.5)
+    hint = f"; did you mean '{best[0]}'?" if best else ""
+    return (f"'{last}' is neither a module under '{inner}' nor an object it holds ({type(module).__name__} holds "
+            f"{', '.join(held) or 'none'}); `set` reaches MODULE.ATTR or MODULE.OBJECT.ATTR{hint}")
+
+
 def resolve(plan: ir.Plan, model: nn.Module, tp: int | None = None) -> Resolution:
     """Match every rule, block and set of `plan` against `model`'s modules (`when` branches chosen by its
     config and `tp`); collect diagnostics."""
@@ -167,6 +194,9 @@ def resolve(plan: ir.Plan, model: nn.Module, tp: int | None = None) -> Resolutio
     by_attr: dict[tuple[str, str], list[ir.FlatSet]] = {}
     for stmt in sets:
         held = holder_paths(stmt.pattern, modules, paths)  # `set self_attn.config.X`: an object the module holds
+        if not held and (problem := _not_held(stmt.pattern, modules, paths)):
+            diags.append(Diagnostic(stmt.pattern.pos, problem, written_length(plan, stmt.pattern)))
+            continue
         for path in held or matched(stmt.pattern, allow_root=True):
             attr = f"{stmt.pattern.segments[-1]}.{stmt.attr}" if held else stmt.attr
             by_attr.setdefault((path, attr), []).append(stmt)
