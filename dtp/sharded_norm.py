@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from dtp.layouts import all_reduce_grad, distribute_param
+from dtp.layouts import all_reduce_grad, distribute_param, equal_parts
 from dtp.placement import Placement
 
 if TYPE_CHECKING:
@@ -85,7 +85,8 @@ class ShardedNorm(ParallelStyle):
         def reduce(t: torch.Tensor) -> torch.Tensor:
             return _SumOverRanks.apply(t, device_mesh) if tp > 1 else t
 
-        def forward(x: torch.Tensor) -> torch.Tensor:
+        def forward(*args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+            x = args[0] if args else next(iter(kwargs.values()))  # the norm's one input, however it is passed
             if isinstance(x, DTensor):
                 x = x.redistribute(placements=[Shard(-1)]).to_local()
             return rms_norm(x, module.weight.to_local(), eps, x.shape[-1] * tp, reduce)
@@ -150,7 +151,7 @@ def check_sharded_norm(res: Resolution, path: str, style: ir.Style, rep) -> None
 
 
 def _parts(placement: Placement, width: int) -> tuple:
-    return placement.parts or tuple((width // placement.packed, True) for _ in range(placement.packed))
+    return placement.parts or equal_parts(width, placement.packed)
 
 
 def check_unsharded_norms(res: Resolution, rep) -> None:
