@@ -126,6 +126,8 @@ def holder_paths(pattern: ir.Pattern, modules: Mapping[str, nn.Module], paths: l
     """For `set MODULES.HOLDER.ATTR`, whose MODULES.HOLDER is no module: the modules MODULES matches that keep a
     plain object in attribute HOLDER (Phi-3's attention reads its query width from `self.config`). The
     rewrite then goes to a per-module copy of that object (dtp.styles.SetAttributes)."""
+    if not pattern.segments:  # `set ATTR`: an attribute of the model itself
+        return []
     *prefix, last = pattern.segments
     if not isinstance(last, str) or not last.isidentifier() or any(matches(pattern, p) for p in paths):
         return []
@@ -145,8 +147,10 @@ def written_length(plan: ir.Plan, pattern: ir.Pattern) -> int:
 def _not_held(pattern: ir.Pattern, modules: Mapping[str, nn.Module], paths: list[str]) -> str | None:
     """Why `set MODULES.NAME.ATTR` reaches nothing when MODULES matches modules but NAME is neither a child
     module nor a held object (None when MODULES matches nothing: the usual no-match message says so)."""
+    if len(pattern.segments) < 2:
+        return None
     *prefix, last = pattern.segments
-    if not prefix or not isinstance(last, str) or any(matches(pattern, p) for p in paths):
+    if not isinstance(last, str) or any(matches(pattern, p) for p in paths):
         return None
     inner = ir.Pattern(tuple(prefix), pattern.pos)
     hits = [p for p in paths if matches(inner, p)]

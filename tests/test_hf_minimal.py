@@ -61,6 +61,9 @@ def test_set_errors_on_a_held_object():
         "holds config); `set` reaches MODULE.ATTR or MODULE.OBJECT.ATTR; did you mean 'config'?"]
     assert _errors(rule.format("config.num_attention_heads", "num_attention_heads / tp"), "phi3", 3) == [
         "2:79: model.layers.0.self_attn (and 1 more module): 4 / 3 does not divide exactly at tp=3"]
+    root = check(parse("dtp 1\nset config.vocab_size = vocab_size / tp\n", "p.tp"), _build("phi3"), 2)  # the model's
+    assert list(root.resolution.sets) == [("", "config.vocab_size")]
+    assert lower(root, 2).rewrites == {"": {"config.vocab_size": 64}}
 
 
 def test_grouped_kv_parts_that_tp_does_not_divide_point_to_repeat():
