@@ -106,8 +106,9 @@ def _probe_error(module: nn.Module) -> str | None:
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
         return "sharded_norm applies to a norm with a 1-D weight"
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(weight.shape, generator=gen) + 1
-    x = torch.randn(2, 3, weight.shape[0], generator=gen)
+    device = weight.device if weight.device.type != "meta" else torch.device("cpu")  # beside any buffers
+    w = (torch.randn(weight.shape, generator=gen) + 1).to(device)
+    x = torch.randn(2, 3, weight.shape[0], generator=gen).to(device)
     try:
         got = torch.func.functional_call(module, {"weight": w}, (x,))
     except Exception as err:  # a module whose forward cannot run on the probe (needs other inputs)
