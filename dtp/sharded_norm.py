@@ -161,6 +161,10 @@ def check_unsharded_norms(res: Resolution, rep) -> None:
     from dtp.attention import attention_like
     from dtp.placement import is_norm
 
+    colwise: dict[str, list[str]] = {}  # parent → its colwise children
+    for proj, claim in res.claims.items():
+        if claim.style.name == "colwise":
+            colwise.setdefault(proj.rpartition(".")[0], []).append(proj)
     for path, module in res.modules.items():
         rule = res.claims.get(path)
         if not is_norm(module) or (rule and rule.style.name != "replicate") or "." not in path:
@@ -169,10 +173,10 @@ def check_unsharded_norms(res: Resolution, rep) -> None:
         weight = getattr(module, "weight", None)
         if not attention_like(res.modules[parent]) or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
             continue
-        for proj, claim in res.claims.items():
+        for proj in colwise.get(parent, ()):
+            claim = res.claims[proj]
             layout = claim.style.option("output")
-            if (proj.rpartition(".")[0] != parent or claim.style.name != "colwise"
-                    or getattr(res.modules[proj], "out_features", None) != weight.shape[0]
+            if (getattr(res.modules[proj], "out_features", None) != weight.shape[0]
                     or (layout is not None and getattr(layout, "kind", None) != "shard")):
                 continue
             name = path.rsplit(".", 1)[-1]
