@@ -13,7 +13,7 @@ from dtp import check_layouts, conditions, ir
 from dtp.advice import check_mesh, replicated_share, replication_warning  # noqa: F401 (re-exported)
 from dtp.errors import Diagnostic, PlanError
 from dtp.placement import OPTIONS, STYLES, Placement, features, is_linear, module_fits, sharded_sizes
-from dtp.resolve import Resolution, resolve
+from dtp.resolve import Resolution, resolve, written_length
 
 if TYPE_CHECKING:  # torch only where a model is checked: `dtp check PLAN` stays instant
     import torch.nn as nn
@@ -144,6 +144,13 @@ def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Repo
         if style.name == "slice_input":
             check_layouts.check_slice_input(path, style, res.modules[""], tp, rep, sizes)
             continue
+        if style.name == "sharded_norm":  # an RMS norm over colwise-sharded features (dtp/sharded_norm.py)
+            from dtp.sharded_norm import check_sharded_norm
+            before = len(rep.groups)
+            check_sharded_norm(res, path, style, rep)
+            if len(rep.groups) != before:
+                fits = False
+                continue
         if isinstance(style.option("packed"), ir.PartList):  # unequal or replicated parts (dtp/parts.py)
             before = len(rep.groups)
             check_layouts.check_parts(path, module, style, res.modules[""], tp, rep, sizes)
@@ -240,18 +247,27 @@ def evaluate(expr: ir.Expr, lookup) -> int | None:
     return left // right
 
 
-def int_attributes(module: nn.Module) -> dict[str, int]:
-    """The module's integer attributes (what a set expression may name)."""
+def int_attributes(module: object) -> dict[str, int]:
+    """The module's (or a held object's) integer attributes (what a set expression may name)."""
     return {k: v for k, v in vars(module).items() if isinstance(v, int) and not isinstance(v, bool)}
 
 
-def _check_sets(res: Resolution, tp: int | None, rep: _Reporter) -> None:
-    for (path, attr), stmt in res.sets.items():
-        module = res.modules[path]
+def set_target(module: nn.Module, attr: str) -> tuple[object, str]:
+    """(the object a `set` rewrites, its attribute): the module itself, or for `HOLDER.ATTR` the plain object
+    it holds (dtp.resolve.holder_paths); a set expression's bare names read that object's attributes."""
+    from dtp.resolve import held_object
+
+    holder, _, name = attr.rpartition(".")
+    return (held_object(module, holder), name) if holder else (module, attr)
+
+
+def _check_sets(res: Resolution, tp: int | None, rep: _Reporter, plan: ir.Plan) -> None:
+    for (path, target), stmt in res.sets.items():
+        module, attr = set_target(res.modules[path], target)
         attrs = int_attributes(module)
         shown = path or "the model"
         if attr not in attrs:
-            rep.add(stmt.pattern.pos, len(str(stmt.pattern)) + len(attr) + 1, shown,
+            rep.add(stmt.pattern.pos, written_length(plan, stmt.pattern), shown,
                     f"{type(module).__name__} has no integer attribute '{attr}'{did_you_mean(attr, list(attrs))}")
             continue
 
@@ -332,9 +348,14 @@ def _check(plan: ir.Plan, model: nn.Module | None, tp: int | None, dp: int | Non
         diags += res.diagnostics
         rep = _Reporter()
         fits = _check_modules(res, model, tp, rep, sizes)
+        if fits:  # a norm left whole over a sharded output: the flow walk would only echo it
+            from dtp.sharded_norm import check_unsharded_norms
+            before = len(rep.groups)
+            check_unsharded_norms(res, rep)
+            fits = len(rep.groups) == before
         if fits and not structural:  # layouts of styles that do not apply would only echo those errors
             _check_flow(res, model, rep)
-        _check_sets(res, tp, rep)
+        _check_sets(res, tp, rep, plan)
         diags += rep.diagnostics()
         _check_ties(res, model, diags)
         warnings = replication_warning(plan, res)

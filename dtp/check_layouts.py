@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from dtp import ir
 from dtp.parts import PartsError, resolve_parts
-from dtp.placement import features
+from dtp.placement import features, is_linear, norm_width
 
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ def check_parts(path: str, module: nn.Module, style: ir.Style, root: nn.Module, 
     opt = next(o for o in style.options if o.key == "packed")
     length = len(str(opt.value))
     try:
-        parts = resolve_parts(opt.value, features(module)[1], root)
+        parts = resolve_parts(opt.value, features(module)[1] if is_linear(module) else norm_width(module), root)
     except PartsError as err:
         rep.add(opt.value_pos, length, path, str(err))
         return
@@ -44,7 +44,7 @@ def check_parts(path: str, module: nn.Module, style: ir.Style, root: nn.Module, 
             continue
         sizes.append(size)
         if tp and size % tp:
-            rep.add(opt.value_pos, length, path, f"colwise shards {what} over tp={tp}, which does not divide it; "
+            rep.add(opt.value_pos, length, path, f"{style.name} shards {what} over tp={tp}, which does not divide it; "
                     f"tp values that work: {_working(size)}")
         elif info and size % info.head_dim == 0:
             heads = size // info.head_dim
@@ -52,6 +52,8 @@ def check_parts(path: str, module: nn.Module, style: ir.Style, root: nn.Module, 
             if tp and heads % tp:
                 hint = ("; keep it whole with replicate(" + str(opt.value.items[index]) + ")"
                         if heads < tp else "")
+                if opt.value.items[index] == "kv" and tp % heads == 0:  # grouped-query: each rank its own head
+                    hint = "; give each rank the key/value head its query heads read with repeat(kv)"
                 rep.add(opt.value_pos, length, path, f"{what} holds {heads} heads (head size {info.head_dim}), which "
                         f"do not divide by tp={tp}; each rank must hold whole heads; tp values that work: "
                         f"{_working(heads)}{hint}")

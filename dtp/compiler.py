@@ -15,6 +15,7 @@ can derive the communication schedule from the same decisions); `compile_plan` t
 | colwise/rowwise on Conv1D, packed=[…] | PlacedColwise / PlacedRowwise (dtp/layouts.py)                  |
 | experts                    | ExpertsParallel: each expert's FFN dimension split, f and g around it      |
 | slice_input(name=X)        | SliceHeadsInput: keyword input X (batch · heads, …) cut to this rank's heads |
+| sharded_norm               | ShardedNorm: RMS norm on this rank's features, sum of squares all-reduced  |
 | colwise siblings           | SharedInput on their parent: one input redistribution for q/k/v, gate/up   |
 """
 from __future__ import annotations
@@ -27,10 +28,11 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from dtp import conditions, ir, models
-from dtp.check import Checked, checked_for, evaluate
+from dtp.check import Checked, checked_for, evaluate, set_target
 from dtp.layouts import ExpertsParallel, PlacedColwise, PlacedRowwise, ReplicateReduceGrad, SliceHeadsInput
 from dtp.placement import Placement as Placement_
 from dtp.placement import is_conv1d
+from dtp.sharded_norm import ShardedNorm
 from dtp.styles import PackedColwiseParallel, SequenceParallelFromReplicated, SetAttributes, SharedInput
 
 SEQUENCE = Shard(1)
@@ -105,6 +107,8 @@ def _module_layout(style: ir.Style, module: nn.Module, sp: bool) -> ModuleLayout
         return ModuleLayout(name, False, Replicate(), Replicate(), True)
     if name == "slice_input":
         return ModuleLayout(name, False, None, None, True)
+    if name == "sharded_norm":  # between a colwise layer and its consumer: local feature slices in and out
+        return ModuleLayout(name, False, Shard(-1), Shard(-1), True)
     if style.option("reduce_grad", False) is True:
         return ModuleLayout(name, False, None, None, True, reduce_grad=True)
     return None  # replicate
@@ -120,6 +124,8 @@ def lower(checked: Checked, tp: int) -> Lowered:
         if layout is not None and layout.style == "slice_input":
             info = models.heads(res.modules[""])
             layout = replace(layout, slice_name=str(rule.style.option("name", "")), heads=info.n_head if info else 0)
+        if layout is not None and layout.style == "sharded_norm":
+            layout = replace(layout, placements=tuple(res.placements(path).items()))
         if layout is not None and layout.style == "colwise":
             placed = res.placements(path)
             packed = layout.packed if isinstance(layout.packed, int) else 1
@@ -141,7 +147,7 @@ def lower(checked: Checked, tp: int) -> Lowered:
             modules[path] = replace(modules[path], input=Replicate())
     rewrites: dict[str, dict[str, int]] = {}
     for (path, attr), stmt in res.sets.items():
-        attrs = vars(res.modules[path])
+        attrs = vars(set_target(res.modules[path], attr)[0])
         rewrites.setdefault(path, {})[attr] = evaluate(stmt.expr, lambda v: tp if v.name == "tp" else conditions.config_int(
             res.modules[""], v) if v.name.startswith("config.") else attrs[v.name])
     loss = any(m.style == "vocab_parallel" and not m.embedding for m in modules.values())
@@ -177,6 +183,8 @@ def _style(m: ModuleLayout) -> ParallelStyle:
         return ReplicateReduceGrad()
     if m.style == "slice_input":
         return SliceHeadsInput(m.slice_name, m.heads)
+    if m.style == "sharded_norm":
+        return ShardedNorm(dict(m.placements)["weight"])
     if m.style == "vocab_parallel" and m.embedding:
         return RowwiseParallel(input_layouts=m.input, output_layouts=m.output, use_local_output=m.local)
     if m.style == "vocab_parallel":

@@ -76,14 +76,17 @@ def _blocks(modules: Mapping[str, nn.Module]) -> list[str]:
 
 def _execution_order(leaves: list[str], style_of: Callable[[str], str | None]) -> list[str]:
     """Registration order, except a branch's one rowwise layer registered before its colwise layers (Phi-3's
-    o_proj precedes qkv_proj): it runs after them, so it is walked right after the last one."""
-    cols = [i for i, p in enumerate(leaves) if style_of(p) == "colwise"]
+    o_proj precedes qkv_proj) or before the sharded norms of their outputs (OLMo2's q_norm, k_norm follow
+    o_proj): it runs after them, so it is walked right after the last one."""
+    inner = ("colwise", "sharded_norm")
+    cols = [i for i, p in enumerate(leaves) if style_of(p) in inner]
     rows = [i for i, p in enumerate(leaves) if style_of(p) == "rowwise"]
-    if len(rows) != 1 or not cols or rows[0] > cols[0]:
+    norms_after = any(style_of(p) == "sharded_norm" for p in leaves[rows[0]:]) if len(rows) == 1 else False
+    if len(rows) != 1 or not cols or (rows[0] > cols[0] and not norms_after):
         return leaves
     row = leaves[rows[0]]
     rest = [p for p in leaves if p != row]
-    last = max(i for i, p in enumerate(rest) if style_of(p) == "colwise")
+    last = max(i for i, p in enumerate(rest) if style_of(p) in inner)
     return rest[:last + 1] + [row] + rest[last + 1:]
 
 
@@ -175,6 +178,8 @@ class _Walk:
             return PLAIN if self._plain(path, got) else None
         if m.style == "vocab_parallel" and m.embedding:
             return Act(layout_text(m.output), not m.local, path)
+        if m.style == "sharded_norm":  # normalises the colwise slice it reads, hands on the same slice
+            return Act("shard(-1)", False, path) if self._expect(path, "shard(-1)", got) else None
         if m.style == "sequence_parallel":  # a plain input is read as the full sequence
             return Act("shard(1)", True, path) if self._expect(path, "replicate", got) else None
         if not self._expect(path, layout_text(m.input), got):
@@ -251,7 +256,8 @@ class _Walk:
                                "output and local options", path)
                     return
                 continue
-            sibling_input = got if self._style(path) == "colwise" else None
+            if self._style(path) != "sharded_norm":  # a sharded norm of q leaves k, v reading q's input
+                sibling_input = got if self._style(path) == "colwise" else None
             got = self.step(path, got)
             if got is None:
                 return

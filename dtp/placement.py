@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported by the functions that look at modules: `dtp check PLAN` needs none
     import torch.nn as nn
 
-STYLES = ("colwise", "rowwise", "vocab_parallel", "sequence_parallel", "replicate", "experts", "slice_input")
+STYLES = ("colwise", "rowwise", "vocab_parallel", "sequence_parallel", "replicate", "experts", "slice_input",
+          "sharded_norm")
 
 # The options each style accepts, with the kind of value each takes.
 OPTIONS: dict[str, dict[str, str]] = {
@@ -24,6 +25,7 @@ OPTIONS: dict[str, dict[str, str]] = {
     "replicate": {"reduce_grad": "bool"},
     "experts": {},
     "slice_input": {"name": "name"},  # a keyword input holding (batch · heads, …) values, cut to this rank's heads
+    "sharded_norm": {"packed": "parts"},  # an RMS norm over a colwise-sharded feature dim (dtp/sharded_norm.py)
 }
 
 
@@ -44,6 +46,12 @@ def features(module: nn.Module) -> tuple[int, int]:
     if is_conv1d(module):
         return module.weight.shape[0], module.weight.shape[1]
     return module.in_features, module.out_features
+
+
+def norm_width(module: nn.Module) -> int:
+    """The features a norm with a 1-D weight normalises (0 for anything else)."""
+    weight = getattr(module, "weight", None)
+    return weight.shape[0] if weight is not None and weight.dim() == 1 else 0
 
 
 def is_experts(module: nn.Module) -> bool:
@@ -85,6 +93,11 @@ def module_fits(style: str, module: nn.Module, vocab: int | None) -> str | None:
         if is_norm(module) or isinstance(module, nn.Dropout):
             return None
         return "sequence_parallel applies to LayerNorm, RMSNorm or Dropout"
+    if style == "sharded_norm":
+        weight = getattr(module, "weight", None)
+        if is_norm(module) and isinstance(weight, nn.Parameter) and weight.dim() == 1:
+            return None
+        return "sharded_norm applies to an RMS norm with a 1-D weight"
     return None
 
 
@@ -150,6 +163,8 @@ def param_placements(style: str | None, module: nn.Module, packed: int = 1,
         table = {"gate_up_proj": Placement(1, 2), "down_proj": Placement(2)}
     elif style == "vocab_parallel":
         table = {"weight": Placement(0), "bias": Placement(0)}
+    elif style == "sharded_norm":  # laid out as the colwise output it normalises
+        table = {"weight": Placement(0, packed, parts)}
     return {n: table.get(n, REPLICATE) for n in names}
 
 
@@ -168,6 +183,10 @@ def sharded_sizes(style: str, module: nn.Module, packed: int = 1) -> list[tuple[
         return [(f"{what} (weight dim {1 if conv else 0})", part)]
     if style == "rowwise":
         return [(f"in_features={fan_in} (weight dim {0 if conv else 1})", fan_in)]
+    if style == "sharded_norm":
+        width = module.weight.shape[0]
+        return [(f"its {width} features (weight dim 0)" + (f" per packed part ({packed} parts)" if packed > 1 else ""),
+                 width // packed)]
     if style == "vocab_parallel":
         rows = module.num_embeddings if isinstance(module, nn.Embedding) else module.out_features
         return [(f"the vocabulary of {rows} rows (weight dim 0)", rows)]

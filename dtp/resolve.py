@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Mapping
 from dtp import conditions, ir
 from dtp.errors import MAX_SHOWN, Diagnostic
 from dtp.parts import try_parts
-from dtp.placement import Placement, features, is_linear, param_placements
+from dtp.placement import Placement, features, is_linear, norm_width, param_placements
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -78,7 +78,8 @@ class Resolution:
         packed = rule.style.option("packed", 1)
         valid = isinstance(packed, int) and not isinstance(packed, bool) and packed >= 1
         module = self.modules[path]
-        parts = try_parts(packed, features(module)[1], self.modules[""]) if is_linear(module) else ()
+        width = features(module)[1] if is_linear(module) else norm_width(module) if rule.style.name == "sharded_norm" else 0
+        parts = try_parts(packed, width, self.modules[""]) if width else ()
         return param_placements(rule.style.name, module, packed if valid else 1, parts)
 
 
@@ -108,6 +109,60 @@ def _pick(candidates: list, path: str, what: str, diags: list[Diagnostic], repor
                                     f"'{path}' and are equally specific; make one more specific or remove one",
                                     len(str(second.pattern))))
     return best
+
+
+def held_object(module: nn.Module, name: str) -> object | None:
+    """The plain object (a config, not a module, tensor or number) `module` keeps in attribute `name`."""
+    import torch
+    import torch.nn as nn
+
+    value = vars(module).get(name)
+    if value is None or isinstance(value, (nn.Module, torch.Tensor, int, float, str, bool, tuple, list, dict)):
+        return None
+    return value if hasattr(value, "__dict__") else None
+
+
+def holder_paths(pattern: ir.Pattern, modules: Mapping[str, nn.Module], paths: list[str]) -> list[str]:
+    """For `set MODULES.HOLDER.ATTR`, whose MODULES.HOLDER is no module: the modules MODULES matches that keep a
+    plain object in attribute HOLDER (Phi-3's attention reads its query width from `self.config`). The
+    rewrite then goes to a per-module copy of that object (dtp.styles.SetAttributes)."""
+    if not pattern.segments:  # `set ATTR`: an attribute of the model itself
+        return []
+    *prefix, last = pattern.segments
+    if not isinstance(last, str) or not last.isidentifier() or any(matches(pattern, p) for p in paths):
+        return []
+    inner = ir.Pattern(tuple(prefix), pattern.pos)
+    hits = [p for p in modules if matches(inner, p)] if prefix else [""]
+    return [p for p in hits if held_object(modules[p], last) is not None]
+
+
+def written_length(plan: ir.Plan, pattern: ir.Pattern) -> int:
+    """How long the pattern is as written at its position (inside a block it is shorter than the joined one)."""
+    lines = (plan.source or "").splitlines()
+    line = lines[pattern.pos.line - 1] if 0 < pattern.pos.line <= len(lines) else ""
+    written = line[pattern.pos.column - 1:].split("=")[0].split()
+    return len(written[0]) if written else len(str(pattern))
+
+
+def _not_held(pattern: ir.Pattern, modules: Mapping[str, nn.Module], paths: list[str]) -> str | None:
+    """Why `set MODULES.NAME.ATTR` reaches nothing when MODULES matches modules but NAME is neither a child
+    module nor a held object (None when MODULES matches nothing: the usual no-match message says so)."""
+    if len(pattern.segments) < 2:
+        return None
+    *prefix, last = pattern.segments
+    if not isinstance(last, str) or any(matches(pattern, p) for p in paths):
+        return None
+    inner = ir.Pattern(tuple(prefix), pattern.pos)
+    hits = [p for p in paths if matches(inner, p)]
+    if not hits:
+        return None
+    module = modules[hits[0]]
+    held = [k for k in vars(module) if held_object(module, k) is not None]
+    names = held + [n for n, _ in module.named_children()]
+    best = difflib.get_close_matches(str(last), names, n=1, cutoff=0.5)
+    hint = f"; did you mean '{best[0]}'?" if best else ""
+    return (f"'{last}' is neither a module under '{inner}' nor an object it holds ({type(module).__name__} holds "
+            f"{', '.join(held) or 'none'}); `set` reaches MODULE.ATTR or MODULE.OBJECT.ATTR{hint}")
 
 
 def resolve(plan: ir.Plan, model: nn.Module, tp: int | None = None) -> Resolution:
@@ -142,8 +197,13 @@ def resolve(plan: ir.Plan, model: nn.Module, tp: int | None = None) -> Resolutio
             by_module.setdefault(path, []).append(rule)
     by_attr: dict[tuple[str, str], list[ir.FlatSet]] = {}
     for stmt in sets:
-        for path in matched(stmt.pattern, allow_root=True):
-            by_attr.setdefault((path, stmt.attr), []).append(stmt)
+        held = holder_paths(stmt.pattern, modules, paths)  # `set self_attn.config.X`: an object the module holds
+        if not held and (problem := _not_held(stmt.pattern, modules, paths)):
+            diags.append(Diagnostic(stmt.pattern.pos, problem, written_length(plan, stmt.pattern)))
+            continue
+        for path in held or matched(stmt.pattern, allow_root=True):
+            attr = f"{stmt.pattern.segments[-1]}.{stmt.attr}" if held else stmt.attr
+            by_attr.setdefault((path, attr), []).append(stmt)
 
     reported: set = set()
     claims = {path: _pick(c, path, "rules", diags, reported) for path, c in by_module.items()}

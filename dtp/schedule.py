@@ -15,6 +15,7 @@ A layout change costs (N tokens × width × element size is the buffer S):
 | vocab-parallel cross-entropy            | 3 all-reduces of N values (max, sum of exponentials, target logit) | - |
 | replicated packed part (`replicate(kv)`) | -                 | all-reduce of those rows' gradient, per parameter |
 | `replicate(reduce_grad=true)`           | -                  | all-reduce of each parameter's gradient |
+| `sharded_norm` (RMS norm over sharded features) | all-reduce of N sums of squares | all-reduce of their gradient |
 | `experts` (expert FFN dimension split)  | all-reduce S (g)   | all-reduce S (f), and of the N × top-k routing weights |
 
 Sibling colwise layers that share their parent's input pay the input cost once (Megatron's f).
@@ -121,6 +122,11 @@ def _tensor_parallel(checked: Checked, tp: int, batch: int, seq: int, dtype: tor
             if rows and param is not None:
                 numel = param.numel() // param.shape[placement.shard_dim] * rows
                 add("all_reduce", "backward", 0, path, f"gradient of {name}'s replicated parts", numel * elem)
+        if m.style == "sharded_norm":  # statistics in at least float32 (dtp/sharded_norm.py)
+            stats = max(elem, 4)
+            add("all_reduce", "forward", 0, path, "sum of squares over the sharded features", tokens * stats)
+            add("all_reduce", "backward", 0, path, "gradient of the sum of squares", tokens * stats)
+            continue
         if m.reduce_grad:
             for name, p in module.named_parameters(recurse=False):
                 add("all_reduce", "backward", 0, path, f"gradient of replicated {name}", p.numel() * elem)

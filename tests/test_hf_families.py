@@ -26,13 +26,19 @@ TP2 = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_neox", "gptj
        "gemma",  # one key/value head (Gemma-2B): repeat(kv) keeps it whole on both ranks
        "llama_mqa",  # the same branch of llama.tp
        "falcon_40b",  # new_decoder_architecture: grouped query_key_value, in-place residual
-       "gpt_bigcode_mha"]  # multi_query false: per-head interleaved c_attn
+       "gpt_bigcode_mha",  # multi_query false: per-head interleaved c_attn
+       "phi3_mha",  # no grouped-query attention, partial rotary, sliding window, tied embeddings
+       "olmo2_mha"]  # no grouped-query attention, biases, tied embeddings
 TP4 = ["gpt2", "gpt_bigcode", "falcon", "bloom",  # 4 heads (and one replicated k/v head) divide by 4
-       "gemma", "llama", "qwen2"]  # 1 and 2 key/value heads < tp: repeat(kv), each rank the head it reads
+       "gemma", "llama", "qwen2",  # 1 and 2 key/value heads < tp: repeat(kv), each rank the head it reads
+       "phi3", "olmo2"]  # the same inside Phi-3's fused qkv_proj, and for OLMo2's k_norm
 # At tp 4 the repeated k/v rows add one gradient all-reduce per projection (and per bias: qwen2).
 EXPECTED_TP4 = {"gemma": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},
                 "llama": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},
-                "qwen2": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 13}}}
+                "qwen2": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 13}},
+                "phi3": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 7}},  # one qkv_proj weight
+                # + k_proj, v_proj, k_norm repeated rows and 2 × (q_norm, k_norm) sums of squares, per layer
+                "olmo2": {"forward": {"all_reduce": 12}, "backward": {"all_reduce": 15}}}
 
 # Collectives per step of the 2-layer tiny models, forward and backward (3 of the forward all-reduces
 # are the vocabulary-parallel loss's). Written out so a change in either measurement or schedule shows.
@@ -40,10 +46,11 @@ EXPECTED = {
     "qwen3": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},  # + 2 × (q_norm, k_norm) gradients
     "gpt_bigcode": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},  # + 2 × (weight, bias) k/v rows
     "falcon": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 7}},  # + 2 × weight k/v rows
-    "olmo2": {"forward": {"all_reduce": 8, "all_gather": 6}, "backward": {"all_reduce": 5, "all_gather": 2}},
+    # + q_norm, k_norm: the sum of squares all-reduced forward, its gradient backward, per layer
+    "olmo2": {"forward": {"all_reduce": 12}, "backward": {"all_reduce": 9}},
+    "olmo2_mha": {"forward": {"all_reduce": 12}, "backward": {"all_reduce": 9}},
     "mixtral": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 7}},  # + 2 × routing weights (f)
     "qwen2_moe": {"forward": {"all_reduce": 10}, "backward": {"all_reduce": 9}},  # + shared expert
-    "phi3": {"forward": {"all_reduce": 8, "all_gather": 2}, "backward": {"all_reduce": 5, "all_gather": 2}},
     "llama_mqa": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},  # + 2 × k, v weight gradients
     "gemma": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},  # + 2 × k, v weight gradients
 }
@@ -165,15 +172,12 @@ def test_explain_rows_of_the_new_layouts():
 
 def test_unequal_parts_on_phi3_qkv():
     model = models.build("dtp.models.hf:phi3")  # qkv_proj: 4 query heads, 2 key/value heads of 16: 64/32/32
-    # output=replicate as plans/hf/phi3.tp: attention reads its head counts from the shared config
-    plan = parse("dtp 1\nmodel.layers.*.self_attn.qkv_proj: colwise(packed=[q, kv, kv], output=replicate)\n", "p.tp")
-    ex = explain(check(plan, model, 2), model, "phi3", 2, batch=2, seq=8)
-    row = next(r for r in ex.rows if r.name == "model.layers.0.self_attn.qkv_proj.weight")
-    assert (row.placement, row.shape, row.local_shape) == ("Shard(0) parts[64,32,32]", (128, 64), (64, 64))
-    assert _errors("dtp 1\nmodel.layers.*.self_attn.qkv_proj: colwise(packed=[q, kv, kv], output=replicate)\n", "phi3",
-                   4)[0].endswith(
-        "packed part 2 (kv, 32 features) holds 2 heads (head size 16), which do not divide by tp=4; each rank must "
-        "hold whole heads; tp values that work: 1, 2; keep it whole with replicate(kv)")
+    plan = parse((PLANS / "phi3.tp").read_text(), "phi3.tp")
+    rows = {tp: next(r for r in explain(check(plan, model, tp), model, "phi3", tp, batch=2, seq=8).rows
+                     if r.name == "model.layers.0.self_attn.qkv_proj.weight") for tp in (2, 4)}
+    assert (rows[2].placement, rows[2].shape, rows[2].local_shape) == ("Shard(0) parts[64,32,32]", (128, 64), (64, 64))
+    # tp 4 > 2 key/value heads: each rank its query heads' k and v head (repeat(kv))
+    assert (rows[4].placement, rows[4].local_shape) == ("Shard(0) parts[64,32h2,32h2]", (48, 64))
 
 
 def test_pack_parts_round_trip_and_layout():

@@ -38,9 +38,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "falcon_40b": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2, alibi=False, ffn_hidden_size=128)),
     "phi": ("phi", dict(num_key_value_heads=4)),
     "phi3": ("phi3", dict(num_key_value_heads=2)),
+    # Phi-3-mini's shape: no grouped-query attention; plus partial rotary, a sliding window, tied embeddings
+    "phi3_mha": ("phi3", dict(num_key_value_heads=4, partial_rotary_factor=0.5, sliding_window=4,
+                              tie_word_embeddings=True)),
     "opt": ("opt", {}),
     "bloom": ("bloom", {}),
     "olmo2": ("olmo2", dict(num_key_value_heads=2)),
+    "olmo2_mha": ("olmo2", dict(num_key_value_heads=4, attention_bias=True, tie_word_embeddings=True)),
     "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
     "qwen2_moe": ("qwen2_moe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                     moe_intermediate_size=32, shared_expert_intermediate_size=64)),
