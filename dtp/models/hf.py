@@ -36,6 +36,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_bigcode_mha": ("gpt_bigcode", dict(multi_query=False)),
     "falcon": ("falcon", dict(multi_query=True, new_decoder_architecture=False, alibi=False, ffn_hidden_size=128)),
     "falcon_40b": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2, alibi=False, ffn_hidden_size=128)),
+    # ALiBi (falcon-rw-1b): per-head interleaved query_key_value, sequential attention and MLP, biases
+    "falcon_rw": ("falcon", dict(alibi=True, multi_query=False, new_decoder_architecture=False, parallel_attn=False,
+                                 bias=True, num_kv_heads=4, ffn_hidden_size=128)),
+    "falcon_rw_sdpa": ("falcon", dict(alibi=True, multi_query=False, new_decoder_architecture=False,
+                                      parallel_attn=False, bias=True, num_kv_heads=4, ffn_hidden_size=128,
+                                      _attn_implementation="sdpa")),  # transformers' default for Falcon
+    "falcon_rw_mqa": ("falcon", dict(alibi=True, multi_query=True, new_decoder_architecture=False, bias=True,
+                                     ffn_hidden_size=128)),  # ALiBi with Falcon-7B's multi-query layout
     "phi": ("phi", dict(num_key_value_heads=4)),
     "phi3": ("phi3", dict(num_key_value_heads=2)),
     "opt": ("opt", {}),
@@ -62,7 +70,7 @@ def config(name: str, **overrides: Any):
     for key, value in list(vars(cfg).items()):  # parity runs need dropout 0 (masks are random)
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and key not in overrides:
             setattr(cfg, key, 0.0)
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = {**extra, **overrides}.get("_attn_implementation", "eager")
     return cfg
 
 
