@@ -4,7 +4,7 @@
 `config.model_type` (transformers' own classes, no download): 2 layers, width 64, 4 heads, vocabulary
 128, so that tp 2 and 4 divide. A variant name adds config overrides for a layout the family's default
 config does not exercise (`falcon_40b`: grouped key/value heads, new decoder architecture;
-`gpt_bigcode_mha`: multi-head instead of multi-query; `gemma_tied`…).
+`gpt_bigcode_mha`: multi-head instead of multi-query; `falcon_rw`: ALiBi; `gemma_tied`…).
 """
 from __future__ import annotations
 
@@ -70,6 +70,7 @@ def config(name: str, **overrides: Any):
     for key, value in list(vars(cfg).items()):  # parity runs need dropout 0 (masks are random)
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and key not in overrides:
             setattr(cfg, key, 0.0)
+    # eager unless a variant names another path (`falcon_rw_sdpa`: sdpa, transformers' default for Falcon)
     cfg._attn_implementation = {**extra, **overrides}.get("_attn_implementation", "eager")
     return cfg
 
