@@ -34,8 +34,10 @@ def cut_heads(x: torch.Tensor, heads: int, dim: int, rank: int, tp: int, what: s
     if size == 1:
         return x
     if size % heads:
+        other = [d for d, n in enumerate(x.shape) if n == heads]
+        hint = f"; dimension {other[0]} holds {heads}: dim={other[0]}?" if other else ""
         raise ValueError(f"slice_input: {what} has shape {tuple(x.shape)}: dimension {dim} ({size}) holds neither "
-                         f"the {heads} heads (nor a batch folded with them) nor 1 (a value broadcast over heads)")
+                         f"the {heads} heads (nor a batch folded with them) nor 1 (a value broadcast over heads){hint}")
     per = heads // tp
     split = x.unflatten(dim, (size // heads, heads))  # (…, folded, heads, …)
     return split.narrow(dim + 1, rank * per, per).flatten(dim, dim + 1).contiguous()

@@ -196,6 +196,8 @@ def test_cut_heads_layouts():
     assert cut_heads(broadcast, heads, 1, 1, tp) is broadcast
     with pytest.raises(ValueError, match=r"dimension 1 \(3\) holds neither the 4 heads"):
         cut_heads(torch.zeros(2, 3, 5), heads, 1, 0, tp)
+    with pytest.raises(ValueError, match=r"dimension 0 \(2\) holds neither .*; dimension 1 holds 4: dim=1\?"):
+        cut_heads(per_head, heads, 0, 0, tp)  # Falcon's layout read as Bloom's: the message points at dim 1
     with pytest.raises(ValueError, match="no dimension 3"):
         cut_heads(torch.zeros(2, 4, 5), heads, 3, 0, tp)
     with pytest.raises(ValueError, match="requires a gradient"):
