@@ -27,11 +27,18 @@ def slice_names(style: ir.Style) -> tuple[str, ...]:
     return tuple(items)
 
 
+def forward_params(module: nn.Module) -> list[inspect.Parameter] | None:
+    """The parameters of `module.forward`; None when it has no Python signature (a builtin or C forward)."""
+    try:
+        return list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+
+
 def forward_inputs(module: nn.Module) -> tuple[list[str], bool]:
     """The named inputs of `module.forward`, and whether it also takes any keyword (`**kwargs`)."""
-    try:
-        params = list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):
+    params = forward_params(module)
+    if params is None:
         return [], True
     named = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     return named, any(p.kind == p.VAR_KEYWORD for p in params)

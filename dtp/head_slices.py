@@ -13,12 +13,12 @@ the sum over ranks that would make it whole is not part of this layout.
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
+
+from dtp.check_slices import forward_params
 
 
 def cut_heads(x: torch.Tensor, heads: int, dim: int, rank: int, tp: int, what: str = "input") -> torch.Tensor:
@@ -45,9 +45,8 @@ def cut_heads(x: torch.Tensor, heads: int, dim: int, rank: int, tp: int, what: s
 
 def input_positions(module: nn.Module, names: tuple[str, ...]) -> dict[str, int | None]:
     """Where each named input of `module.forward` may come positionally (None: keyword only or unknown)."""
-    try:
-        params = list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):  # a builtin or C forward: keywords only
+    params = forward_params(module)
+    if params is None:  # no Python signature: keywords only
         return dict.fromkeys(names)
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return {n: positional.index(n) if n in positional else None for n in names}
