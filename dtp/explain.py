@@ -150,7 +150,8 @@ def render(ex: Explanation) -> str:
     if ex.untouched:
         lines.append("untouched by any sharding rule (replicated): " + ", ".join(ex.untouched))
     if ex.sliced_inputs:
-        lines.append("inputs cut to each rank's heads (slice_input, no communication): " + "; ".join(ex.sliced_inputs))
+        lines.append("inputs cut to each rank's heads (slice_input, no communication): "
+                     + "; ".join(ex.sliced_inputs))
     lines += ["", f"communication per training step (batch {ex.batch} × seq {ex.seq} per data-parallel rank, analytic):"]
     if ex.schedule is None:
         lines.append(f"  not modeled: {ex.not_modeled}")
