@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dtp import check_layouts, conditions, ir
+from dtp import check_layouts, check_slices, conditions, ir
 from dtp.advice import check_mesh, replicated_share, replication_warning  # noqa: F401 (re-exported)
 from dtp.errors import Diagnostic, PlanError
 from dtp.placement import OPTIONS, STYLES, Placement, features, is_linear, module_fits, sharded_sizes
@@ -76,6 +76,10 @@ def _check_style(style: ir.Style, diags: list[Diagnostic]) -> None:
             shown = str(value).lower() if isinstance(value, bool) else str(value)
             diags.append(Diagnostic(opt.value_pos, f"option '{opt.key}' takes a positive integer or a part list "
                                     f"such as [q, kv, kv], not '{shown}'", len(shown)))
+        elif kind == "index" and (isinstance(value, bool) or not isinstance(value, int)):
+            shown = str(value).lower() if isinstance(value, bool) else str(value)
+            diags.append(Diagnostic(opt.value_pos, f"option '{opt.key}' takes a dimension index (0, 1, …), not "
+                                    f"'{shown}'", len(shown)))
         elif kind == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             shown = str(value).lower() if isinstance(value, bool) else str(value)
             diags.append(Diagnostic(opt.value_pos, f"option '{opt.key}' takes a positive integer, not '{shown}'",
@@ -142,7 +146,7 @@ def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Repo
             fits = False
             continue
         if style.name == "slice_input":
-            check_layouts.check_slice_input(path, style, res.modules[""], tp, rep, sizes)
+            check_slices.check_slice_input(path, style, module, res.modules[""], tp, rep, sizes)
             continue
         if style.name == "sharded_norm":  # an RMS norm over colwise-sharded features (dtp/sharded_norm.py)
             from dtp.sharded_norm import check_sharded_norm

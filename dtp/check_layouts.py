@@ -65,21 +65,3 @@ def parts_option_ok(value: object) -> bool:
         return True
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
-
-def check_slice_input(path: str, style: ir.Style, root: nn.Module, tp: int | None, rep, sizes: list[int]) -> None:
-    """`slice_input(name=X)`: X is named, the config gives the head count, and tp divides it."""
-    name = style.option("name")
-    if not isinstance(name, str) or not name.isidentifier():
-        rep.add(style.pos, len(style.name), path, "slice_input needs the keyword input to cut, e.g. "
-                "slice_input(name=alibi)")
-        return
-    from dtp import models  # torch, only once a model is checked
-    info = models.heads(root)
-    if info is None:
-        rep.add(style.pos, len(style.name), path, "slice_input cuts per attention head, but the model's config "
-                "gives no head count")
-        return
-    sizes.append(info.n_head)
-    if tp and info.n_head % tp:
-        rep.add(style.pos, len(style.name), path, f"slice_input cuts {info.n_head} attention heads ({info.source}) "
-                f"into whole heads per rank, which tp={tp} does not divide; tp values that work: {_working(info.n_head)}")

@@ -14,7 +14,7 @@ can derive the communication schedule from the same decisions); `compile_plan` t
 | replicate(reduce_grad=true) | ReplicateReduceGrad: whole parameters, gradients all-reduced              |
 | colwise/rowwise on Conv1D, packed=[…] | PlacedColwise / PlacedRowwise (dtp/layouts.py)                  |
 | experts                    | ExpertsParallel: each expert's FFN dimension split, f and g around it      |
-| slice_input(name=X)        | SliceHeadsInput: keyword input X (batch · heads, …) cut to this rank's heads |
+| slice_input(name=X, dim=D) | SliceHeadsInput: inputs X holding every head at dim D cut to this rank's heads |
 | sharded_norm               | ShardedNorm: RMS norm on this rank's features, sum of squares all-reduced  |
 | colwise siblings           | SharedInput on their parent: one input redistribution for q/k/v, gate/up   |
 """
@@ -29,7 +29,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from dtp import conditions, ir, models
 from dtp.check import Checked, checked_for, evaluate, set_target
-from dtp.layouts import ExpertsParallel, PlacedColwise, PlacedRowwise, ReplicateReduceGrad, SliceHeadsInput
+from dtp.check_slices import slice_names
+from dtp.head_slices import SliceHeadsInput
+from dtp.layouts import ExpertsParallel, PlacedColwise, PlacedRowwise, ReplicateReduceGrad
 from dtp.placement import Placement as Placement_
 from dtp.placement import is_conv1d
 from dtp.sharded_norm import ShardedNorm
@@ -64,8 +66,9 @@ class ModuleLayout:
     # Parameter placements for the layouts torch's styles lack (Conv1D, unequal or replicated parts):
     placements: tuple[tuple[str, Placement_], ...] = ()
     reduce_grad: bool = False  # replicate(reduce_grad=true)
-    slice_name: str = ""  # slice_input(name=…): the keyword input cut to this rank's heads
+    slice_names: tuple[str, ...] = ()  # slice_input(name=…): the inputs cut to this rank's heads
     heads: int = 0  # the config's attention heads (slice_input)
+    slice_dim: int = 0  # slice_input(dim=…): the dimension holding the heads
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,8 @@ def lower(checked: Checked, tp: int) -> Lowered:
         layout = _module_layout(rule.style, res.modules[path], sp)
         if layout is not None and layout.style == "slice_input":
             info = models.heads(res.modules[""])
-            layout = replace(layout, slice_name=str(rule.style.option("name", "")), heads=info.n_head if info else 0)
+            layout = replace(layout, slice_names=slice_names(rule.style), heads=info.n_head if info else 0,
+                             slice_dim=int(rule.style.option("dim", 0)))
         if layout is not None and layout.style == "sharded_norm":
             layout = replace(layout, placements=tuple(res.placements(path).items()))
         if layout is not None and layout.style == "colwise":
@@ -182,7 +186,7 @@ def _style(m: ModuleLayout) -> ParallelStyle:
     if m.reduce_grad:
         return ReplicateReduceGrad()
     if m.style == "slice_input":
-        return SliceHeadsInput(m.slice_name, m.heads)
+        return SliceHeadsInput(m.slice_names, m.heads, m.slice_dim)
     if m.style == "sharded_norm":
         return ShardedNorm(dict(m.placements)["weight"])
     if m.style == "vocab_parallel" and m.embedding:

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from dtp.check import Checked
+from dtp.check_slices import slice_names
 from dtp.param_bytes import ideal_param_bytes, param_bytes_per_rank
 from dtp.placement import Placement
 from dtp.schedule import Collective, NotModeled, schedule, summarize
@@ -51,6 +52,7 @@ class Explanation:
     schedule: tuple[Collective, ...] | None = None  # None: a layout the analytic model does not cover
     schedule_summary: dict | None = None
     not_modeled: str | None = None
+    sliced_inputs: tuple[str, ...] = ()  # slice_input: "module: inputs at dim D", grouped (no communication)
 
     def to_json(self) -> dict:
         """A JSON-ready dict."""
@@ -98,6 +100,8 @@ def explain(checked: Checked, model: nn.Module, model_name: str, tp: int,
             rows.append(ParamRow(full, path, type(module).__name__,
                                  f"{rule.pos.file}:{rule.pos.line}" if rule else "-", style or "-", str(placement),
                                  shape, local, local_bytes, tuple(names[1:]), placement.is_uneven(shape, tp)))
+    sliced = [f"{path}: {', '.join(slice_names(rule.style))} at dim {rule.style.option('dim', 0)}"
+              for path, rule in res.claims.items() if rule.style.name == "slice_input"]
     plan = checked.plan
     try:
         steps, not_modeled = tuple(schedule(checked, tp, batch, seq, dtype, dp=dp, model=model,
@@ -108,7 +112,8 @@ def explain(checked: Checked, model: nn.Module, model_name: str, tp: int,
                        tuple(rows), param_bytes_per_rank(checked, model, 1, 1, elem)[0],
                        param_bytes_per_rank(checked, model, tp, 1, elem)[0], ideal_param_bytes(checked, model, tp, 1, elem),
                        _group_paths(untouched), batch, seq, steps,
-                       summarize(list(steps), tp, dp) if steps is not None else None, not_modeled)
+                       summarize(list(steps), tp, dp) if steps is not None else None, not_modeled,
+                       _group_paths(sliced))
 
 
 def human_bytes(n: float) -> str:
@@ -144,6 +149,9 @@ def render(ex: Explanation) -> str:
         lines.append("* uneven shards (torch.chunk layout): rank 0's shape shown; the last ranks hold fewer rows")
     if ex.untouched:
         lines.append("untouched by any sharding rule (replicated): " + ", ".join(ex.untouched))
+    if ex.sliced_inputs:
+        lines.append("inputs cut to each rank's heads (slice_input, no communication): "
+                     + "; ".join(ex.sliced_inputs))
     lines += ["", f"communication per training step (batch {ex.batch} × seq {ex.seq} per data-parallel rank, analytic):"]
     if ex.schedule is None:
         lines.append(f"  not modeled: {ex.not_modeled}")

@@ -265,29 +265,3 @@ def unpack_placed(full: torch.Tensor, placement: Placement, tp: int) -> torch.Te
     parts = placement.parts or equal_parts(full.shape[dim], placement.packed)
     return unpack_parts(full, parts, tp, dim)
 
-
-class SliceHeadsInput(ParallelStyle):
-    """Cut a keyword input that holds one slice per attention head, laid out (batch · heads, …), to this
-    rank's heads (Bloom's ALiBi bias, built for every head outside attention). No communication: every
-    rank holds the whole input and keeps its own heads' part, as the column-sharded q/k/v do."""
-
-    def __init__(self, name: str, heads: int):
-        super().__init__()
-        self.name, self.heads = name, heads
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        tp, rank = device_mesh.size(), device_mesh.get_local_rank()
-        per = self.heads // tp
-
-        def hook(mod, args, kwargs):
-            x = kwargs.get(self.name)
-            if not isinstance(x, torch.Tensor) or tp == 1:
-                return args, kwargs
-            x = x.view(-1, self.heads, *x.shape[1:])[:, rank * per:(rank + 1) * per]  # (batch, heads, …)
-            return args, {**kwargs, self.name: x.reshape(-1, *x.shape[2:])}
-
-        module.register_forward_pre_hook(hook, with_kwargs=True)
-        return module
-
-    def __repr__(self) -> str:
-        return f"SliceHeadsInput({self.name}, heads={self.heads})"

@@ -24,7 +24,8 @@ OPTIONS: dict[str, dict[str, str]] = {
     "sequence_parallel": {},
     "replicate": {"reduce_grad": "bool"},
     "experts": {},
-    "slice_input": {"name": "name"},  # a keyword input holding (batch · heads, …) values, cut to this rank's heads
+    # inputs (one name or a list) holding every head at dimension `dim` (0: (batch · heads, …)), cut to this rank's
+    "slice_input": {"name": "names", "dim": "index"},
     "sharded_norm": {"packed": "parts"},  # an RMS norm over a colwise-sharded feature dim (dtp/sharded_norm.py)
 }
 

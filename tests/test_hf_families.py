@@ -4,9 +4,11 @@ families per rank launch; tp_plan import/export round trips; check rules and exp
 layouts (Conv1D, packed part lists, replicate(reduce_grad), experts)."""
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -28,17 +30,22 @@ TP2 = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_neox", "gptj
        "falcon_40b",  # new_decoder_architecture: grouped query_key_value, in-place residual
        "gpt_bigcode_mha",  # multi_query false: per-head interleaved c_attn
        "phi3_mha",  # no grouped-query attention, partial rotary, sliding window, tied embeddings
-       "olmo2_mha"]  # no grouped-query attention, biases, tied embeddings
+       "olmo2_mha",  # no grouped-query attention, biases, tied embeddings
+       "falcon_rw", "falcon_rw_sdpa",  # ALiBi (falcon-rw-1b), eager and sdpa: bias and 4-D mask cut per head
+       "falcon_rw_mqa"]  # ALiBi with the multi-query query_key_value
 TP4 = ["gpt2", "gpt_bigcode", "falcon", "bloom",  # 4 heads (and one replicated k/v head) divide by 4
        "gemma", "llama", "qwen2",  # 1 and 2 key/value heads < tp: repeat(kv), each rank the head it reads
-       "phi3", "olmo2"]  # the same inside Phi-3's fused qkv_proj, and for OLMo2's k_norm
+       "phi3", "olmo2",  # the same inside Phi-3's fused qkv_proj, and for OLMo2's k_norm
+       "falcon_rw", "falcon_rw_sdpa"]  # one head per rank: slice_input keeps one plane of bias and mask
 # At tp 4 the repeated k/v rows add one gradient all-reduce per projection (and per bias: qwen2).
 EXPECTED_TP4 = {"gemma": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},
                 "llama": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},
                 "qwen2": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 13}},
                 "phi3": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 7}},  # one qkv_proj weight
                 # + k_proj, v_proj, k_norm repeated rows and 2 × (q_norm, k_norm) sums of squares, per layer
-                "olmo2": {"forward": {"all_reduce": 12}, "backward": {"all_reduce": 15}}}
+                "olmo2": {"forward": {"all_reduce": 12}, "backward": {"all_reduce": 15}},
+                "falcon_rw": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 5}},  # slicing: none
+                "falcon_rw_sdpa": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 5}}}
 
 # Collectives per step of the 2-layer tiny models, forward and backward (3 of the forward all-reduces
 # are the vocabulary-parallel loss's). Written out so a change in either measurement or schedule shows.
@@ -53,6 +60,9 @@ EXPECTED = {
     "qwen2_moe": {"forward": {"all_reduce": 10}, "backward": {"all_reduce": 9}},  # + shared expert
     "llama_mqa": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},  # + 2 × k, v weight gradients
     "gemma": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},  # + 2 × k, v weight gradients
+    "falcon_rw": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 5}},  # Megatron's: slice_input adds none
+    "falcon_rw_sdpa": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 5}},
+    "falcon_rw_mqa": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},  # + 2 × (weight, bias) k/v rows
 }
 MEGATRON = {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 5}}  # 4 × 2 layers + 1 + 1 + 3
 
@@ -152,6 +162,87 @@ def test_slice_input_checks():
     assert _errors("dtp 1\ntransformer.h.*.self_attention: slice_input(name=alibi)\n", "bloom", 3) == [
         "2:33: transformer.h.0.self_attention (and 1 more module): slice_input cuts 4 attention heads "
         "(config.n_head) into whole heads per rank, which tp=3 does not divide; tp values that work: 1, 2, 4"]
+
+
+def test_slice_input_checks_the_names_against_forward():
+    rule = "dtp 1\ntransformer.h.*.self_attention: slice_input({})\n"
+    assert _errors(rule.format("name=[alibi, atention_mask], dim=1"), "falcon_rw", 2) == [
+        "2:50: transformer.h.0.self_attention (and 1 more module): FalconAttention.forward takes no input "
+        "'atention_mask'; did you mean 'attention_mask'?"]
+    assert _errors(rule.format("name=[alibi, 3]"), "bloom", 2) == [
+        "2:50: transformer.h.0.self_attention (and 1 more module): slice_input's name takes an input name or a "
+        "list of distinct names, not '[alibi, 3]'; e.g. slice_input(name=alibi) or "
+        "slice_input(name=[alibi, attention_mask], dim=1)"]
+    assert _errors(rule.format("name=alibi, dim=true"), "bloom", 2) == [
+        "2:61: option 'dim' takes a dimension index (0, 1, …), not 'true'"]
+    from dtp.check_slices import check_slice_input  # a forward without **kwargs: any unknown name is named
+
+    class Attention(torch.nn.Module):
+        def forward(self, x, bias=None):
+            return x
+
+    from dtp.check import _Reporter
+
+    rep = _Reporter()
+    style = parse(rule.format("name=[bias, position_bias]"), "p.tp").body[0].style
+    check_slice_input("attn", style, Attention(), models.build("dtp.models.hf:bloom"), 2, rep, [])
+    assert [d.message for d in rep.diagnostics()] == [
+        "attn: Attention.forward takes no input 'position_bias'; its inputs are x, bias"]
+
+
+def test_cut_heads_layouts():
+    from dtp.head_slices import cut_heads
+
+    heads, tp = 4, 2
+    folded = torch.arange(2 * heads * 3.0).reshape(2 * heads, 1, 3)  # Bloom: (batch · heads, 1, keys)
+    assert torch.equal(cut_heads(folded, heads, 0, 1, tp), folded.view(2, heads, 1, 3)[:, 2:].reshape(4, 1, 3))
+    per_head = torch.arange(2 * heads * 5 * 3.0).reshape(2, heads, 5, 3)  # Falcon's mask: (batch, heads, q, k)
+    assert torch.equal(cut_heads(per_head, heads, 1, 0, tp), per_head[:, :2])
+    assert torch.equal(cut_heads(per_head, heads, 1, 1, 4), per_head[:, 1:2])
+    broadcast = torch.zeros(2, 1, 5, 3)  # one mask for every head: kept whole
+    assert cut_heads(broadcast, heads, 1, 1, tp) is broadcast
+    with pytest.raises(ValueError, match=r"dimension 1 \(3\) holds neither the 4 heads"):
+        cut_heads(torch.zeros(2, 3, 5), heads, 1, 0, tp)
+    with pytest.raises(ValueError, match=r"dimension 0 \(2\) holds neither .*; dimension 1 holds 4: dim=1\?"):
+        cut_heads(per_head, heads, 0, 0, tp)  # Falcon's layout read as Bloom's: the message points at dim 1
+    with pytest.raises(ValueError, match="no dimension 3"):
+        cut_heads(torch.zeros(2, 4, 5), heads, 3, 0, tp)
+    with pytest.raises(ValueError, match="requires a gradient"):
+        cut_heads(torch.zeros(2, 4, requires_grad=True), heads, 1, 0, tp)
+
+
+def test_slice_heads_input_finds_inputs_by_keyword_or_position():
+    from dtp.head_slices import SliceHeadsInput
+
+    class Attention(torch.nn.Module):
+        def forward(self, x, bias, mask=None):
+            return bias, mask
+
+    class Rank1Of2:  # the mesh as SliceHeadsInput reads it; the cut itself communicates nothing
+        def size(self):
+            return 2
+
+        def get_local_rank(self):
+            return 1
+
+    attn = SliceHeadsInput(("bias", "mask"), heads=4, dim=1)._apply(Attention(), Rank1Of2())
+    bias, mask = torch.randn(2, 4, 1, 3), torch.randn(2, 4, 3, 3)
+    got_bias, got_mask = attn(torch.zeros(1), bias, mask=mask)  # bias by position, mask by keyword
+    assert torch.equal(got_bias, bias[:, 2:]) and torch.equal(got_mask, mask[:, 2:])
+    assert attn(torch.zeros(1), bias=bias)[1] is None  # an input left out stays out
+
+
+def test_explain_names_the_inputs_slice_input_cuts():
+    model = models.build("dtp.models.hf:falcon_rw")
+    ex = explain(check(parse((PLANS / "falcon.tp").read_text(), "falcon.tp"), model, 2), model, "falcon_rw", 2,
+                 batch=2, seq=8)
+    assert ex.sliced_inputs == ("transformer.h.*.self_attention: alibi, attention_mask at dim 1 (×2)",)
+    assert summarize_ops(ex) == {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 5}}
+
+
+def summarize_ops(ex) -> dict:
+    """Collective counts per phase of an explanation's analytic schedule."""
+    return {phase: dict(Counter(c.op for c in ex.schedule if c.phase == phase)) for phase in ("forward", "backward")}
 
 
 def test_explain_rows_of_the_new_layouts():

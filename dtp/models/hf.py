@@ -4,7 +4,7 @@
 `config.model_type` (transformers' own classes, no download): 2 layers, width 64, 4 heads, vocabulary
 128, so that tp 2 and 4 divide. A variant name adds config overrides for a layout the family's default
 config does not exercise (`falcon_40b`: grouped key/value heads, new decoder architecture;
-`gpt_bigcode_mha`: multi-head instead of multi-query; `gemma_tied`…).
+`gpt_bigcode_mha`: multi-head instead of multi-query; `falcon_rw`: ALiBi; `gemma_tied`…).
 """
 from __future__ import annotations
 
@@ -36,6 +36,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_bigcode_mha": ("gpt_bigcode", dict(multi_query=False)),
     "falcon": ("falcon", dict(multi_query=True, new_decoder_architecture=False, alibi=False, ffn_hidden_size=128)),
     "falcon_40b": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2, alibi=False, ffn_hidden_size=128)),
+    # ALiBi (falcon-rw-1b): per-head interleaved query_key_value, sequential attention and MLP, biases
+    "falcon_rw": ("falcon", dict(alibi=True, multi_query=False, new_decoder_architecture=False, parallel_attn=False,
+                                 bias=True, num_kv_heads=4, ffn_hidden_size=128)),
+    "falcon_rw_sdpa": ("falcon", dict(alibi=True, multi_query=False, new_decoder_architecture=False,
+                                      parallel_attn=False, bias=True, num_kv_heads=4, ffn_hidden_size=128,
+                                      _attn_implementation="sdpa")),  # transformers' default for Falcon
+    "falcon_rw_mqa": ("falcon", dict(alibi=True, multi_query=True, new_decoder_architecture=False, bias=True,
+                                     ffn_hidden_size=128)),  # ALiBi with Falcon-7B's multi-query layout
     "phi": ("phi", dict(num_key_value_heads=4)),
     "phi3": ("phi3", dict(num_key_value_heads=2)),
     # Phi-3-mini's shape: no grouped-query attention; plus partial rotary, a sliding window, tied embeddings
@@ -66,7 +74,8 @@ def config(name: str, **overrides: Any):
     for key, value in list(vars(cfg).items()):  # parity runs need dropout 0 (masks are random)
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and key not in overrides:
             setattr(cfg, key, 0.0)
-    cfg._attn_implementation = "eager"
+    # eager unless a variant names another path (`falcon_rw_sdpa`: sdpa, transformers' default for Falcon)
+    cfg._attn_implementation = {**extra, **overrides}.get("_attn_implementation", "eager")
     return cfg
 
 
