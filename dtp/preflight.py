@@ -1,7 +1,7 @@
 """Before any rank starts: is the world one this machine can host, and does the run fit in its memory?
 
-The estimate is deliberately simple and stated in the message: every rank builds the whole model before
-sharding it (P bytes), then holds its shards' gradients and momentum; rank 0 also keeps the unsharded
+The estimate is deliberately simple and stated in the message: rank 0 builds the whole model (P bytes) and
+scatters the shards (dtp.build), every rank holds its shards, their gradients and momentum; rank 0 also keeps the unsharded
 references — one in float64, the truth, and one in the run's dtype — each with parameters, gradients and
 momentum, and runs both on the whole batch; a bfloat16 run adds float32 master weights and momentum
 across the ranks; activations follow the
@@ -77,13 +77,13 @@ def estimate(model, tp: int, dp: int, batch: int, seq: int, elem: int, vocab: in
         acts = layers * (17 * seq * batch * hidden + (5 * heads * seq * seq * batch) // 2)
     acts = (acts + 3 * batch * seq * (vocab or 0)) * elem
     world = tp * dp
-    # Every rank: the whole model while it is built, then shards + their gradients and momentum (≈ 3·P/tp/dp),
-    # and its share of the activations; rank 0: the float64 and same-dtype references (3 copies each) and
-    # their activations on the whole batch; bfloat16: float32 master weights and momentum, split over ranks.
+    # Rank 0: the whole model it scatters from; every rank: its shards + their gradients and momentum
+    # (≈ 3·P/tp/dp) and its share of the activations; rank 0: the float64 and same-dtype references (3 copies
+    # each) and their activations on the whole batch; bfloat16: float32 master weights and momentum, split.
     elements = params // elem
     references = 3 * elements * 8 + 3 * params + acts * 8 // elem + acts
     masters = 2 * elements * 4 if elem < 4 else 0
-    total = world * (params + 3 * params // world + acts // world) + references + masters
+    total = params + world * (3 * params // world + acts // world) + references + masters
     return Estimate(params, acts, total)
 
 
