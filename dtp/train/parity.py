@@ -7,13 +7,17 @@ the next. The bands below are measured, not picked (README, "Convergence parity"
 - float32: tp 2 and 4 stay within 3e-6 × loss of tp 1 over 300 steps; the tolerance is 1e-3 × loss (the
   issue's acceptance), final validation losses within 1e-3 relative (≈ 3 significant digits).
 - bfloat16 (autocast, float32 master weights): differences start at bf16 rounding (≈1e-5 × loss at step 1)
-  and grow about tenfold every 25 steps until they saturate near 1e-2 × loss after step ~75. Two runs that
-  differ only in summation order *without* tp (tp 1 dp 1 vs tp 1 dp 2, same global batch) and bf16 against
-  float32 at tp 1 grow and saturate the same way. So the band has two parts: steps 1–25, before rounding has
-  grown, 1e-3 (≥ 7× the largest difference measured there, tp or not), which is where a wrong sharding
-  shows (a QKV matrix sharded without packed=3 is off by 1e-3..6e-3 from step 1); later steps 3e-2
-  (1.5× bf16's own largest deviation from float32, 2.0e-2; 2.3× the largest tp difference, 1.3e-2). The
-  final validation losses must agree within 5e-3 relative (2.2× the largest measured, 2.3e-3).
+  and grow about tenfold every 25 steps until the runs are on different trajectories (after step ~75),
+  where a loss spike that one run takes and the other does not can differ by several per cent. bf16 does
+  this to itself: float32 against bfloat16 at tp 1, and tp 1 dp 1 against tp 1 dp 2 (same global batch,
+  only the summation order differs) grow and saturate the same way, and no tp run has diverged more from
+  tp 1 than bf16 at tp 1 diverges from float32. So the band has two parts. Steps 1–25, before rounding has
+  grown: 1e-3 × loss, ≥ 7× the largest difference measured there (1.3e-4, tp or not); this is where a wrong
+  sharding shows (q, k, v sharded without packed=3: 1e-3..6e-3 from step 1). After step 25: 0.15 × loss,
+  1.7× bf16's own largest deviation from float32 (9.0e-2, a spike at step 55 of llama seed 1; tp 4's worst
+  is 5.2e-2 there), so it catches only gross divergence; and final validation losses within 2e-2 relative
+  (2× the largest measured, 1.0e-2, both for tp 4 and for float32 against bf16), which catches a curve that
+  drifts steadily away.
 
 A run outside its band fails: exit 1, never "OK". So does a run with a non-finite loss, or one whose
 length differs from the first tp's (a shorter curve cannot be compared step by step).
@@ -46,7 +50,7 @@ class Band:
 
 
 BANDS = {"float32": Band(early=1e-3, late=1e-3, early_steps=0, val=1e-3),
-         "bfloat16": Band(early=1e-3, late=3e-2, early_steps=25, val=5e-3)}
+         "bfloat16": Band(early=1e-3, late=0.15, early_steps=25, val=2e-2)}
 
 
 def _rel(a: float, b: float) -> float:
