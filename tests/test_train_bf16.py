@@ -64,3 +64,12 @@ def test_the_verdict_fails_what_it_cannot_compare():
     assert short.problems == ["tp=2 ran 20 steps, tp=1 30"]
     # float32: one tolerance, 1e-3, at every step
     assert not compare({1: base, 2: _run([5.0] * 29 + [5.0 * (1 + 2e-3)], 4.0)}, "float32").ok
+
+
+def test_a_plan_error_at_any_compared_tp_is_exit_2_before_a_rank_starts(repo, tmp_path, capsys):
+    plan = tmp_path / "unpaired.tp"
+    plan.write_text(Path("plans/gpt2.tp").read_text().replace("    mlp.c_proj: rowwise", "    mlp.c_proj: replicate"))
+    assert main(["train", str(plan), "gpt2-tiny", "--compare-tp", "1,2", "--steps", "3", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"{plan}:13:15: error: transformer.h.0.mlp.c_fc (and 1 more module): colwise output" in err
+    assert not (tmp_path / "o" / "tp1").exists()  # checked for tp 2 before tp 1 trained

@@ -78,7 +78,8 @@ def _preflight(args, tps: list[int]):
         raise UsageError("--checkpoint-activations with dropout > 0 would redraw different masks when the "
                          "forward is recomputed; use a model with dropout 0")
     for tp in tps:
-        if args.seq < tp and lower(check(plan, model, tp), tp).sequence_parallel:
+        checked = check(plan, model, tp)  # every tp, so a plan error is exit 2 before any rank starts
+        if args.seq < tp and lower(checked, tp).sequence_parallel:
             raise UsageError(f"--seq {args.seq} is shorter than tp={tp}: sequence parallelism gives every rank a "
                              f"part of the sequence, so use --seq {tp} or more")
     if args.max_rank_memory is not None:
