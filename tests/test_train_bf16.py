@@ -73,3 +73,11 @@ def test_a_plan_error_at_any_compared_tp_is_exit_2_before_a_rank_starts(repo, tm
     err = capsys.readouterr().err
     assert f"{plan}:13:15: error: transformer.h.0.mlp.c_fc (and 1 more module): colwise output" in err
     assert not (tmp_path / "o" / "tp1").exists()  # checked for tp 2 before tp 1 trained
+
+
+@pytest.mark.parametrize("value", ["2", "1,1", "0,2", "a,b"])
+def test_compare_tp_needs_two_distinct_sizes(value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "plans/gpt2.tp", "gpt2-tiny", "--compare-tp", value])
+    assert exit_.value.code == 2
+    assert f"argument --compare-tp: expected two or more distinct positive tp sizes, got '{value}'" in capsys.readouterr().err

@@ -55,8 +55,9 @@ def _tp_list(text: str) -> list[int]:
         values = [int(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated tp sizes like 1,2,4, got '{text}'") from None
-    if not values or any(v < 1 for v in values) or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"expected distinct positive tp sizes, got '{text}'")
+    if len(values) < 2 or any(v < 1 for v in values) or len(set(values)) != len(values):
+        # one tp compared with itself would pass vacuously
+        raise argparse.ArgumentTypeError(f"expected two or more distinct positive tp sizes, got '{text}'")
     return values
 
 
