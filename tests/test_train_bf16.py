@@ -75,7 +75,7 @@ def test_a_plan_error_at_any_compared_tp_is_exit_2_before_a_rank_starts(repo, tm
     assert not (tmp_path / "o" / "tp1").exists()  # checked for tp 2 before tp 1 trained
 
 
-@pytest.mark.parametrize("value", ["2", "1,1", "0,2", "a,b"])
+@pytest.mark.parametrize("value", ["2", "1,1", "0,2"])
 def test_compare_tp_needs_two_distinct_sizes(value, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["train", "plans/gpt2.tp", "gpt2-tiny", "--compare-tp", value])
