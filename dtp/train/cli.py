@@ -15,9 +15,6 @@ from pathlib import Path
 
 from dtp.errors import RunError, UsageError
 
-FLOAT32_TOLERANCE = 1e-3  # per-step |Δloss| ≤ this × loss across tp sizes
-BFLOAT16_BAND = 5e-2
-
 
 def _finite(name: str, value: float, low: float = 0.0, strict: bool = False) -> None:
     if not math.isfinite(value) or value < low or (strict and value <= low):
@@ -58,8 +55,9 @@ def _tp_list(text: str) -> list[int]:
         values = [int(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated tp sizes like 1,2,4, got '{text}'") from None
-    if not values or any(v < 1 for v in values) or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"expected distinct positive tp sizes, got '{text}'")
+    if len(values) < 2 or any(v < 1 for v in values) or len(set(values)) != len(values):
+        # one tp compared with itself would pass vacuously
+        raise argparse.ArgumentTypeError(f"expected two or more distinct positive tp sizes, got '{text}'")
     return values
 
 
@@ -81,7 +79,8 @@ def _preflight(args, tps: list[int]):
         raise UsageError("--checkpoint-activations with dropout > 0 would redraw different masks when the "
                          "forward is recomputed; use a model with dropout 0")
     for tp in tps:
-        if args.seq < tp and lower(check(plan, model, tp), tp).sequence_parallel:
+        checked = check(plan, model, tp)  # every tp, so a plan error is exit 2 before any rank starts
+        if args.seq < tp and lower(checked, tp).sequence_parallel:
             raise UsageError(f"--seq {args.seq} is shorter than tp={tp}: sequence parallelism gives every rank a "
                              f"part of the sequence, so use --seq {tp} or more")
     if args.max_rank_memory is not None:
@@ -227,7 +226,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _compare(args, corpus, out: Path, device: str) -> int:
     """Train at each tp from the same initial weights on the same batches; overlay and tabulate."""
-    from dtp.train.plot import loss_png, markdown, parity_table
+    from dtp.train.parity import compare, markdown
+    from dtp.train.plot import loss_png
 
     runs: dict[int, dict] = {}
     for tp in args.compare_tp:
@@ -240,20 +240,21 @@ def _compare(args, corpus, out: Path, device: str) -> int:
             print(f"interrupted; the metrics so far are in {out}/tp*/metrics.jsonl", file=sys.stderr)
             return 130
         print(render(runs[tp]), flush=True)
-    rows, worst = parity_table(runs)
-    band = FLOAT32_TOLERANCE if args.dtype == "float32" else BFLOAT16_BAND
-    table = markdown(rows, args.compare_tp[0])
-    ok = worst <= band
+    verdict = compare(runs, args.dtype)  # the measured bands: dtp/train/parity.py
+    table = markdown(verdict.rows, args.compare_tp[0])
     (out / "compare.md").write_text(table + "\n", encoding="utf-8")
-    _write(out / "compare.json", {"rows": rows, "worst_rel_dloss": worst, "tolerance": band, "ok": ok,
+    _write(out / "compare.json", {**verdict.as_json(), "dtype": args.dtype,
                                   "unigram_entropy": next(iter(runs.values()))["corpus"]["unigram_entropy"]})
     note = loss_png(out / "compare.png", {f"tp={tp}": (r["losses"], r["val_losses"]) for tp, r in runs.items()},
                     f"{args.model}, {args.plan}, {args.dtype}: same init, same batches")
     print("\n" + table)
-    print(f"\nconvergence parity: {'OK' if ok else 'FAILED'} — worst per-step |Δloss| / loss {worst:.2e} "
-          f"(tolerance {band:g} in {args.dtype})")
+    print(f"\nconvergence parity: {'OK' if verdict.ok else 'FAILED'} — worst per-step |Δloss| / loss "
+          f"{verdict.worst_rel_dloss:.2e}, {verdict.worst_margin:.2f} of the band at its step "
+          f"({args.dtype} band: {verdict.band.describe()})")
+    for problem in verdict.problems:
+        print(f"  {problem}")
     print(f"table: {out / 'compare.md'}" + (f" · {note}" if note else f" · curves: {out / 'compare.png'}"))
-    return 0 if ok else 1
+    return 0 if verdict.ok else 1
 
 
 def _write(path: Path, data: dict) -> None:

@@ -1,4 +1,4 @@
-"""Loss-curve PNGs (matplotlib, optional) and the convergence-parity table."""
+"""Loss-curve PNGs (matplotlib, optional)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,28 +31,3 @@ def loss_png(path: Path, curves: dict[str, tuple[list[float], list[tuple[int, fl
     plt.close(fig)
     return None
 
-
-def parity_table(runs: dict[int, dict]) -> tuple[list[dict], float]:
-    """Per tp: the largest per-step |Δloss| against the first tp, relative to the loss, and the final
-    validation loss; plus the worst relative difference overall."""
-    base_tp = next(iter(runs))
-    base = runs[base_tp]["losses"]
-    rows, worst = [], 0.0
-    for tp, run in runs.items():
-        deltas = [abs(a - b) for a, b in zip(run["losses"], base)]
-        rel = max((d / abs(b) for d, b in zip(deltas, base)), default=0.0)
-        worst = max(worst, rel)
-        rows.append({"tp": tp, "steps": len(run["losses"]), "max_abs_dloss": max(deltas, default=0.0),
-                     "max_rel_dloss": rel, "final_loss": run["losses"][-1], "val_loss": run["val_loss"],
-                     "tokens_per_s": run["tokens_per_s"]})
-    return rows, worst
-
-
-def markdown(rows: list[dict], base_tp: int) -> str:
-    """The table as Markdown."""
-    lines = [f"| tp | steps | max abs Δloss vs tp={base_tp} | max Δloss / loss | final train loss | final val loss | tokens/s |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['tp']} | {r['steps']} | {r['max_abs_dloss']:.2e} | {r['max_rel_dloss']:.2e} | "
-                     f"{r['final_loss']:.4f} | {r['val_loss']:.4f} | {r['tokens_per_s']:.0f} |")
-    return "\n".join(lines)
