@@ -27,14 +27,16 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq: int = 8, seed: int = 0) -> dict:
-    """{family, ok, logits, loss, grads, worst, measured, analytic} for one family on `mesh` (every rank)."""
+def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq: int = 8, seed: int = 0,
+           overrides: dict | None = None) -> dict:
+    """{family, ok, logits, loss, grads, worst, measured, analytic} for one family (its tiny config with
+    `overrides` on top) on `mesh` (every rank)."""
     from dtp.models import hf
     from dtp.shard import apply
 
     rank = mesh.get_local_rank()
     torch.manual_seed(seed)
-    model = hf.build(family).train()
+    model = hf.build(family, **(overrides or {})).train()
     reference = copy.deepcopy(model)  # unsharded, float32: the error sharding may add is measured against its own
     truth = copy_in(model, torch.float64)  # the parity rule's ground truth (dtp/parity.py)
     plan = syntax.load(str(plan_path or PLANS / f"{hf.FAMILIES[family][0]}.tp"))

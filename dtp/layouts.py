@@ -9,6 +9,7 @@ rows, and `unpack_parts` reads the model's own layout back from the gathered ten
 """
 from __future__ import annotations
 
+import copy
 from functools import partial
 
 import torch
@@ -194,6 +195,19 @@ class ReplicateReduceGrad(ParallelStyle):
         return module
 
 
+def _eager_if_misaligned(module: nn.Module) -> None:
+    """torch's grouped matmul (transformers' default experts kernel) needs 16-byte-aligned strides; a local
+    FFN slice (down_proj (E, H, I/tp)) may not give them (I/tp = 6 in float32): this module then runs
+    transformers' eager loop over experts instead, the same maths, through a config of its own."""
+    local = module.down_proj.to_local()
+    config = getattr(module, "config", None)
+    if local.shape[-1] * local.element_size() % 16 == 0 or getattr(config, "_experts_implementation", None) in (
+            None, "eager"):
+        return
+    module.config = copy.copy(config)
+    module.config._experts_implementation = "eager"
+
+
 class ExpertsParallel(ParallelStyle):
     """Every expert's FFN dimension split over tp (Megatron's MLP layout, once per expert) on a module that
     holds the experts as 3-D parameters: gate_up_proj (E, 2·I, H) keeps [gate; up] per rank (packed, dim 1),
@@ -204,6 +218,7 @@ class ExpertsParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         distribute_param(module, "gate_up_proj", Placement(1, 2), device_mesh)
         distribute_param(module, "down_proj", Placement(2), device_mesh)
+        _eager_if_misaligned(module)
         inner = module.forward
 
         def f(t: object) -> object:  # identity forward, gradient all-reduced (Megatron's f)
