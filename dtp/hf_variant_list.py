@@ -178,4 +178,16 @@ VARIANTS: list[Variant] = [
                                                    max_window_layers=1), "sliding window"),
 ]
 
+# How a checkpoint is loaded rather than what it is: bfloat16 weights (config.json's dtype), a KV cache
+# built in the forward (use_cache true), torch's SDPA kernels instead of the eager attention.
+_RUNTIME = [("bf16", dict(dtype="bfloat16")), ("cache", dict(use_cache=True)), ("sdpa", dict(attn_implementation="sdpa"))]
+_RUNTIME_FAMILIES = {"gpt2": {}, "llama": dict(num_key_value_heads=2), "mistral": dict(num_key_value_heads=1, sliding_window=4),
+                     "qwen2": dict(num_key_value_heads=2), "qwen3": dict(num_key_value_heads=1),
+                     "gemma": dict(num_key_value_heads=1), "gemma2": dict(num_key_value_heads=2, sliding_window=4),
+                     "gpt_neox": {}, "gptj": {}, "gpt_bigcode": {}, "gpt_bigcode_mha": {}, "phi": dict(qk_layernorm=True),
+                     "opt": {}, "bloom": {}, "mixtral": {}, "qwen2_moe": {}}
+VARIANTS += [Variant(f"{family}/{kind}", family, {**base, **extra}, kind)
+             for family, base in _RUNTIME_FAMILIES.items() for kind, extra in _RUNTIME
+             if not (kind == "sdpa" and family in ("gemma2", "bloom"))]  # transformers refuses SDPA for these
+
 BY_NAME: dict[str, Variant] = {v.name: v for v in VARIANTS}

@@ -64,6 +64,10 @@ def _plan(variant: Variant):
 
 def _landed(config, key: str, want) -> bool:
     """Whether override `key` = `want` shows in the built config (rotary fractions move into rope_parameters)."""
+    if key == "attn_implementation":
+        return config._attn_implementation == want
+    if key == "dtype":
+        return str(config.dtype).removeprefix("torch.") == want
     if key in ("rotary_pct", "partial_rotary_factor"):
         return (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor") == want
     return getattr(config, key, object()) == want

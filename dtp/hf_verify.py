@@ -52,7 +52,8 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         with bwd:
             loss.backward()
-    parity = ParityCheck(torch.float32)
+    dtype = next(reference.parameters()).dtype  # a config may ask for bfloat16
+    parity = ParityCheck(dtype)
     ref_logits = reference(inputs).logits
     ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten())
     ref_loss.backward()
@@ -66,7 +67,7 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
         got = applied.full(name, p.grad) if p.grad is not None else None
         parity.compare("grads", f"{name}.grad", got, true_params[name].grad, ref_params[name].grad)
     tp = mesh.size()
-    analytic = summarize(schedule(applied.checked, tp, batch, seq, lowered=applied.compiled.lowered), tp)
+    analytic = summarize(schedule(applied.checked, tp, batch, seq, dtype, lowered=applied.compiled.lowered), tp)
     measured = {"forward": fwd.get_comm_counts(), "backward": bwd.get_comm_counts(),
                 "bytes": dict(Counter(fwd.comm_bytes) + Counter(bwd.comm_bytes))}
     report = parity.to_json()

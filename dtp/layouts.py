@@ -227,9 +227,15 @@ class ExpertsParallel(ParallelStyle):
             return DTensor.from_local(t, device_mesh, [Replicate()], run_check=False).to_local(
                 grad_placements=[Partial()])
 
+        def f32(t: object) -> object:  # routing weights: their gradient summed in at least float32
+            if not isinstance(t, torch.Tensor) or not t.requires_grad or t.element_size() >= 4:
+                return f(t)
+            return f(t.float()).to(t.dtype)  # Mixtral's router hands them on in float32 anyway, Qwen2-MoE's not
+
         def forward(*args, **kwargs):
             # the hidden states and the routing weights: each rank's gradient covers its FFN slice only
-            args, kwargs = tuple(f(a) for a in args), {k: f(v) for k, v in kwargs.items()}
+            args = (*(f(a) for a in args[:1]), *(f32(a) for a in args[1:]))
+            kwargs = {k: f32(v) for k, v in kwargs.items()}
             local = {n: p.to_local() for n, p in module.named_parameters(recurse=False)}
             with _reparametrize_module(module, local):
                 out = inner(*args, **kwargs)

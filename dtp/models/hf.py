@@ -52,6 +52,8 @@ def config(name: str, **overrides: Any):
     from transformers import AutoConfig
 
     model_type, extra = FAMILIES.get(name, (name, {}))
+    overrides = dict(overrides)
+    attn = overrides.pop("attn_implementation", "eager")  # eager unless a variant asks for sdpa
     default = AutoConfig.for_model(model_type)
     aliases = getattr(default, "attribute_map", {})  # n_embd → hidden_size: a later layer's alias wins
     values: dict[str, Any] = {}
@@ -67,7 +69,7 @@ def config(name: str, **overrides: Any):
     for key, value in list(vars(cfg).items()):  # parity runs need dropout 0 (masks are random)
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and key not in overrides:
             setattr(cfg, key, 0.0)
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = attn
     return cfg
 
 
