@@ -27,7 +27,7 @@ def _rope(kind: str, **extra: Any) -> dict[str, Any]:
 LLAMA3_ROPE = _rope("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=16)
 # Six query heads of 16 (width 96): tp 2 divides them, tp 4 does not.
-SIX_HEADS = dict(hidden_size=96, num_attention_heads=6, n_embd=96, n_head=6)
+SIX_HEADS = dict(hidden_size=96, num_attention_heads=6, intermediate_size=192)
 ODD_VOCAB = dict(vocab_size=131)  # a prime, like GPT-2's 50257 = 29 · 1733: no tp > 1 divides it
 
 _GQA = [  # the key/value head layouts every Llama-style family meets
@@ -57,7 +57,7 @@ VARIANTS: list[Variant] = [
     Variant("gpt2/no_scale_attn", "gpt2", dict(scale_attn_weights=False), "scale_attn_weights false"),
     Variant("gpt2/cross_attention", "gpt2", dict(add_cross_attention=True), "GPT-2 decoders of encoder-decoders"),
     Variant("gpt2/odd_vocab", "gpt2", ODD_VOCAB, "gpt2: 50257"),
-    Variant("gpt2/heads6", "gpt2", dict(n_embd=96, n_head=6), "6 heads: tp 4 cannot split them"),
+    Variant("gpt2/heads6", "gpt2", dict(n_embd=96, n_head=6, n_inner=192), "6 heads: tp 4 cannot split them"),
     # Llama
     *_llama_like("llama"),
     Variant("llama/bias", "llama", dict(num_key_value_heads=2, attention_bias=True, mlp_bias=True), "InternLM-style"),
@@ -127,7 +127,7 @@ VARIANTS: list[Variant] = [
     Variant("gpt_bigcode/fp32_softmax", "gpt_bigcode", dict(attention_softmax_in_fp32=True,
                                                            scale_attention_softmax_in_fp32=True), "StarCoder"),
     Variant("gpt_bigcode/odd_vocab", "gpt_bigcode", ODD_VOCAB, "StarCoder: 49152"),
-    Variant("gpt_bigcode/heads6", "gpt_bigcode", dict(n_embd=96, n_head=6), "6 heads, multi-query"),
+    Variant("gpt_bigcode/heads6", "gpt_bigcode", dict(n_embd=96, n_head=6, n_inner=192), "6 heads, multi-query"),
     # Phi
     Variant("phi/rotary_quarter", "phi", dict(partial_rotary_factor=0.25), "Phi-2: partial_rotary_factor 0.4 (0.5 the tiny default)"),
     Variant("phi/qk_layernorm", "phi", dict(qk_layernorm=True), "qk_layernorm true"),

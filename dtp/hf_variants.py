@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -160,6 +161,11 @@ def sweep(variants: list[Variant], tps: list[int], timeout: float = 120, log=pri
     return outcomes
 
 
+def _relative(text: str) -> str:
+    """Plan paths in messages as the repository names them (plans/hf/…), not this checkout's absolute path."""
+    return re.sub(r"\S*/(plans/hf/)", r"\1", text)
+
+
 def table(outcomes: list[Outcome], variants: list[Variant]) -> str:
     """A markdown table: one row per variant, one column per tp."""
     tps = sorted({o.tp for o in outcomes})
@@ -175,7 +181,7 @@ def table(outcomes: list[Outcome], variants: list[Variant]) -> str:
                 cells.append("ok " + o.detail.split("; ", 1)[1].replace("'", "").replace("all_reduce", "AR")
                              .replace("all_gather", "AG").replace("forward", "f").replace("backward", "b"))
             else:
-                cells.append(f"**{o.kind}**: " + o.detail.replace("|", "/").replace("\n", " ")[:160])
+                cells.append(f"**{o.kind}**: " + _relative(o.detail).replace("|", "/").replace("\n", " ")[:200])
         lines.append(f"| `{v.name}` | {v.like} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
