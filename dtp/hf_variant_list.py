@@ -147,7 +147,8 @@ VARIANTS: list[Variant] = [
     # Bloom
     Variant("bloom/post_ln_residual", "bloom", dict(apply_residual_connection_post_layernorm=True),
             "apply_residual_connection_post_layernorm"),
-    Variant("bloom/slow_but_exact", "bloom", dict(pretraining_tp=2, slow_but_exact=True), "bloom: pretraining_tp 4"),
+    Variant("bloom/slow_but_exact", "bloom", dict(pretraining_tp=2, slow_but_exact=True),
+            "slow_but_exact: dense weights read in pretraining_tp slices"),
     Variant("bloom/pretraining_tp", "bloom", dict(pretraining_tp=4), "bigscience/bloom: pretraining_tp 4"),
     Variant("bloom/heads8", "bloom", dict(n_head=8, hidden_size=128), "8 heads"),
     Variant("bloom/heads6", "bloom", dict(n_head=6, hidden_size=96), "6 heads (ALiBi slopes off a power of 2)"),
