@@ -13,7 +13,7 @@ same index map (`local_rows`): which rows of the model's own layout a rank holds
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -106,12 +106,18 @@ def shared_rows(applied: Applied) -> dict[str, tuple[int, torch.Tensor]]:
     return out
 
 
-def build_on_meta(source: models.ModelSource, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The model in `dtype` with its parameters on meta and its buffers real (on CPU)."""
+def build_on_meta(source: models.ModelSource | Callable[[], nn.Module],
+                  dtype: torch.dtype | None = torch.float32) -> nn.Module:
+    """The model (from a ModelSource, or a factory called as is) with its parameters on meta and its
+    buffers real (on CPU), in `dtype` (None: as built)."""
     from dtp.train.init import parameters_to_meta
 
     with parameters_to_meta():
-        return models.build(source, device="cpu", dtype=dtype)
+        if not callable(source):
+            return models.build(source, device="cpu", dtype=dtype)
+        with torch.device("cpu"):
+            model = source()
+        return model.to(dtype) if dtype is not None else model
 
 
 def allocate(model: nn.Module, device: torch.device) -> None:
@@ -172,8 +178,8 @@ def scatter_from(full: nn.Module | None, applied: Applied, device: torch.device)
             dist.broadcast(buf, src=0)
 
 
-def build_sharded(plan: Checked, source: models.ModelSource, mesh: DeviceMesh, *, seed: int,
-                  device: torch.device, dp: int = 1, dtype: torch.dtype = torch.float32,
+def build_sharded(plan: Checked, source: models.ModelSource | Callable[[], nn.Module], mesh: DeviceMesh, *,
+                  seed: int, device: torch.device, dp: int = 1, dtype: torch.dtype | None = torch.float32,
                   full: nn.Module | None = None, from_rank0: bool = False) -> Applied:
     """The one way to build a sharded model: meta (buffers real) → shard on `mesh`'s tp dimension →
     materialise this rank's shards (keyed init, or scattered from rank 0's `full` model when `from_rank0`)

@@ -191,9 +191,11 @@ def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Repo
             width = fan_out // packed if style.name == "colwise" else fan_in
             if width % info.head_dim == 0:
                 n = width // info.head_dim
-                sizes.append(n)
                 kv = n == info.n_kv_head != info.n_head
                 what = "key/value heads" if kv else "attention heads"
+                if not kv and n > info.n_head > 0 and n % info.n_head == 0:  # q, k, v fused per head (GPT-NeoX)
+                    n, what = info.n_head, f"attention heads ({n // info.n_head} fused blocks each)"
+                sizes.append(n)
                 source = info.kv_source if kv else info.source
                 if tp and n % tp:
                     per = " per packed part" if packed > 1 else ""

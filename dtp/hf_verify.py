@@ -26,22 +26,26 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq: int = 8, seed: int = 0) -> dict:
-    """{family, ok, logits, loss, grads, worst, measured, analytic} for one family on `mesh` (every rank)."""
-    from dtp import models
+def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq: int = 8, seed: int = 0,
+           overrides: dict | None = None) -> dict:
+    """{family, ok, logits, loss, grads, worst, measured, analytic} for one family (its tiny config with
+    `overrides` on top) on `mesh` (every rank)."""
     from dtp.build import build_sharded
     from dtp.check import checked_for
     from dtp.models import hf
 
     rank = mesh.get_local_rank()
     torch.manual_seed(seed)
-    reference = hf.build(family).train()  # unsharded, float32: the error sharding may add is measured against its own
+    reference = hf.build(family, **(overrides or {})).train()  # unsharded, float32: the error sharding may add is measured against its own
     truth = copy_in(reference, torch.float64)  # the parity rule's ground truth (dtp/parity.py)
     plan = syntax.load(str(plan_path or PLANS / f"{hf.FAMILIES[family][0]}.tp"))
     # The sharded model comes from the build path `dtp apply` uses: meta → shard → blocks scattered from rank 0.
-    source = models.resolve(f"dtp.models.hf:{family}")
-    checked = checked_for(plan, models.build(source, device="meta"), mesh.size())
-    applied = build_sharded(checked, source, mesh, seed=seed, device=torch.device("cpu"),
+    def source() -> torch.nn.Module:
+        return hf.build(family, **(overrides or {}))
+
+    with torch.device("meta"):
+        checked = checked_for(plan, source(), mesh.size())
+    applied = build_sharded(checked, source, mesh, seed=seed, device=torch.device("cpu"), dtype=None,
                             full=reference if rank == 0 else None, from_rank0=True)
     model = applied.model.train()
     vocab = model.config.vocab_size
@@ -55,7 +59,8 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         with bwd:
             loss.backward()
-    parity = ParityCheck(torch.float32)
+    dtype = next(reference.parameters()).dtype  # a config may ask for bfloat16
+    parity = ParityCheck(dtype)
     ref_logits = reference(inputs).logits
     ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten())
     ref_loss.backward()
@@ -69,7 +74,7 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
         got = applied.full(name, p.grad) if p.grad is not None else None
         parity.compare("grads", f"{name}.grad", got, true_params[name].grad, ref_params[name].grad)
     tp = mesh.size()
-    analytic = summarize(schedule(applied.checked, tp, batch, seq, lowered=applied.compiled.lowered), tp)
+    analytic = summarize(schedule(applied.checked, tp, batch, seq, dtype, lowered=applied.compiled.lowered), tp)
     measured = {"forward": fwd.get_comm_counts(), "backward": bwd.get_comm_counts(),
                 "bytes": dict(Counter(fwd.comm_bytes) + Counter(bwd.comm_bytes))}
     report = parity.to_json()

@@ -9,6 +9,7 @@ rows, and `unpack_parts` reads the model's own layout back from the gathered ten
 """
 from __future__ import annotations
 
+import copy
 from functools import partial
 
 import torch
@@ -228,6 +229,19 @@ class ReplicateReduceGrad(ParallelStyle):
         return module
 
 
+def _eager_if_misaligned(module: nn.Module) -> None:
+    """torch's grouped matmul (transformers' default experts kernel) needs 16-byte-aligned strides; a local
+    FFN slice (down_proj (E, H, I/tp)) may not give them (I/tp = 6 in float32): this module then runs
+    transformers' eager loop over experts instead, the same maths, through a config of its own."""
+    local = module.down_proj.to_local()
+    config = getattr(module, "config", None)
+    if local.shape[-1] * local.element_size() % 16 == 0 or getattr(config, "_experts_implementation", None) in (
+            None, "eager"):
+        return
+    module.config = copy.copy(config)
+    module.config._experts_implementation = "eager"
+
+
 class ExpertsParallel(ParallelStyle):
     """Every expert's FFN dimension split over tp (Megatron's MLP layout, once per expert) on a module that
     holds the experts as 3-D parameters: gate_up_proj (E, 2·I, H) keeps [gate; up] per rank (packed, dim 1),
@@ -238,6 +252,7 @@ class ExpertsParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         distribute_param(module, "gate_up_proj", Placement(1, 2), device_mesh)
         distribute_param(module, "down_proj", Placement(2), device_mesh)
+        _eager_if_misaligned(module)
         inner = module.forward
 
         def f(t: object) -> object:  # identity forward, gradient all-reduced (Megatron's f)
@@ -246,9 +261,15 @@ class ExpertsParallel(ParallelStyle):
             return DTensor.from_local(t, device_mesh, [Replicate()], run_check=False).to_local(
                 grad_placements=[Partial()])
 
+        def f32(t: object) -> object:  # routing weights: their gradient summed in at least float32
+            if not isinstance(t, torch.Tensor) or not t.requires_grad or t.element_size() >= 4:
+                return f(t)
+            return f(t.float()).to(t.dtype)  # Mixtral's router hands them on in float32 anyway, Qwen2-MoE's not
+
         def forward(*args, **kwargs):
             # the hidden states and the routing weights: each rank's gradient covers its FFN slice only
-            args, kwargs = tuple(f(a) for a in args), {k: f(v) for k, v in kwargs.items()}
+            args = (*(f(a) for a in args[:1]), *(f32(a) for a in args[1:]))
+            kwargs = {k: f32(v) for k, v in kwargs.items()}
             local = {n: p.to_local() for n, p in module.named_parameters(recurse=False)}
             with _reparametrize_module(module, local):
                 out = inner(*args, **kwargs)

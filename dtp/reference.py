@@ -53,13 +53,16 @@ class MixedSGD:
 
 def copy_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """An unsharded copy of `model` in `dtype`; in float64, Hugging Face MoE experts run their eager loop
-    (torch's grouped matmul has no float64 kernel)."""
+    (torch's grouped matmul has no float64 kernel) and GPT-2's `reorder_and_upcast_attn` its plain path (the
+    same scores, which it insists on computing in float32)."""
     out = copy.deepcopy(model).to(dtype)
     if dtype == torch.float64:
         for module in out.modules():
             config = getattr(module, "config", None)
             if getattr(config, "_experts_implementation", None) not in (None, "eager"):
                 config._experts_implementation = "eager"
+            if getattr(module, "reorder_and_upcast_attn", None) is True:
+                module.reorder_and_upcast_attn = False
     return out
 
 

@@ -137,7 +137,8 @@ def _tensor_parallel(checked: Checked, tp: int, batch: int, seq: int, dtype: tor
             if not isinstance(top_k, int):
                 raise NotModeled(f"{path}: experts without config.num_experts_per_tok")
             add("all_reduce", "backward", hidden, path, "input: gradient (f)")
-            add("all_reduce", "backward", top_k, path, "routing weights: gradient (f)")
+            add("all_reduce", "backward", top_k, path, "routing weights: gradient (f), in at least float32",
+                tokens * top_k * max(elem, 4))
             add("all_reduce", "forward", hidden, path, "partial sums (g)")
             continue
         if m.style in ("colwise", "vocab_parallel") and not m.embedding:

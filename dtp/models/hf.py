@@ -64,18 +64,26 @@ def config(name: str, **overrides: Any):
     from transformers import AutoConfig
 
     model_type, extra = FAMILIES.get(name, (name, {}))
-    cfg = AutoConfig.for_model(model_type)
-    for key, value in {**COMMON, **extra, **overrides}.items():
-        if hasattr(cfg, key) or key in extra or key in overrides:
-            try:
-                setattr(cfg, key, value)
-            except AttributeError:  # a derived property (Falcon's head_dim)
-                continue
+    overrides, extra = dict(overrides), dict(extra)
+    # eager unless a variant asks for another path (`falcon_rw_sdpa`: sdpa, transformers' default for Falcon)
+    attn = overrides.pop("attn_implementation", overrides.pop("_attn_implementation",
+                                                               extra.pop("_attn_implementation", "eager")))
+    default = AutoConfig.for_model(model_type)
+    aliases = getattr(default, "attribute_map", {})  # n_embd → hidden_size: a later layer's alias wins
+    values: dict[str, Any] = {}
+    for layer in (COMMON, extra, overrides):
+        for key, value in layer.items():
+            if hasattr(default, key) or layer is not COMMON:
+                values[aliases.get(key, key)] = value
+    # Passed to the constructor, as a checkpoint's config.json is, so that fields derived from others
+    # (layer_types from sliding_window / max_window_layers, rope_parameters from rotary_pct…) follow them;
+    # a derived property (Falcon's head_dim) cannot be given.
+    cfg = AutoConfig.for_model(model_type, **{key: value for key, value in values.items()
+                                              if not isinstance(getattr(type(default), key, None), property)})
     for key, value in list(vars(cfg).items()):  # parity runs need dropout 0 (masks are random)
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and key not in overrides:
             setattr(cfg, key, 0.0)
-    # eager unless a variant names another path (`falcon_rw_sdpa`: sdpa, transformers' default for Falcon)
-    cfg._attn_implementation = {**extra, **overrides}.get("_attn_implementation", "eager")
+    cfg._attn_implementation = attn
     return cfg
 
 
