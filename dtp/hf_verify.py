@@ -44,7 +44,8 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
         return hf.build(family, **(overrides or {}))
 
     with torch.device("meta"):
-        checked = checked_for(plan, source(), mesh.size())
+        meta = source()
+    checked = checked_for(plan, meta, mesh.size())
     applied = build_sharded(checked, source, mesh, seed=seed, device=torch.device("cpu"), dtype=None,
                             full=reference if rank == 0 else None, from_rank0=True)
     model = applied.model.train()

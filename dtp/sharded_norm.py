@@ -107,8 +107,8 @@ def _probe_error(module: nn.Module) -> str | None:
         return "sharded_norm applies to a norm with a 1-D weight"
     gen = torch.Generator().manual_seed(0)
     device = weight.device if weight.device.type != "meta" else torch.device("cpu")  # beside any buffers
-    w = (torch.randn(weight.shape, generator=gen) + 1).to(device)
-    x = torch.randn(2, 3, weight.shape[0], generator=gen).to(device)
+    w = (torch.randn(weight.shape, generator=gen, device="cpu") + 1).to(device)  # whatever the default device
+    x = torch.randn(2, 3, weight.shape[0], generator=gen, device="cpu").to(device)
     try:
         got = torch.func.functional_call(module, {"weight": w}, (x,))
     except Exception as err:  # a module whose forward cannot run on the probe (needs other inputs)
@@ -161,6 +161,9 @@ def check_unsharded_norms(res: Resolution, rep) -> None:
     from dtp.attention import attention_like
     from dtp.placement import is_norm
 
+    from dtp.models import heads
+
+    info = heads(res.modules[""]) if "" in res.modules else None
     colwise: dict[str, list[str]] = {}  # parent → its colwise children
     for proj, claim in res.claims.items():
         if claim.style.name == "colwise":
@@ -173,6 +176,8 @@ def check_unsharded_norms(res: Resolution, rep) -> None:
         weight = getattr(module, "weight", None)
         if not attention_like(res.modules[parent]) or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
             continue
+        if info is not None and weight.shape[0] == info.head_dim:
+            continue  # a per-head norm (Qwen3's, Phi's qk_layernorm): one key/value head is as wide as its output
         for proj in colwise.get(parent, ()):
             claim = res.claims[proj]
             layout = claim.style.option("output")
