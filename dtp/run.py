@@ -198,7 +198,8 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: 
     full = models.build(source, device="cpu", dtype=dtype).to(device) if rank == 0 else None
     refs = references(full.train(), dtype, cfg.lr) if rank == 0 else []  # the float64 truth (+ same dtype)
     trail.phase = "sharding (apply)"
-    checked = checked_for(plan, models.build(source, device="meta", dtype=dtype), cfg.tp)
+    meta = models.build(source, device="meta", dtype=dtype)  # shapes for check, schedule and bytes
+    checked = checked_for(plan, meta, cfg.tp)
     applied = build_sharded(checked, source, mesh, seed=cfg.seed, device=device, dp=cfg.dp, dtype=dtype,
                             full=full, from_rank0=True)
     del full
@@ -284,7 +285,6 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: 
                                unsharded.param(n) if unsharded else None, held_in=opt.master_dtype)
 
     trail.phase = "report"
-    meta = models.build(source, device="meta", dtype=dtype)
     try:
         steps = schedule(applied.checked, cfg.tp, cfg.batch // cfg.dp, cfg.seq, dtype, applied.compiled.lowered,
                          cfg.dp, meta)
