@@ -9,10 +9,11 @@ and then each rank allocates only its own shards and fills them from one of two 
   rank 0 only (which keeps unsharded references of it anyway), each rank's block scattered from it.
 
 Either way a parameter's full value does not depend on tp or dp. Both fillers see a parameter through the
-same index map (`local_rows`): which rows of the model's own layout a rank holds, packed parts included.
+same index map (`row_order`, `ParamLayout.rows`): which rows of the model's own layout a rank holds, packed parts included.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from dtp.check import Checked
 from dtp.errors import UsageError
 from dtp.layouts import equal_parts, pack_parts
 from dtp.placement import Placement
-from dtp.shard import Applied, apply, tied_groups
+from dtp.shard import Applied, apply, retie, tied_groups
 
 
 @dataclass(frozen=True)
@@ -106,12 +107,30 @@ def shared_rows(applied: Applied) -> dict[str, tuple[int, torch.Tensor]]:
     return out
 
 
+@contextlib.contextmanager
+def parameters_to_meta():
+    """Every parameter moves to meta as it is registered; buffers stay where __init__ built them. Non-persistent
+    buffers (HF rotary `inv_freq`) are computed in __init__ and restored by nothing else, so they must be real;
+    parameters are filled later (keyed, or from rank 0). A parameter exists on CPU only between its allocation
+    (torch.empty: untouched pages) and its registration."""
+    register = nn.Module.register_parameter
+
+    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = to_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
 def build_on_meta(source: models.ModelSource | Callable[[], nn.Module],
                   dtype: torch.dtype | None = torch.float32) -> nn.Module:
     """The model (from a ModelSource, or a factory called as is) with its parameters on meta and its
     buffers real (on CPU), in `dtype` (None: as built)."""
-    from dtp.train.init import parameters_to_meta
-
     with parameters_to_meta():
         if not callable(source):
             return models.build(source, device="cpu", dtype=dtype)
@@ -128,10 +147,7 @@ def allocate(model: nn.Module, device: torch.device) -> None:
                          "build_on_meta, which keeps buffers (e.g. rotary frequencies) real")
     groups = tied_groups(model)
     model.to_empty(device=device)  # a new Parameter per owner: tied weights come apart, so tie them again
-    for (first_path, first_name), *others in groups:
-        shared = getattr(model.get_submodule(first_path), first_name)
-        for path, name in others:
-            setattr(model.get_submodule(path), name, shared)
+    retie(model, groups)
     for name, b in buffers.items():  # to_empty left them uninitialised: put back the values __init__ computed
         owner, _, leaf = name.rpartition(".")
         model.get_submodule(owner)._buffers[leaf] = b.to(device)

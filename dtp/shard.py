@@ -26,6 +26,14 @@ def tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
     return [group for group in owners.values() if len(group) > 1]
 
 
+def retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
+    """Point every owner in each of `groups` (from `tied_groups`) at its first owner's parameter."""
+    for (first_path, first_name), *others in groups:
+        shared = getattr(model.get_submodule(first_path), first_name)
+        for path, name in others:
+            setattr(model.get_submodule(path), name, shared)
+
+
 @dataclass(frozen=True)
 class Applied:
     """A model sharded in place, with what is needed to read its parameters back in full."""
@@ -58,10 +66,7 @@ def apply(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh, seed: int
     parallelize_module(model, mesh, compiled.styles)
     # parallelize_module gives each owner of a tied weight its own DTensor; `check` guaranteed equal
     # placements, so pointing every owner at the first one's keeps one parameter, one gradient, one update.
-    for (first_path, first_name), *others in groups:
-        shared = getattr(model.get_submodule(first_path), first_name)
-        for path, name in others:
-            setattr(model.get_submodule(path), name, shared)
+    retie(model, groups)
     for path, rewrite in compiled.rewrites.items():
         rewrite._apply(model.get_submodule(path), mesh)
     modules = compiled.lowered.modules

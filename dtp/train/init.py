@@ -8,7 +8,6 @@ tp and dp, and no rank ever holds more than its shards (plus one parameter's ind
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 
@@ -92,23 +91,3 @@ def fill_keyed(applied: Applied, seed: int) -> None:
             lay.local.fill_(1.0 if kind == "ones" else 0.0)
         else:
             _fill(lay, seed, std)
-
-
-@contextlib.contextmanager
-def parameters_to_meta():
-    """Every parameter moves to meta as it is registered; buffers stay where __init__ built them. Non-persistent
-    buffers (HF rotary `inv_freq`) are computed in __init__ and restored by nothing else, so they must be real;
-    parameters are drawn later by the keyed init. A parameter exists on CPU only between its allocation
-    (torch.empty: untouched pages) and its registration."""
-    register = nn.Module.register_parameter
-
-    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    nn.Module.register_parameter = to_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
