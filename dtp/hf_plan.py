@@ -83,22 +83,66 @@ def _hf_key(pattern: ir.Pattern) -> str | None:
     return ".".join(segs)
 
 
-def export_plan(plan: ir.Plan, model: nn.Module | None = None) -> tuple[dict[str, str], list[str]]:
-    """(HF tp_plan dict, warnings) for a dtp plan; what HF cannot express is left out and named."""
-    rules, sets, _ = ir.flatten(plan)
+def export_plan(plan: ir.Plan, model: nn.Module | None = None, choose=None) -> tuple[dict[str, str], list[str]]:
+    """(HF tp_plan dict, warnings) for a dtp plan; what HF cannot express is left out and named.
+
+    `choose` picks `when` branches (`conditions.chooser`); without it every branch is exported."""
+    out, warnings, _ = _export(plan, model, choose)
+    return out, warnings
+
+
+def _export(plan: ir.Plan, model: nn.Module | None, choose) -> tuple[dict[str, str], list[str], list[str]]:
+    """(tp_plan, warnings, what was left out): the last are the warnings whose statement HF never sees."""
+    rules, sets, _ = ir.flatten(plan, choose)
     out: dict[str, str] = {}
-    warnings = [f"line {s.pos.line}: `set {s.pattern}.{s.attr}` has no Hugging Face equivalent" for s in sets]
+    left_out = [f"line {s.pos.line}: `set {s.pattern}.{s.attr}` has no Hugging Face equivalent" for s in sets]
+    warnings = list(left_out)
     for rule in rules:
         key, style = _hf_key(rule.pattern), rule.style
         where = f"line {rule.pos.line} ({rule.pattern}: {style.name})"
         if key is None:
-            warnings.append(f"{where}: HF keys allow `*` only for whole segments; rule left out")
+            message = f"{where}: HF keys allow `*` only for whole segments; rule left out"
+            warnings.append(message)
+            left_out.append(message)
             continue
+        before = len(warnings)
         text = _export_style(style, key, _module(model, rule.pattern), warnings, where)
-        if isinstance(text, dict):
+        if text is None:
+            left_out += warnings[before:]
+        elif isinstance(text, dict):
             out.update(text)
-        elif text is not None:
+        else:
             out[key] = text
+    return out, warnings, left_out
+
+
+def export_for(plan: ir.Plan, model: nn.Module, tp: int) -> tuple[dict[str, str], list[str]]:
+    """(HF tp_plan, warnings) that computes what `plan` computes for `model` at `tp`; UsageError if none does.
+
+    HF applies a tp_plan as it is: a `set`, a per-head slice or a norm over sharded features that the
+    export leaves out would make HF run the model with the wrong shapes or the wrong maths. So the
+    `when` branches are taken for this model and tp, nothing they select may be left out, and the
+    exported plan, read back, must pass dtp's own check at tp."""
+    from dtp import conditions
+    from dtp.check import check
+    from dtp.errors import PlanError
+    from dtp.syntax import parse
+
+    diags: list = []
+    out, warnings, left_out = _export(plan, model, conditions.chooser(model, diags, tp))
+    if diags:
+        raise UsageError(f"cannot pick the plan's `when` branches for this model at tp {tp}: "
+                         + "; ".join(f"line {d.pos.line}: {d.message}" for d in diags))
+    if left_out:
+        raise UsageError(f"no Hugging Face tp_plan computes what this plan does for the model at tp {tp}: "
+                         + "; ".join(left_out) + ". HF would run the rest with the unsharded module's shapes "
+                         "(pass --lossy to print what can be expressed anyway)")
+    try:
+        check(parse(import_plan(out)[0], "<exported tp_plan>"), model, tp)
+    except PlanError as err:
+        first = " ".join(str(err).split())
+        raise UsageError(f"the exported tp_plan does not hold together for the model at tp {tp}: {first[:600]} "
+                         "(pass --lossy to print it anyway)") from None
     return out, warnings
 
 
@@ -174,8 +218,19 @@ def cmd_plan(args) -> int:
     from dtp import models
     from dtp.syntax import load
 
-    model = models.build(models.resolve(args.model), device="meta") if args.model else None
-    out, warnings = export_plan(load(args.to_hf), model)
+    plan = load(args.to_hf)
+    if args.model is None:
+        out, warnings = export_plan(plan)
+        warnings.append("not checked against a model: give MODEL (and --tp) to check that Hugging Face would "
+                        "compute what this plan does")
+    else:
+        model = models.build(models.resolve(args.model), device="meta")
+        if args.lossy:
+            from dtp import conditions
+
+            out, warnings = export_plan(plan, model, conditions.chooser(model, [], args.tp))
+        else:
+            out, warnings = export_for(plan, model, args.tp)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
     print(json.dumps(out, indent=2))
@@ -189,5 +244,9 @@ def add_plan_parser(sub) -> None:
     mode.add_argument("--from-hf", metavar="MODEL", help="write the plan for a Hugging Face model")
     mode.add_argument("--to-hf", metavar="PLAN", help="print the plan as a Hugging Face tp_plan (JSON)")
     p.add_argument("model", nargs="?", help="with --to-hf: the model, to tell embeddings from output heads")
+    p.add_argument("--tp", type=int, default=2, metavar="N",
+                   help="with --to-hf MODEL: the tp the export is checked at (picks `when` branches; default 2)")
+    p.add_argument("--lossy", action="store_true",
+                   help="with --to-hf MODEL: print what can be expressed even when HF would run it differently")
     p.add_argument("-o", "--output", metavar="FILE", help="with --from-hf: write the plan here")
     p.set_defaults(func=cmd_plan)

@@ -25,6 +25,7 @@ from pathlib import Path
 from dtp.errors import RunError, Terminated
 
 GRACE_S = 3.0  # after a first failure, how long the other ranks get to report theirs before they are stopped
+RENDEZVOUS = "rendezvous"  # where a rank failed that never joined the process group
 
 
 def under_torchrun() -> bool:
@@ -40,16 +41,24 @@ def die_with_parent() -> None:
         pass
 
 
-def loopback_store(world: int, timeout: float):
-    """A TCPStore server listening on 127.0.0.1 only (an ephemeral port); `store.port` tells ranks where."""
-    from torch.distributed import TCPStore
-
+def loopback_listener(world: int) -> socket.socket:
+    """A socket listening on 127.0.0.1 only (an ephemeral port), for `serve_store` once every rank is started."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     sock.listen(max(128, world))
-    port = sock.getsockname()[1]
-    # The store owns the descriptor from here on (detach: Python must not close it a second time).
-    return TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
+    return sock
+
+
+def serve_store(sock: socket.socket, world: int, timeout: float):
+    """The TCPStore server on `sock` (the store owns the descriptor from here on).
+
+    Call it only after the ranks are forked: the server runs a thread, and a rank forked while that thread
+    held a lock (it accepts and names the ranks already started) can block forever in its own store client.
+    Ranks that connect before the server runs wait in the socket's backlog."""
+    from torch.distributed import TCPStore
+
+    # detach: Python must not close the descriptor a second time.
+    return TCPStore("127.0.0.1", sock.getsockname()[1], world, is_master=True, wait_for_workers=False,
                     timeout=timedelta(seconds=timeout), master_listen_fd=sock.detach())
 
 
@@ -85,9 +94,18 @@ def error_summary(err: BaseException, rank: int) -> dict:
 def _child(rank: int, world: int, port: int, device: str, timeout: float, out: str, fn, args: tuple) -> None:
     code = 1
     try:
+        import faulthandler
+
         import torch.distributed as dist
 
-        init_rank(rank, world, port, device, timeout)
+        # On a timeout the parent sends SIGUSR1 before it kills: the rank writes where it is stuck.
+        stacks = open(Path(out, f"stack-{rank}.txt"), "w")  # noqa: SIM115 - open until os._exit
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        try:
+            init_rank(rank, world, port, device, timeout)
+        except Exception as err:
+            err.__dtp_where__ = RENDEZVOUS
+            raise
         try:
             result = fn(rank, world, *args)
         finally:
@@ -173,17 +191,48 @@ def stop_ranks(procs: list) -> None:
         p.join(timeout=30)  # SIGKILL cannot be ignored; on a loaded machine it can take a moment to land
 
 
-def _wait(procs: list, out: Path, timeout: float) -> list[RunError]:
-    """Wait for every rank; the failures, first one first ([] when all returned a result)."""
-    deadline = time.monotonic() + timeout
+def _stuck_at(procs: list, out: Path, done: set[int]) -> str:
+    """Where each live rank is (its innermost frames, from faulthandler), as a sentence; '' if none could tell."""
+    live = [r for r, p in enumerate(procs) if r not in done and p.is_alive()]
+    for r in live:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(procs[r].pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    lines = []
+    for r in live:
+        with contextlib.suppress(OSError):
+            text = Path(out, f"stack-{r}.txt").read_text()
+            # The rank's main thread is the block that runs _child (others are torch's or gloo's own).
+            block = next((b for b in text.split("\n\n") if " in _child" in b), text)
+            frames = [f.strip() for f in block.splitlines() if f.strip().startswith("File ")]
+            if frames:
+                lines.append(f"rank {r}: " + " <- ".join(_frame(f) for f in frames[:3]))
+    return "; where each rank was: " + "; ".join(lines) if lines else ""
+
+
+def _frame(line: str) -> str:
+    """'File "/x/y.py", line 3 in f' → 'y.py:3 f'."""
+    try:
+        path, rest = line[len('File "'):].split('", line ', 1)
+        number, _, func = rest.partition(" in ")
+        return f"{Path(path).name}:{number} {func}"
+    except ValueError:
+        return line
+
+
+def _wait(procs: list, out: Path, left: float, timeout: float) -> list[RunError]:
+    """Wait for every rank, at most `left` seconds; the failures, first one first ([] when all returned a
+    result). `timeout` is the user's, for the message."""
+    deadline = time.monotonic() + left
     failures: list[tuple[int, float, int, RunError]] = []  # (round seen, time raised, rank, error)
     seen: set[int] = set()
     grace_end, rounds = None, 0
     while len(seen) < len(procs):
         now = time.monotonic()
         if now >= deadline:
+            where = _stuck_at(procs, out, seen)
             raise RunError(f"the run did not finish within --timeout {timeout:g} s; every rank was stopped "
-                           "(a rank may be stuck in a collective that another rank never joined)")
+                           "(a rank may be stuck in a collective that another rank never joined)" + where)
         if grace_end is not None and now >= grace_end:
             break
         live = [p.sentinel for r, p in enumerate(procs) if r not in seen]
@@ -205,20 +254,43 @@ def launch_local(fn, world: int, *args, timeout: float, device: str = "cpu", pre
     """Start `world` local ranks (fork+gloo on CPU, spawn+NCCL on CUDA), rendezvous on loopback only,
     init the process group on each, call fn(rank, world, *args), return the results in rank order.
     Raises RunError (one paragraph naming the failing rank and what it raised, or the timeout) and
-    leaves no process, temp dir or port behind, also on Ctrl-C/SIGTERM."""
-    procs: list = []
-    with terminate_as_interrupt(), tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-        store = loopback_store(world, timeout + 30)
-        try:
-            # Ranks' own process-group timeout is longer than ours: the parent always decides, with one message.
-            procs = start_ranks(_child, world, (world, store.port, device, timeout + 30, tmp, fn, args), device)
-            failures = _wait(procs, Path(tmp), timeout)
-        finally:
-            stop_ranks(procs)
-            del store  # closes the listening socket
-        if failures:
+    leaves no process, temp dir or port behind, also on Ctrl-C/SIGTERM.
+
+    A launch whose first failure is a rank that could not join the process group is started once more,
+    within what is left of `timeout`: gloo's loopback connect fails now and then (about once in a few
+    thousand starts here), and no rank had got past the rendezvous that failed."""
+    deadline = time.monotonic() + timeout
+    with terminate_as_interrupt():
+        for attempt in (1, 2):
+            failures, results = _launch_once(fn, world, args, timeout, deadline - time.monotonic(), device, prefix)
+            if not failures:
+                return results
             first = failures[0]
+            if attempt == 1 and first.where == RENDEZVOUS and deadline - time.monotonic() > 1.0:
+                print(f"warning: {first}; the ranks were started again", file=sys.stderr)
+                continue
             if len(failures) > 1:
                 first.args = (f"{first} ({len(failures) - 1} other rank(s) failed too)",)
             raise first
-        return [pickle.loads(Path(tmp, f"{r}.pkl").read_bytes()) for r in range(world)]
+    raise AssertionError("unreachable")
+
+
+def _launch_once(fn, world: int, args: tuple, timeout: float, left: float, device: str,
+                 prefix: str) -> tuple[list[RunError], list]:
+    """One start of the ranks: (failures, results in rank order); `left` is the time this start may take."""
+    procs: list = []
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        sock, store = loopback_listener(world), None
+        try:
+            # Ranks' own process-group timeout is longer than ours: the parent always decides, with one message.
+            procs = start_ranks(_child, world, (world, sock.getsockname()[1], device, timeout + 30, tmp, fn, args),
+                                device)
+            store = serve_store(sock, world, timeout + 30)
+            failures = _wait(procs, Path(tmp), left, timeout)
+        finally:
+            stop_ranks(procs)
+            sock.close()  # a no-op once the store owns the descriptor
+            del store  # closes the listening socket
+        if failures:
+            return failures, []
+        return [], [pickle.loads(Path(tmp, f"{r}.pkl").read_bytes()) for r in range(world)]

@@ -133,6 +133,9 @@ def test_hanging_rank_times_out_and_leaves_no_process(repo):
     elapsed = time.monotonic() - start
     assert proc.returncode == 1
     assert "did not finish within --timeout 8 s" in proc.stderr
+    where = proc.stderr.split("where each rank was: ", 1)[1]  # from each stuck rank's own stack
+    assert "rank 1: broken_models.py:44 forward <- " in where, proc.stderr
+    assert "rank 0: " in where and "Traceback" not in proc.stderr
     assert elapsed < 8 + 20  # the timeout plus start-up, never the hour the rank sleeps
     time.sleep(0.5)
     assert processes_with_mark(mark) == []

@@ -4,6 +4,7 @@ families per rank launch; tp_plan import/export round trips; check rules and exp
 layouts (Conv1D, packed part lists, replicate(reduce_grad), experts)."""
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -12,15 +13,16 @@ import torch
 
 pytest.importorskip("transformers")
 
+from conftest import dtp_cli  # noqa: E402
 from dtp import models  # noqa: E402
 from dtp.check import check  # noqa: E402
-from dtp.errors import PlanError  # noqa: E402
+from dtp.errors import PlanError, UsageError  # noqa: E402
 from dtp.explain import explain  # noqa: E402
-from dtp.hf_plan import export_plan, hf_plan_of, import_plan  # noqa: E402
+from dtp.hf_plan import export_for, export_plan, hf_plan_of, import_plan  # noqa: E402
 from dtp.hf_verify import PLANS, verify_on_rank  # noqa: E402
 from dtp.models import hf  # noqa: E402
 from dtp.ranks import on_ranks  # noqa: E402
-from dtp.syntax import parse  # noqa: E402
+from dtp.syntax import load, parse  # noqa: E402
 
 # Variants run the shipped plan of their model type, whose `when config.…` blocks pick their layout.
 TP2 = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_neox", "gptj", "gpt_bigcode", "falcon",
@@ -125,6 +127,54 @@ def test_export_names_what_hf_cannot_express():
     out, warnings = export_plan(plan)
     assert out == {"h.*.mlp.c_fc": "colwise"}
     assert len(warnings) == 2 and "`set h.*.attn.n`" in warnings[0] and "whole segments" in warnings[1]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "gemma2", "mixtral", "phi", "gpt_neox",
+                                    "gptj"])
+def test_shipped_plans_export_to_the_tp_plan_hf_ships(family):
+    model = hf.build(family)
+    out, warnings = export_for(load(PLANS / f"{model.config.model_type}.tp"), model, 2)
+    assert out == hf_plan_of(model)
+    assert warnings == [w for w in warnings if "exported as colwise_gather_output" in w]  # the head: no loss_parallel
+
+
+@pytest.mark.parametrize("family, tp, left_out", [
+    ("olmo2", 2, ["line 12 (model.layers.*.self_attn.q_norm: sharded_norm)",
+                  "line 21 (model.layers.*.self_attn.k_norm: sharded_norm)"]),
+    ("gpt2", 2, ["line 15: `set transformer.h.*.attn.split_size`", "line 9 (transformer.h.*.attn.c_attn: colwise): "
+                 "packed=3"]),
+    ("gemma", 2, ["line 13: `set model.layers.*.self_attn.num_key_value_groups`",  # one kv head: repeat(kv)
+                  "line 11 (model.layers.*.self_attn.k_proj: colwise): packed=[repeat(kv)]"]),
+    ("llama", 4, ["line 11 (model.layers.*.self_attn.k_proj: colwise): packed=[repeat(kv)]"]),  # 2 kv heads < 4
+])
+def test_export_refuses_a_tp_plan_hf_would_run_differently(family, tp, left_out):
+    model = hf.build(family)
+    with pytest.raises(UsageError) as info:
+        export_for(load(PLANS / f"{model.config.model_type}.tp"), model, tp)
+    message = str(info.value)
+    assert message.startswith(f"no Hugging Face tp_plan computes what this plan does for the model at tp {tp}: ")
+    assert all(item in message for item in left_out), message
+
+
+def test_export_of_a_plan_that_does_not_hold_together_is_refused():
+    plan = parse("dtp 1\nmodel.layers.*.self_attn.o_proj: rowwise\n", "<p>")  # no colwise q/k/v before it
+    with pytest.raises(UsageError, match=r"^the exported tp_plan does not hold together for the model at tp 2: "
+                                         r"<exported tp_plan>:\d+:\d+: model.layers.0.self_attn.o_proj .*rowwise"):
+        export_for(plan, hf.build("llama"), 2)
+
+
+def test_export_cli_checks_against_the_model(repo):
+    refused = dtp_cli("plan", "--to-hf", "plans/hf/olmo2.tp", "dtp.models.hf:olmo2")
+    assert (refused.returncode, refused.stdout) == (2, "")
+    assert refused.stderr.startswith("error: no Hugging Face tp_plan computes") and refused.stderr.count("\n") == 1
+    lossy = dtp_cli("plan", "--to-hf", "plans/hf/olmo2.tp", "dtp.models.hf:olmo2", "--lossy")
+    assert lossy.returncode == 0 and "model.layers.*.self_attn.q_norm" not in json.loads(lossy.stdout)
+    assert "no HF style for sharded_norm" in lossy.stderr
+    at_tp1 = dtp_cli("plan", "--to-hf", "plans/hf/gemma.tp", "dtp.models.hf:gemma", "--tp", "1")
+    assert at_tp1.returncode == 0, at_tp1.stderr  # the repeat(kv) branch is not taken: HF's own layout
+    assert json.loads(at_tp1.stdout)["model.layers.*.self_attn.k_proj"] == "colwise"
+    unchecked = dtp_cli("plan", "--to-hf", "plans/hf/olmo2.tp")
+    assert unchecked.returncode == 0 and "warning: not checked against a model" in unchecked.stderr
 
 
 def _errors(text: str, family: str, tp: int) -> list[str]:

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from dtp.launcher import init_rank, loopback_store, start_ranks, stop_ranks
+from dtp.launcher import init_rank, loopback_listener, serve_store, start_ranks, stop_ranks
 from dtp.run import RunConfig
 
 RANK_TIMEOUT_S = 120.0  # a collective that waits longer than this on a pool rank fails it
+READY = "ready"  # what a rank answers once it has joined the process group and built the mesh
 
 
 def _worker(rank: int, world: int, port: int, jobs: list, results, tp: int, dp: int) -> None:
@@ -25,6 +26,7 @@ def _worker(rank: int, world: int, port: int, jobs: list, results, tp: int, dp: 
 
     init_rank(rank, world, port, "cpu", RANK_TIMEOUT_S)  # loopback rendezvous; Ctrl-C is the parent's
     mesh = run_mod.make_mesh(RunConfig(plan="", model="", tp=tp, dp=dp))
+    results.put((rank, READY, None))
     while True:
         cfg = jobs[rank].get()
         if cfg is None:
@@ -48,12 +50,29 @@ class RankPool:
 
     def __init__(self, tp: int, dp: int = 1):
         self.tp, self.dp, self.world = tp, dp, tp * dp
+        # gloo's loopback connect fails now and then: one more start, as `launch_local` does
+        if not self._start() and not self._start():
+            raise RuntimeError(f"the rank pool for tp {tp} × dp {dp} did not start twice in a row")
+
+    def _start(self) -> bool:
+        """Start the ranks; whether every one joined (otherwise they are stopped)."""
         ctx = mp.get_context("fork")
         self.jobs = [ctx.Queue() for _ in range(self.world)]
         self.results = ctx.Queue()
         self.tmp = tempfile.TemporaryDirectory(prefix="dtp-fuzz-")
-        self.store = loopback_store(self.world, RANK_TIMEOUT_S)
-        self.procs = start_ranks(_worker, self.world, (self.world, self.store.port, self.jobs, self.results, tp, dp))
+        sock = loopback_listener(self.world)
+        self.procs = start_ranks(_worker, self.world, (self.world, sock.getsockname()[1], self.jobs, self.results,
+                                                       self.tp, self.dp))
+        self.store = serve_store(sock, self.world, RANK_TIMEOUT_S)  # after the fork: see serve_store
+        deadline, ready = time.monotonic() + RANK_TIMEOUT_S, 0
+        while ready < self.world and time.monotonic() < deadline and self.alive:
+            try:
+                ready += self.results.get(timeout=0.2)[1] == READY
+            except queue.Empty:
+                continue
+        if ready < self.world:
+            self.close()
+        return ready == self.world
 
     def run(self, cfg: RunConfig, timeout: float = 120.0) -> dict:
         """Rank 0's report for `cfg`; raises RuntimeError (a rank failed) or Hang. Either closes the pool."""
