@@ -108,3 +108,27 @@ def unequal_parts_message(parts: tuple[int, ...], packed: int, info: Heads, widt
     return (f"packed={packed} needs {packed} equal parts, but out_features={width} holds q {q} + k {kv} + v {kv} "
             f"({kind}: {info.n_head} query heads and {n_kv} key/value head{'s' if n_kv > 1 else ''} of size "
             f"{info.head_dim}, read from the weight's shape{said}); list the parts instead: {hint}")
+
+
+def check_per_head_lists(res, model: nn.Module, tp: int | None, rep) -> None:
+    """Refuse splitting the heads of an attention that keeps one module per head in a ModuleList (StableLM
+    2 12B's q/k LayerNorms): the model zips a rank's local heads with the list's first entries."""
+    if tp == 1:
+        return
+    for path, module in res.modules.items():
+        if not path or not attention_like(module):
+            continue
+        split = [(p, r) for p, r in res.claims.items() if p.rpartition(".")[0] == path and r.style.name == "colwise"
+                 and getattr(r.style.option("output"), "kind", "shard") == "shard"]
+        info = heads(model, path, module) if split else None
+        if info is None:
+            continue
+        for sub, child in module.named_modules():
+            if sub and isinstance(child, nn.ModuleList) and len(child) > 1 and len(child) in (info.n_head,
+                                                                                             info.n_kv_head):
+                proj, rule = split[0]
+                rep.add(rule.style.pos, len(rule.style.name), proj,
+                        f"{path.rsplit('.', 1)[-1]}.{sub} holds one {type(child[0]).__name__} per head ({len(child)}), "
+                        "and the model pairs a rank's local heads with the list's first entries: split heads would "
+                        "run with other heads' weights; keep this attention whole (no colwise or rowwise in it)")
+                break

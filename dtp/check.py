@@ -355,9 +355,14 @@ def _check(plan: ir.Plan, model: nn.Module | None, tp: int | None, dp: int | Non
         rep = _Reporter()
         fits = _check_modules(res, model, tp, rep, sizes)
         if fits:  # a norm left whole over a sharded output: the flow walk would only echo it
+            from dtp.attention import check_per_head_lists
+            from dtp.partial_grads import check_partial_grads
             from dtp.sharded_norm import check_unsharded_norms
             before = len(rep.groups)
             check_unsharded_norms(res, rep)
+            check_per_head_lists(res, model, tp, rep)
+            if len(rep.groups) == before:  # a per-head list's norms would only echo it
+                check_partial_grads(res, model, tp, rep)
             fits = len(rep.groups) == before
         if fits and not structural:  # layouts of styles that do not apply would only echo those errors
             _check_flow(res, model, rep)

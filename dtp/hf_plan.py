@@ -50,14 +50,22 @@ def hf_plan_of(model: nn.Module) -> dict[str, str]:
     return plan
 
 
-def import_plan(plan: dict[str, str], name: str = "imported") -> tuple[str, list[str]]:
-    """(.tp text, warnings) for an HF tp_plan dict."""
+def import_plan(plan: dict[str, str], name: str = "imported",
+                model: nn.Module | None = None) -> tuple[str, list[str]]:
+    """(.tp text, warnings) for an HF tp_plan dict; with `model`, keys that match none of its modules are
+    comments (HF skips them: Qwen3-MoE's plan names the dense MLP of `mlp_only_layers` a model may lack)."""
+    from dtp.resolve import matches
+
     warnings: list[str] = []
     experts = {k for k, v in plan.items() if v == "moe_tp_experts"}
+    paths = [path for path, _ in model.named_modules() if path] if model is not None else None
     lines = ["# imported from a Hugging Face tp_plan by `dtp plan --from-hf`", "dtp 1", f"plan {name} version 1", ""]
     for key, style in plan.items():
         if any(key.startswith(e + ".") for e in experts):
             continue  # gate_up_proj / down_proj of an `experts` module: covered by its rule
+        if paths is not None and not any(matches(ir.Pattern(tuple(key.split("."))), path) for path in paths):
+            lines.append(f"# not in this model (HF skips it): {key}: {style}")
+            continue
         if style not in IMPORT:
             warnings.append(f"{key}: unknown Hugging Face style '{style}'; rule dropped")
             lines.append(f"# lossy: {key}: unknown style '{style}' dropped")
@@ -197,7 +205,7 @@ def from_hf(spec: str) -> tuple[str, list[str]]:
     plan = hf_plan_of(model)
     if not plan:
         raise UsageError(f"no shipped plan for model type '{model_type}' and the model has no tp_plan")
-    return import_plan(plan, f"hf-{model_type}-imported")
+    return import_plan(plan, f"hf-{model_type}-imported", model)
 
 
 def cmd_plan(args) -> int:

@@ -103,7 +103,9 @@ def test_finds_off_by_one_in_uneven_vocabulary_shards(pools, monkeypatch):
         return tuple(out)
 
     monkeypatch.setattr(Placement, "local_shape", floor_chunks)
-    assert "parameter bytes per rank" in _finds(pools, zoo_cases(max_world=2), 30)
+    found = _finds(pools, zoo_cases(max_world=2), 30)
+    # torch 2.13 runs the mis-sized shards and the byte table differs; torch 2.11's DTensor fails on them first
+    assert "parameter bytes per rank" in found or ("the run failed" in found and "size" in found), found
 
 
 def test_cli_summary(repo):

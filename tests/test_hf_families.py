@@ -34,11 +34,15 @@ TP2 = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_neox", "gptj
        "phi3_mha",  # no grouped-query attention, partial rotary, sliding window, tied embeddings
        "olmo2_mha",  # no grouped-query attention, biases, tied embeddings
        "falcon_rw", "falcon_rw_sdpa",  # ALiBi (falcon-rw-1b), eager and sdpa: bias and 4-D mask cut per head
-       "falcon_rw_mqa"]  # ALiBi with the multi-query query_key_value
+       "falcon_rw_mqa",  # ALiBi with the multi-query query_key_value
+       "stablelm", "gpt_neo",  # no HF tp_plan: `set` the head counts their attention views with
+       "stablelm_qk",  # StableLM 2 12B: one LayerNorm per head in a ModuleList; attention stays whole
+       "apertus"]  # xIELU's learnt scalars read sharded features: replicate(reduce_grad)
 TP4 = ["gpt2", "gpt_bigcode", "falcon", "bloom",  # 4 heads (and one replicated k/v head) divide by 4
        "gemma", "llama", "qwen2",  # 1 and 2 key/value heads < tp: repeat(kv), each rank the head it reads
        "phi3", "olmo2",  # the same inside Phi-3's fused qkv_proj, and for OLMo2's k_norm
-       "falcon_rw", "falcon_rw_sdpa"]  # one head per rank: slice_input keeps one plane of bias and mask
+       "falcon_rw", "falcon_rw_sdpa",  # one head per rank: slice_input keeps one plane of bias and mask
+       "stablelm"]  # 2 key/value heads < 4: repeat(kv) with the head counts set
 # At tp 4 the repeated k/v rows add one gradient all-reduce per projection (and per bias: qwen2).
 EXPECTED_TP4 = {"gemma": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},
                 "llama": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},
@@ -65,6 +69,9 @@ EXPECTED = {
     "falcon_rw": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 5}},  # Megatron's: slice_input adds none
     "falcon_rw_sdpa": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 5}},
     "falcon_rw_mqa": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},  # + 2 × (weight, bias) k/v rows
+    "stablelm_qk": {"forward": {"all_reduce": 6}, "backward": {"all_reduce": 3}},  # attention whole: MLP's only
+    # + 2 × (q_norm, k_norm weights, xIELU's alpha_p and alpha_n) gradients
+    "apertus": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 13}},
 }
 MEGATRON = {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 5}}  # 4 × 2 layers + 1 + 1 + 3
 
@@ -113,6 +120,20 @@ def test_hf_tp_plan_round_trip(family):
     assert exported == original
 
 
+def test_import_skips_keys_that_match_no_module_of_the_model():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen3_moe", vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                                  moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    text, warnings = import_plan(hf_plan_of(model), "q", model)  # its plan names the dense MLP it lacks
+    assert warnings == []
+    assert "# not in this model (HF skips it): model.layers.*.mlp.gate_proj: colwise" in text
+    check(parse(text, "<imported>"), model, 2)  # without the skip: 3 "matches no module" errors
+
+
 def test_import_names_what_is_lossy():
     text, warnings = import_plan({"model.layers.*.mlp.gate_proj": "local_colwise", "model.layers.*.x": "gather",
                                   "model.layers.*.y": "no_such_style"})
@@ -154,6 +175,40 @@ def test_export_refuses_a_tp_plan_hf_would_run_differently(family, tp, left_out)
     message = str(info.value)
     assert message.startswith(f"no Hugging Face tp_plan computes what this plan does for the model at tp {tp}: ")
     assert all(item in message for item in left_out), message
+
+
+def test_heads_with_one_module_each_in_a_list_are_not_split():
+    # StableLM 2 12B: q_layernorm.norms[i] normalises head i; the model zips them with whatever heads it holds
+    text = ("dtp 1\nmodel.layers.* {\n    self_attn.q_proj: colwise\n    self_attn.k_proj: colwise\n"
+            "    self_attn.v_proj: colwise\n    self_attn.o_proj: rowwise\n}\n")
+    model = hf.build("stablelm_qk")
+    with pytest.raises(PlanError) as info:
+        check(parse(text, "n.tp"), model, 2)
+    assert str(info.value).splitlines()[0] == (
+        "n.tp:3:23: model.layers.0.self_attn.q_proj (and 1 more module): self_attn.q_layernorm.norms holds one "
+        "LayerNorm per head (4), and the model pairs a rank's local heads with the list's first entries: split heads "
+        "would run with other heads' weights; keep this attention whole (no colwise or rowwise in it)")
+    check(parse(text, "n.tp"), model, 1)  # nothing is split at tp 1
+    check(parse(text, "n.tp"), hf.build("stablelm"), 2)  # without the per-head norms the same plan is fine
+
+
+def test_parameters_on_sharded_features_without_a_rule_are_refused():
+    # Apertus's xIELU learns two scalars from up_proj's sharded output: HF's own tp_plan forgets them
+    text = PLANS.joinpath("apertus.tp").read_text().replace("    mlp.act_fn: replicate(reduce_grad=true)", "")
+    with pytest.raises(PlanError) as info:
+        check(parse(text, "a.tp"), hf.build("apertus"), 2)
+    assert str(info.value).splitlines()[0] == (
+        "a.tp:23:18: model.layers.0.mlp.act_fn (and 1 more module): act_fn (XIELUActivation) holds parameters "
+        "(alpha_p (1,), alpha_n (1,)) no rule names, beside up_proj, whose colwise output stays sharded: if they act "
+        "on the features each rank holds, each rank's gradient is a partial sum and the ranks drift apart; add "
+        "`model.layers.*.mlp.act_fn: replicate(reduce_grad=true)`, or `model.layers.*.mlp.act_fn: replicate` if it "
+        "reads full activations only")
+    # Qwen3's per-head norms under Llama's plan (parity fails on their gradients otherwise)
+    with pytest.raises(PlanError, match=r"llama.tp:9:23: model.layers.0.self_attn.q_norm \(and 1 more module\): "
+                                        r"q_norm \(Qwen3RMSNorm\) holds parameters \(weight \(16,\)\)"):
+        check(load(PLANS / "llama.tp"), hf.build("qwen3"), 2)
+    check(parse(text + "model.layers.*.mlp.act_fn: replicate\n", "a.tp"), hf.build("apertus"), 2)  # "I know"
+    check(parse(text, "a.tp"), hf.build("apertus"), 1)  # nothing is sharded at tp 1
 
 
 def test_export_of_a_plan_that_does_not_hold_together_is_refused():

@@ -53,6 +53,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "bloom": ("bloom", {}),
     "olmo2": ("olmo2", dict(num_key_value_heads=2)),
     "olmo2_mha": ("olmo2", dict(num_key_value_heads=4, attention_bias=True, tie_word_embeddings=True)),
+    "stablelm": ("stablelm", dict(num_key_value_heads=2)),  # StableLM 2 1.6B/3B: partial rotary, LayerNorm
+    # StableLM 2 12B: one LayerNorm per head (a ModuleList), parallel residual, qkv biases
+    "stablelm_qk": ("stablelm", dict(num_key_value_heads=2, qk_layernorm=True, use_parallel_residual=True,
+                                     use_qkv_bias=True)),
+    "gpt_neo": ("gpt_neo", dict(attention_types=[[["global", "local"], 1]], window_size=8)),
+    "apertus": ("apertus", dict(num_key_value_heads=2)),  # xIELU activation with learnt scalars
     "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
     "qwen2_moe": ("qwen2_moe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                     moe_intermediate_size=32, shared_expert_intermediate_size=64)),
