@@ -37,7 +37,8 @@ TP2 = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_neox", "gptj
        "falcon_rw_mqa",  # ALiBi with the multi-query query_key_value
        "stablelm", "gpt_neo",  # no HF tp_plan: `set` the head counts their attention views with
        "stablelm_qk",  # StableLM 2 12B: one LayerNorm per head in a ModuleList; attention stays whole
-       "apertus"]  # xIELU's learnt scalars read sharded features: replicate(reduce_grad)
+       "apertus",  # xIELU's learnt scalars read sharded features: replicate(reduce_grad)
+       "qwen3_moe", "hunyuan_v1_dense"]  # per-head q/k norms (and experts)
 TP4 = ["gpt2", "gpt_bigcode", "falcon", "bloom",  # 4 heads (and one replicated k/v head) divide by 4
        "gemma", "llama", "qwen2",  # 1 and 2 key/value heads < tp: repeat(kv), each rank the head it reads
        "phi3", "olmo2",  # the same inside Phi-3's fused qkv_proj, and for OLMo2's k_norm
@@ -72,6 +73,8 @@ EXPECTED = {
     "stablelm_qk": {"forward": {"all_reduce": 6}, "backward": {"all_reduce": 3}},  # attention whole: MLP's only
     # + 2 × (q_norm, k_norm weights, xIELU's alpha_p and alpha_n) gradients
     "apertus": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 13}},
+    "qwen3_moe": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 11}},  # + q_norm, k_norm, routing
+    "hunyuan_v1_dense": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},  # + query/key norms
 }
 MEGATRON = {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 5}}  # 4 × 2 layers + 1 + 1 + 3
 

@@ -59,6 +59,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                      use_qkv_bias=True)),
     "gpt_neo": ("gpt_neo", dict(attention_types=[[["global", "local"], 1]], window_size=8)),
     "apertus": ("apertus", dict(num_key_value_heads=2)),  # xIELU activation with learnt scalars
+    "hunyuan_v1_dense": ("hunyuan_v1_dense", dict(num_key_value_heads=2)),  # per-head query/key norms
+    "qwen3_moe": ("qwen3_moe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=32, mlp_only_layers=[])),
     "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
     "qwen2_moe": ("qwen2_moe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                     moe_intermediate_size=32, shared_expert_intermediate_size=64)),
