@@ -2,7 +2,8 @@
 
 What the grammar cannot say, the strategies do not generate:
 - a segment containing `**` other than `**` itself, and empty index ranges;
-- a single-segment pattern that is a keyword (`dtp`, `plan`, `mesh`, `set`, `version`): it lexes as the keyword;
+- a single-segment pattern that is a keyword (`dtp`, `plan`, `mesh`, `set`, `version`, `when`, `else`): it lexes
+  as the keyword (`else {` on a line of its own is the stray-else error, by design);
 - option values `true`/`false`/`replicate`/`partial` as plain strings: they parse as bools and layouts;
 - the version is always 1 and the mesh is `tp` or `dp, tp` (anything else is an error by design).
 """
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from dtp import ir
 from dtp.syntax import MAX_INT
 
-KEYWORDS = frozenset({"dtp", "plan", "mesh", "set", "version"})
+KEYWORDS = frozenset({"dtp", "plan", "mesh", "set", "version", "when", "else"})
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_"
 _DIGITS = "0123456789"
 
