@@ -1,7 +1,6 @@
 """`dtp explain`: where every parameter lives under a plan, and what that costs per rank."""
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import asdict, dataclass
 
@@ -12,6 +11,7 @@ from dtp.check import Checked
 from dtp.check_slices import slice_names
 from dtp.param_bytes import ideal_param_bytes, param_bytes_per_rank
 from dtp.placement import Placement
+from dtp.resolve import generic_path
 from dtp.schedule import Collective, NotModeled, schedule, summarize
 
 
@@ -61,7 +61,7 @@ class Explanation:
 
 def _group_paths(paths: list[str]) -> tuple[str, ...]:
     # transformer.h.0.ln_1 … transformer.h.71.ln_1 → "transformer.h.*.ln_1 (×72)"
-    counts = Counter(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", p) for p in paths)
+    counts = Counter(generic_path(p) for p in paths)
     return tuple(f"{k} (×{n})" if n > 1 else k for k, n in counts.items())
 
 
@@ -158,7 +158,7 @@ def render(ex: Explanation) -> str:
         return "\n".join(lines)
     groups: dict[tuple, list[Collective]] = {}
     for c in ex.schedule:  # one line per kind of collective, layers folded together
-        key = (c.phase, c.op, re.sub(r"(?<=\.)\d+(?=\.|$)", "*", c.module), c.reason, c.buffer_bytes)
+        key = (c.phase, c.op, generic_path(c.module), c.reason, c.buffer_bytes)
         groups.setdefault(key, []).append(c)
     for (phase, op, module, reason, nbytes), cs in groups.items():
         lines.append(f"  {phase:<8} {len(cs):>4} × {op:<14} {human_bytes(nbytes):>10}  {module}: {reason}")

@@ -258,7 +258,7 @@ def launch_local(fn, world: int, *args, timeout: float, device: str = "cpu", pre
 
     A launch whose first failure is a rank that could not join the process group is started once more,
     within what is left of `timeout`: gloo's loopback connect fails now and then (about once in a few
-    thousand starts here), and no rank had got past the rendezvous that failed."""
+    thousand starts here). The failed rank never ran `fn`; ranks that had begun it are stopped first."""
     deadline = time.monotonic() + timeout
     with terminate_as_interrupt():
         for attempt in (1, 2):

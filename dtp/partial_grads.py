@@ -11,11 +11,10 @@ module reads full activations only.
 """
 from __future__ import annotations
 
-import re
-
 import torch.nn as nn
 
 from dtp.placement import is_linear
+from dtp.resolve import generic_path
 
 
 def hidden_size(model: nn.Module) -> int | None:
@@ -60,7 +59,7 @@ def check_partial_grads(res, model: nn.Module, tp: int | None, rep) -> None:
                     f"{here} ({type(module).__name__}) holds parameters ({names}) no rule names, beside "
                     f"{proj.rsplit('.', 1)[-1]}, whose colwise output stays sharded: if they act on the features "
                     "each rank holds, each rank's gradient is a partial sum and the ranks drift apart; add "
-                    f"`{_generic(path)}: replicate(reduce_grad=true)`, or `{_generic(path)}: replicate` if it "
+                    f"`{generic_path(path)}: replicate(reduce_grad=true)`, or `{generic_path(path)}: replicate` if it "
                     "reads full activations only")
 
 
@@ -76,7 +75,3 @@ def _claimed(res, path: str) -> bool:
     """Whether a rule names `path` or a module above it (an `experts` rule covers its children)."""
     parts = path.split(".")
     return any(".".join(parts[:i]) in res.claims for i in range(1, len(parts) + 1))
-
-
-def _generic(path: str) -> str:
-    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
@@ -42,6 +43,12 @@ def matches(pattern: ir.Pattern, path: str) -> bool:
         if not any(reach):
             return False
     return reach[len(names)]
+
+
+def generic_path(path: str) -> str:
+    """A module path with its layer indices as `*` (`model.layers.3.mlp` → `model.layers.*.mlp`): the pattern
+    a plan writes for that module in every layer."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", path)
 
 
 def specificity(pattern: ir.Pattern) -> tuple[int, ...]:

@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from dtp.layouts import all_reduce_grad, distribute_param, equal_parts
 from dtp.placement import Placement
+from dtp.resolve import generic_path
 
 if TYPE_CHECKING:
     from dtp import ir
@@ -187,12 +188,6 @@ def check_unsharded_norms(res: Resolution, rep) -> None:
             name = path.rsplit(".", 1)[-1]
             rep.add(claim.style.pos, len(claim.style.name), proj, f"{name} ({type(module).__name__}) normalises over "
                     f"{weight.shape[0]} features, the whole output of this colwise layer, of which each rank holds a "
-                    f"slice; shard it too with `{_generic(path)}: sharded_norm` (its sum of squares is all-reduced), "
+                    f"slice; shard it too with `{generic_path(path)}: sharded_norm` (its sum of squares is all-reduced), "
                     "or gather this output (output=replicate)")
             break
-
-
-def _generic(path: str) -> str:
-    import re
-
-    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", path)
