@@ -113,20 +113,19 @@ def unequal_parts_message(parts: tuple[int, ...], packed: int, info: Heads, widt
 def check_per_head_lists(res, model: nn.Module, tp: int | None, rep) -> None:
     """Refuse splitting the heads of an attention that keeps one module per head in a ModuleList (StableLM
     2 12B's q/k LayerNorms): the model zips a rank's local heads with the list's first entries."""
+    from dtp.resolve import sharded_colwise
+
     if tp == 1:
         return
-    for path, module in res.modules.items():
-        if not path or not attention_like(module):
-            continue
-        split = [(p, r) for p, r in res.claims.items() if p.rpartition(".")[0] == path and r.style.name == "colwise"
-                 and getattr(r.style.option("output"), "kind", "shard") == "shard"]
-        info = heads(model, path, module) if split else None
+    for path, projs in sharded_colwise(res).items():
+        module = res.modules.get(path)
+        info = heads(model, path, module) if module is not None and attention_like(module) else None
         if info is None:
             continue
         for sub, child in module.named_modules():
             if sub and isinstance(child, nn.ModuleList) and len(child) > 1 and len(child) in (info.n_head,
                                                                                              info.n_kv_head):
-                proj, rule = split[0]
+                proj, rule = projs[0], res.claims[projs[0]]
                 rep.add(rule.style.pos, len(rule.style.name), proj,
                         f"{path.rsplit('.', 1)[-1]}.{sub} holds one {type(child[0]).__name__} per head ({len(child)}), "
                         "and the model pairs a rank's local heads with the list's first entries: split heads would "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from dtp.placement import is_linear
-from dtp.resolve import generic_path
+from dtp.resolve import generic_path, sharded_colwise
 
 
 def hidden_size(model: nn.Module) -> int | None:
@@ -33,14 +33,10 @@ def check_partial_grads(res, model: nn.Module, tp: int | None, rep) -> None:
     hidden = hidden_size(model)
     if tp == 1 or hidden is None:
         return
-    seen: set[str] = set()
-    for proj, rule in sorted(res.claims.items(), key=lambda c: (c[1].pos.line, c[1].pos.column, c[0])):
-        if rule.style.name != "colwise" or getattr(rule.style.option("output"), "kind", "shard") != "shard":
+    for parent, projs in sharded_colwise(res).items():
+        if parent not in res.modules:
             continue
-        parent = proj.rpartition(".")[0]
-        if "." not in proj or parent in seen or parent not in res.modules:
-            continue
-        seen.add(parent)
+        proj, rule = projs[0], res.claims[projs[0]]
         for sub, module in res.modules[parent].named_modules():
             path = f"{parent}.{sub}" if sub else parent
             own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]

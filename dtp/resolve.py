@@ -51,6 +51,17 @@ def generic_path(path: str) -> str:
     return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", path)
 
 
+def sharded_colwise(res: Resolution) -> dict[str, list[str]]:
+    """Parent path → its colwise children whose output stays sharded (no output=replicate), in plan order:
+    the containers whose code runs on the features each rank holds."""
+    out: dict[str, list[str]] = {}
+    for path, rule in sorted(res.claims.items(), key=lambda c: (c[1].pos.line, c[1].pos.column, c[0])):
+        if "." in path and rule.style.name == "colwise" and \
+                getattr(rule.style.option("output"), "kind", "shard") == "shard":
+            out.setdefault(path.rpartition(".")[0], []).append(path)
+    return out
+
+
 def specificity(pattern: ir.Pattern) -> tuple[int, ...]:
     """Orders patterns: literal segments beat ranges, ranges beat partial wildcards, which beat `*`, then `**`."""
     literal = ranges = partial = star = globstar = 0

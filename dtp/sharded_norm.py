@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from dtp.layouts import all_reduce_grad, distribute_param, equal_parts
 from dtp.placement import Placement
-from dtp.resolve import generic_path
+from dtp.resolve import generic_path, sharded_colwise
 
 if TYPE_CHECKING:
     from dtp import ir
@@ -165,10 +165,7 @@ def check_unsharded_norms(res: Resolution, rep) -> None:
     from dtp.models import heads
 
     info = heads(res.modules[""]) if "" in res.modules else None
-    colwise: dict[str, list[str]] = {}  # parent → its colwise children
-    for proj, claim in res.claims.items():
-        if claim.style.name == "colwise":
-            colwise.setdefault(proj.rpartition(".")[0], []).append(proj)
+    colwise = sharded_colwise(res)
     for path, module in res.modules.items():
         rule = res.claims.get(path)
         if not is_norm(module) or (rule and rule.style.name != "replicate") or "." not in path:
@@ -181,9 +178,7 @@ def check_unsharded_norms(res: Resolution, rep) -> None:
             continue  # a per-head norm (Qwen3's, Phi's qk_layernorm): one key/value head is as wide as its output
         for proj in colwise.get(parent, ()):
             claim = res.claims[proj]
-            layout = claim.style.option("output")
-            if (getattr(res.modules[proj], "out_features", None) != weight.shape[0]
-                    or (layout is not None and getattr(layout, "kind", None) != "shard")):
+            if getattr(res.modules[proj], "out_features", None) != weight.shape[0]:
                 continue
             name = path.rsplit(".", 1)[-1]
             rep.add(claim.style.pos, len(claim.style.name), proj, f"{name} ({type(module).__name__}) normalises over "
