@@ -247,12 +247,14 @@ def cmd_plan(args) -> int:
 
 def add_plan_parser(sub) -> None:
     """Register `dtp plan`."""
+    from dtp.cli import positive_int
+
     p = sub.add_parser("plan", help="import a Hugging Face tp_plan as a .tp plan, or export one")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--from-hf", metavar="MODEL", help="write the plan for a Hugging Face model")
     mode.add_argument("--to-hf", metavar="PLAN", help="print the plan as a Hugging Face tp_plan (JSON)")
     p.add_argument("model", nargs="?", help="with --to-hf: the model, to tell embeddings from output heads")
-    p.add_argument("--tp", type=int, default=2, metavar="N",
+    p.add_argument("--tp", type=positive_int, default=2, metavar="N",
                    help="with --to-hf MODEL: the tp the export is checked at (picks `when` branches; default 2)")
     p.add_argument("--lossy", action="store_true",
                    help="with --to-hf MODEL: print what can be expressed even when HF would run it differently")

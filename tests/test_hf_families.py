@@ -231,6 +231,9 @@ def test_export_cli_checks_against_the_model(repo):
     at_tp1 = dtp_cli("plan", "--to-hf", "plans/hf/gemma.tp", "dtp.models.hf:gemma", "--tp", "1")
     assert at_tp1.returncode == 0, at_tp1.stderr  # the repeat(kv) branch is not taken: HF's own layout
     assert json.loads(at_tp1.stdout)["model.layers.*.self_attn.k_proj"] == "colwise"
+    bad_tp = dtp_cli("plan", "--to-hf", "plans/hf/llama.tp", "dtp.models.hf:llama", "--tp", "0")
+    assert bad_tp.returncode == 2 and "expected a positive integer, got 0" in bad_tp.stderr
+    assert "Traceback" not in bad_tp.stderr
     unchecked = dtp_cli("plan", "--to-hf", "plans/hf/olmo2.tp")
     assert unchecked.returncode == 0 and "warning: not checked against a model" in unchecked.stderr
 
