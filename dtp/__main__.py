@@ -1,6 +1,4 @@
 """`python -m dtp` (what torchrun launches on every node)."""
-import sys
+from dtp.cli import entry
 
-from dtp.cli import main
-
-sys.exit(main())
+entry()

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from dtp.errors import DtpError, Terminated, UsageError
 
@@ -225,5 +226,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
+def entry() -> NoReturn:
+    """The `dtp` console script and `python -m dtp`: `main`, then exit (a torchrun rank skips finalisation)."""
+    from dtp.launcher import leave_rank, under_torchrun
+
+    code = main()
+    if under_torchrun():
+        leave_rank(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

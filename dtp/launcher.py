@@ -21,6 +21,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 from dtp.errors import RunError, Terminated
 
@@ -31,6 +32,21 @@ RENDEZVOUS = "rendezvous"  # where a rank failed that never joined the process g
 def under_torchrun() -> bool:
     """Whether this process is one rank of a torchrun-launched world."""
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def leave_rank(code: int) -> NoReturn:
+    """End a torchrun rank without finalising the interpreter (as local ranks end, with `os._exit`).
+
+    When a gloo collective completes, the waiting thread moves on while gloo's worker thread still holds the
+    work and its tensors. If the main thread reaches interpreter finalisation first, that worker cannot take
+    the GIL to release them and the rank aborts (SIGABRT, "terminate called without an active exception")
+    after a run that succeeded (6 times in 325 `torchrun … dtp apply` runs here). Every rank has flushed and
+    closed what it wrote by now; nothing is left for finalisation to do.
+    """
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 def die_with_parent() -> None:

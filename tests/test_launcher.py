@@ -99,3 +99,32 @@ def test_a_fuzz_rank_pool_whose_rendezvous_fails_starts_once_more(tmp_path, monk
     finally:
         ranks.close()
     assert not ranks.alive
+
+
+_FINALISING = """
+import atexit, sys
+atexit.register(lambda: print("finalised", flush=True))  # runs only if the interpreter is finalised
+sys.argv = ["dtp", "check", sys.argv[1], "gpt2-tiny"]
+from dtp.cli import entry
+entry()
+"""
+
+
+@pytest.mark.parametrize("torchrun", [True, False])
+def test_a_torchrun_rank_leaves_without_finalising_the_interpreter(repo, tmp_path, torchrun):
+    # Finalising can abort a rank whose run succeeded (gloo's worker thread still holds the last collective's
+    # tensors); a torchrun rank must skip it, and keep its exit status.
+    import os
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.tp"
+    bad.write_text((repo / "plans/gpt2.tp").read_text().replace("colwise", "colwize", 1))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    if torchrun:
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    for plan, code in ((repo / "plans/gpt2.tp", 0), (bad, 2)):
+        proc = subprocess.run([sys.executable, "-c", _FINALISING, str(plan)], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == code, proc.stderr
+        assert ("finalised" in proc.stdout) is not torchrun
