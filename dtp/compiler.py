@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from dtp import conditions, ir, models
 from dtp.check import Checked, checked_for, evaluate, set_target
 from dtp.check_slices import slice_names
+from dtp.experts import experts_layout
 from dtp.head_slices import SliceHeadsInput
 from dtp.layouts import ExpertsParallel, PlacedColwise, PlacedRowwise, ReplicateReduceGrad
 from dtp.placement import Placement as Placement_
@@ -205,7 +206,9 @@ def placed_params(low: Lowered, model: nn.Module) -> dict[str, Placement_]:
             if placement.parts or placement.packed > 1:
                 out[f"{path}.{name}"] = placement
         if m.style == "experts":
-            out[f"{path}.gate_up_proj"] = Placement_(1, 2)
+            for name, placement in experts_layout(model.get_submodule(path)).placements().items():
+                if placement.packed > 1 and hasattr(model.get_submodule(path), name):
+                    out[f"{path}.{name}"] = placement
     return out
 
 

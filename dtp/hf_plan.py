@@ -136,6 +136,12 @@ def export_for(plan: ir.Plan, model: nn.Module, tp: int) -> tuple[dict[str, str]
     from dtp.errors import PlanError
     from dtp.syntax import parse
 
+    try:  # a plan that does not hold at tp says so first, whatever HF could express of it
+        check(plan, model, tp)
+    except PlanError as err:
+        first = " ".join(str(err).split())
+        raise UsageError(f"the plan does not hold for the model at tp {tp}, so there is nothing to export: "
+                         f"{first[:600]}") from None
     diags: list = []
     out, warnings, left_out = _export(plan, model, conditions.chooser(model, diags, tp))
     if diags:
@@ -177,6 +183,14 @@ def _export_style(style: ir.Style, key: str, module: nn.Module | None, warnings:
     if name == "sequence_parallel":
         return "sequence_parallel"
     if name == "experts":
+        from dtp.experts import experts_layout
+
+        layout = experts_layout(module) if module is not None else None
+        if layout is not None and (layout.transposed or not layout.concatenated or hasattr(module, "down_proj_bias")):
+            warnings.append(f"{where}: HF's moe_tp_experts splits [gate; up] experts without biases; these are "
+                            f"{layout.describe()}" + (", with biases" if hasattr(module, "down_proj_bias") else "")
+                            + "; rule left out")
+            return None
         return {f"{key}.gate_up_proj": "packed_colwise", f"{key}.down_proj": "rowwise", key: "moe_tp_experts"}
     warnings.append(f"{where}: no HF style for {name}; rule left out")
     return None

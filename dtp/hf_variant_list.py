@@ -177,6 +177,16 @@ VARIANTS: list[Variant] = [
             "expert FFN 24: 6 a rank at tp 4"),
     Variant("qwen2_moe/sliding", "qwen2_moe", dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
                                                    max_window_layers=1), "sliding window"),
+    # GPT-OSS: transposed experts, gate/up interleaved, with biases; attention (sinks) whole
+    Variant("gpt_oss/top4_8experts", "gpt_oss", dict(num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=4),
+            "gpt-oss-20b: 32 experts, top-4"),
+    Variant("gpt_oss/ffn100", "gpt_oss", dict(num_key_value_heads=2, intermediate_size=100),
+            "expert FFN 100: local gate_up of 100, 50 columns break grouped_mm alignment"),
+    Variant("gpt_oss/ffn12", "gpt_oss", dict(num_key_value_heads=2, intermediate_size=12),
+            "expert FFN 12: 6 and 3 a rank, misaligned for grouped_mm"),
+    Variant("gpt_oss/window4", "gpt_oss", dict(num_key_value_heads=2, sliding_window=4), "sliding window 4"),
+    Variant("gpt_oss/odd_vocab", "gpt_oss", dict(ODD_VOCAB, num_key_value_heads=2), "gpt-oss: 201088"),
+    Variant("gpt_oss/tied", "gpt_oss", dict(num_key_value_heads=2, tie_word_embeddings=True), "tied"),
 ]
 
 # How a checkpoint is loaded rather than what it is: bfloat16 weights (config.json's dtype), a KV cache
@@ -186,9 +196,10 @@ _RUNTIME_FAMILIES = {"gpt2": {}, "llama": dict(num_key_value_heads=2), "mistral"
                      "qwen2": dict(num_key_value_heads=2), "qwen3": dict(num_key_value_heads=1),
                      "gemma": dict(num_key_value_heads=1), "gemma2": dict(num_key_value_heads=2, sliding_window=4),
                      "gpt_neox": {}, "gptj": {}, "gpt_bigcode": {}, "gpt_bigcode_mha": {}, "phi": dict(qk_layernorm=True),
-                     "opt": {}, "bloom": {}, "mixtral": {}, "qwen2_moe": {}}
+                     "opt": {}, "bloom": {}, "mixtral": {}, "qwen2_moe": {},
+                     "gpt_oss": dict(num_key_value_heads=2)}
 VARIANTS += [Variant(f"{family}/{kind}", family, {**base, **extra}, kind)
              for family, base in _RUNTIME_FAMILIES.items() for kind, extra in _RUNTIME
-             if not (kind == "sdpa" and family in ("gemma2", "bloom"))]  # transformers refuses SDPA for these
+             if not (kind == "sdpa" and family in ("gemma2", "bloom", "gpt_oss"))]  # transformers refuses SDPA for these
 
 BY_NAME: dict[str, Variant] = {v.name: v for v in VARIANTS}

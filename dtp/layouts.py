@@ -229,14 +229,17 @@ class ReplicateReduceGrad(ParallelStyle):
         return module
 
 
-def _eager_if_misaligned(module: nn.Module) -> None:
+def _eager_if_misaligned(module: nn.Module, tp: int) -> None:
     """torch's grouped matmul (transformers' default experts kernel) needs 16-byte-aligned strides; a local
-    FFN slice (down_proj (E, H, I/tp)) may not give them (I/tp = 6 in float32): this module then runs
-    transformers' eager loop over experts instead, the same maths, through a config of its own."""
-    local = module.down_proj.to_local()
-    config = getattr(module, "config", None)
-    if local.shape[-1] * local.element_size() % 16 == 0 or getattr(config, "_experts_implementation", None) in (
-            None, "eager"):
+    FFN slice of I/tp features (in down_proj, and in the activations between the two matmuls) may not give
+    them (I/tp = 6 or 50 in float32): this module then runs transformers' eager loop over experts instead,
+    the same maths, through a config of its own."""
+    from dtp.experts import experts_layout
+
+    layout, config = experts_layout(module), getattr(module, "config", None)
+    elem = module.down_proj.element_size()
+    aligned = all(-(-width // tp) * elem % 16 == 0 for width in (layout.inter, 2 * layout.inter))
+    if aligned or getattr(config, "_experts_implementation", None) in (None, "eager"):
         return
     module.config = copy.copy(config)
     module.config._experts_implementation = "eager"
@@ -244,16 +247,20 @@ def _eager_if_misaligned(module: nn.Module) -> None:
 
 class ExpertsParallel(ParallelStyle):
     """Every expert's FFN dimension split over tp (Megatron's MLP layout, once per expert) on a module that
-    holds the experts as 3-D parameters: gate_up_proj (E, 2·I, H) keeps [gate; up] per rank (packed, dim 1),
-    down_proj (E, H, I) is sharded on I. The module runs on local slices; the gradients of its replicated
+    holds the experts as 3-D parameters (dtp/experts.py: Mixtral's [gate; up] (E, 2·I, H), GPT-OSS's
+    transposed, interleaved, with biases). The module runs on local slices; the gradients of its replicated
     inputs (hidden states, routing weights) are all-reduced (f) and its partial output all-reduced (g).
     Routing happens outside, on replicated input, so every rank picks the same experts."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        distribute_param(module, "gate_up_proj", Placement(1, 2), device_mesh)
-        distribute_param(module, "down_proj", Placement(2), device_mesh)
-        _eager_if_misaligned(module)
+        from dtp.experts import experts_layout
+
+        _eager_if_misaligned(module, device_mesh.size())  # before the parameters become DTensors
+        for name, placement in experts_layout(module).placements().items():
+            if isinstance(getattr(module, name, None), nn.Parameter):
+                distribute_param(module, name, placement, device_mesh)
         inner = module.forward
+        first = device_mesh.get_local_rank() == 0
 
         def f(t: object) -> object:  # identity forward, gradient all-reduced (Megatron's f)
             if not isinstance(t, torch.Tensor) or not t.requires_grad:
@@ -271,6 +278,11 @@ class ExpertsParallel(ParallelStyle):
             args = (*(f(a) for a in args[:1]), *(f32(a) for a in args[1:]))
             kwargs = {k: f32(v) for k, v in kwargs.items()}
             local = {n: p.to_local() for n, p in module.named_parameters(recurse=False)}
+            if "down_proj_bias" in local and not first:
+                # Added after the sum over the FFN dimension: once in the partial sums, on the first rank.
+                # Elsewhere it adds zero yet takes the same gradient, so it stays replicated with no all-reduce.
+                bias = local["down_proj_bias"]
+                local["down_proj_bias"] = bias - bias.detach()
             with _reparametrize_module(module, local):
                 out = inner(*args, **kwargs)
             out = DTensor.from_local(out, device_mesh, [Partial()], run_check=False)

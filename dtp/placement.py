@@ -56,12 +56,10 @@ def norm_width(module: nn.Module) -> int:
 
 
 def is_experts(module: nn.Module) -> bool:
-    """A module holding every expert's FFN as 3-D parameters: gate_up_proj (E, 2·I, H), down_proj (E, H, I)."""
-    import torch.nn as nn
+    """A module holding every expert's FFN as 3-D parameters dtp can split (dtp/experts.py)."""
+    from dtp.experts import experts_layout
 
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    return (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
-            and down.dim() == 3 and gate_up.shape[1] == 2 * down.shape[2])
+    return experts_layout(module) is not None
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -79,8 +77,10 @@ def module_fits(style: str, module: nn.Module, vocab: int | None) -> str | None:
     if style in ("colwise", "rowwise"):
         return None if is_linear(module) else f"{style} applies to nn.Linear or transformers' Conv1D"
     if style == "experts":
-        return None if is_experts(module) else ("experts applies to a module with 3-D expert parameters "
-                                                "gate_up_proj (E, 2·I, H) and down_proj (E, H, I)")
+        return None if is_experts(module) else (
+            "experts applies to a module with 3-D expert parameters gate_up_proj (E, 2·I, H) and down_proj "
+            "(E, H, I), or transposed (E, H, 2·I) and (E, I, H), optionally gate_up_proj_bias (E, 2·I) and "
+            "down_proj_bias (E, H), and no other parameters of its own")
     if style == "vocab_parallel":
         if isinstance(module, nn.Embedding):
             return None
@@ -160,8 +160,10 @@ def param_placements(style: str | None, module: nn.Module, packed: int = 1,
         table = {"weight": Placement(1 if conv else 0, packed, parts), "bias": Placement(0, packed, parts)}
     elif style == "rowwise":
         table = {"weight": Placement(0 if conv else 1)}
-    elif style == "experts":  # the expert FFN dimension: [gate; up] rows packed, down's columns
-        table = {"gate_up_proj": Placement(1, 2), "down_proj": Placement(2)}
+    elif style == "experts":  # each expert's FFN dimension (dtp/experts.py)
+        from dtp.experts import experts_layout
+
+        table = experts_layout(module).placements()
     elif style == "vocab_parallel":
         table = {"weight": Placement(0), "bias": Placement(0)}
     elif style == "sharded_norm":  # laid out as the colwise output it normalises
@@ -174,8 +176,12 @@ def sharded_sizes(style: str, module: nn.Module, packed: int = 1) -> list[tuple[
     import torch.nn as nn
 
     if style == "experts":
-        inter = module.down_proj.shape[2]
-        return [(f"the expert FFN dimension of {inter} (gate_up_proj dim 1 per part, down_proj dim 2)", inter)]
+        from dtp.experts import experts_layout
+
+        layout = experts_layout(module)
+        dims = "dim 2, down_proj dim 1" if layout.transposed else "dim 1, down_proj dim 2"
+        per = " per part" if layout.concatenated else " in gate/up pairs"
+        return [(f"the expert FFN dimension of {layout.inter} (gate_up_proj {dims}{per})", layout.inter)]
     conv = is_conv1d(module)
     fan_in, fan_out = features(module) if is_linear(module) else (0, 0)
     if style == "colwise":

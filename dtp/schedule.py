@@ -31,6 +31,7 @@ from torch.distributed.tensor import Replicate, Shard
 from dtp.check import Checked
 from dtp.compiler import SEQUENCE, Lowered, lower
 from dtp.data_parallel import unit_bytes, units
+from dtp.experts import experts_layout
 from dtp.placement import features
 
 
@@ -132,7 +133,7 @@ def _tensor_parallel(checked: Checked, tp: int, batch: int, seq: int, dtype: tor
                 add("all_reduce", "backward", 0, path, f"gradient of replicated {name}", p.numel() * elem)
             continue
         if m.style == "experts":
-            hidden = module.gate_up_proj.shape[2]
+            hidden = experts_layout(module).hidden
             top_k = getattr(getattr(res.modules[""], "config", None), "num_experts_per_tok", None)
             if not isinstance(top_k, int):
                 raise NotModeled(f"{path}: experts without config.num_experts_per_tok")

@@ -38,12 +38,14 @@ TP2 = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_neox", "gptj
        "stablelm", "gpt_neo",  # no HF tp_plan: `set` the head counts their attention views with
        "stablelm_qk",  # StableLM 2 12B: one LayerNorm per head in a ModuleList; attention stays whole
        "apertus",  # xIELU's learnt scalars read sharded features: replicate(reduce_grad)
-       "qwen3_moe", "hunyuan_v1_dense"]  # per-head q/k norms (and experts)
+       "qwen3_moe", "hunyuan_v1_dense",  # per-head q/k norms (and experts)
+       "gpt_oss"]  # transposed, interleaved experts with biases; attention (sinks) whole
 TP4 = ["gpt2", "gpt_bigcode", "falcon", "bloom",  # 4 heads (and one replicated k/v head) divide by 4
        "gemma", "llama", "qwen2",  # 1 and 2 key/value heads < tp: repeat(kv), each rank the head it reads
        "phi3", "olmo2",  # the same inside Phi-3's fused qkv_proj, and for OLMo2's k_norm
        "falcon_rw", "falcon_rw_sdpa",  # one head per rank: slice_input keeps one plane of bias and mask
-       "stablelm"]  # 2 key/value heads < 4: repeat(kv) with the head counts set
+       "stablelm",  # 2 key/value heads < 4: repeat(kv) with the head counts set
+       "gpt_oss"]  # an FFN of 128 per expert: 32 columns, 16 gate/up pairs per rank
 # At tp 4 the repeated k/v rows add one gradient all-reduce per projection (and per bias: qwen2).
 EXPECTED_TP4 = {"gemma": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},
                 "llama": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},
@@ -52,7 +54,8 @@ EXPECTED_TP4 = {"gemma": {"forward": {"all_reduce": 8}, "backward": {"all_reduce
                 # + k_proj, v_proj, k_norm repeated rows and 2 × (q_norm, k_norm) sums of squares, per layer
                 "olmo2": {"forward": {"all_reduce": 12}, "backward": {"all_reduce": 15}},
                 "falcon_rw": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 5}},  # slicing: none
-                "falcon_rw_sdpa": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 5}}}
+                "falcon_rw_sdpa": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 5}},
+                "gpt_oss": {"forward": {"all_reduce": 6}, "backward": {"all_reduce": 5}}}
 
 # Collectives per step of the 2-layer tiny models, forward and backward (3 of the forward all-reduces
 # are the vocabulary-parallel loss's). Written out so a change in either measurement or schedule shows.
@@ -75,6 +78,8 @@ EXPECTED = {
     "apertus": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 13}},
     "qwen3_moe": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 11}},  # + q_norm, k_norm, routing
     "hunyuan_v1_dense": {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 9}},  # + query/key norms
+    # attention whole: per layer the experts' g forward, f of the hidden states and routing weights backward
+    "gpt_oss": {"forward": {"all_reduce": 6}, "backward": {"all_reduce": 5}},
 }
 MEGATRON = {"forward": {"all_reduce": 8}, "backward": {"all_reduce": 5}}  # 4 × 2 layers + 1 + 1 + 3
 
@@ -216,9 +221,13 @@ def test_parameters_on_sharded_features_without_a_rule_are_refused():
 
 def test_export_of_a_plan_that_does_not_hold_together_is_refused():
     plan = parse("dtp 1\nmodel.layers.*.self_attn.o_proj: rowwise\n", "<p>")  # no colwise q/k/v before it
-    with pytest.raises(UsageError, match=r"^the exported tp_plan does not hold together for the model at tp 2: "
-                                         r"<exported tp_plan>:\d+:\d+: model.layers.0.self_attn.o_proj .*rowwise"):
+    with pytest.raises(UsageError, match=r"^the plan does not hold for the model at tp 2, so there is nothing to "
+                                         r"export: <p>:2:34: model.layers.0.self_attn.o_proj .*rowwise"):
         export_for(plan, hf.build("llama"), 2)
+    # A tp the model does not divide by is that error, not a list of what HF cannot express at that tp.
+    with pytest.raises(UsageError, match=r"^the plan does not hold for the model at tp 3, .*llama.tp:9:23: "
+                                         r"model.layers.0.self_attn.q_proj .* over tp=3, which does not divide it"):
+        export_for(load(PLANS / "llama.tp"), hf.build("llama"), 3)
 
 
 def test_export_cli_checks_against_the_model(repo):
@@ -261,7 +270,9 @@ def test_part_list_checks():
 def test_style_module_checks():
     assert _errors("dtp 1\nmodel.layers.*.mlp.gate: experts\n", "mixtral", 2) == [
         "2:26: model.layers.0.mlp.gate (and 1 more module): experts applies to a module with 3-D expert parameters "
-        "gate_up_proj (E, 2·I, H) and down_proj (E, H, I); this module is MixtralTopKRouter"]
+        "gate_up_proj (E, 2·I, H) and down_proj (E, H, I), or transposed (E, H, 2·I) and (E, I, H), optionally "
+        "gate_up_proj_bias (E, 2·I) and down_proj_bias (E, H), and no other parameters of its own; this module is "
+        "MixtralTopKRouter"]
     assert _errors("dtp 1\ntransformer.h.*.attn.c_attn: colwise(packed=5)\n", "gpt2", 2)[0].endswith(
         "out_features=192 holds 3 equal parts (q, k and v of 64), not 5; use packed=3")  # read from the attention
 
@@ -361,6 +372,7 @@ def test_explain_rows_of_the_new_layouts():
         "gpt2": ("transformer.h.0.attn.c_attn.weight", "Shard(1) packed×3", (64, 192), (64, 96)),
         "gpt_bigcode": ("transformer.h.0.attn.c_attn.weight", "Shard(0) parts[64,16r,16r]", (96, 64), (64, 64)),
         "mixtral": ("model.layers.0.mlp.experts.down_proj", "Shard(2)", (4, 64, 128), (4, 64, 64)),
+        "gpt_oss": ("model.layers.0.mlp.experts.gate_up_proj", "Shard(2)", (4, 64, 256), (4, 64, 128)),
         "qwen3": ("model.layers.0.self_attn.q_norm.weight", "Replicate()", (16,), (16,)),
     }
     for family, (name, placement, shape, local) in cases.items():

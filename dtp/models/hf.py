@@ -63,6 +63,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": ("qwen3_moe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                     moe_intermediate_size=32, mlp_only_layers=[])),
     "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+    # transposed experts, gate/up interleaved, with biases; attention sinks; sliding and full layers
+    "gpt_oss": ("gpt_oss", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
     "qwen2_moe": ("qwen2_moe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                     moe_intermediate_size=32, shared_expert_intermediate_size=64)),
 }
