@@ -163,7 +163,8 @@ def param_placements(style: str | None, module: nn.Module, packed: int = 1,
     elif style == "experts":  # each expert's FFN dimension (dtp/experts.py)
         from dtp.experts import experts_layout
 
-        table = experts_layout(module).placements()
+        layout = experts_layout(module)  # None on a module the style does not fit (check reports it)
+        table = layout.placements() if layout else {}
     elif style == "vocab_parallel":
         table = {"weight": Placement(0), "bias": Placement(0)}
     elif style == "sharded_norm":  # laid out as the colwise output it normalises
@@ -179,6 +180,8 @@ def sharded_sizes(style: str, module: nn.Module, packed: int = 1) -> list[tuple[
         from dtp.experts import experts_layout
 
         layout = experts_layout(module)
+        if layout is None:
+            return []
         dims = "dim 2, down_proj dim 1" if layout.transposed else "dim 1, down_proj dim 2"
         per = " per part" if layout.concatenated else " in gate/up pairs"
         return [(f"the expert FFN dimension of {layout.inter} (gate_up_proj {dims}{per})", layout.inter)]
