@@ -148,6 +148,9 @@ def _check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: _Repo
         if style.name == "slice_input":
             check_slices.check_slice_input(path, style, module, res.modules[""], tp, rep, sizes)
             continue
+        if style.name == "slice_params":
+            check_slices.check_slice_params(path, style, module, res, tp, rep)
+            continue
         if style.name == "sharded_norm":  # an RMS norm over colwise-sharded features (dtp/sharded_norm.py)
             from dtp.sharded_norm import check_sharded_norm
             before = len(rep.groups)

@@ -1,9 +1,12 @@
-"""Check rules of `slice_input(name=X | [X, Y, …], dim=D)` (the layout itself: dtp/head_slices.py).
+"""Check rules of `slice_input(name=X | [X, Y, …], dim=D)` and `slice_params(name=X | [X, …], dim=D)` (the
+layouts themselves: dtp/head_slices.py).
 
 Each named input must be one the module's forward takes (a misspelt name would leave the tensor whole on
 every rank, for attention to read all heads against its own; through `**kwargs` any name may arrive, so
 there only a name close to a named input is an error), the model's config must give the head count, and
-tp must divide it. Reported at the option's value, through `check`'s reporter.
+tp must divide it. Reported at the option's value, through `check`'s reporter. slice_params names an
+attention module's own parameters — all of them — that hold one value per query head (GPT-OSS's `sinks`),
+and is refused where no colwise layer splits that module's heads.
 """
 from __future__ import annotations
 
@@ -76,3 +79,50 @@ def check_slice_input(path: str, style: ir.Style, module: nn.Module, root: nn.Mo
         rep.add(style.pos, len(style.name), path, f"slice_input cuts {info.n_head} attention heads ({info.source}) "
                 f"into whole heads per rank, which tp={tp} does not divide; tp values that work: "
                 f"{working_tp(info.n_head)}")
+
+
+def check_slice_params(path: str, style: ir.Style, module: nn.Module, res, tp: int | None, rep) -> None:
+    """Names are the attention module's own parameters, every one of them, each holding its heads at `dim`;
+    a colwise layer in the module splits its heads (else every rank computes every head)."""
+    from dtp.attention import attention_like, heads
+    from dtp.check import did_you_mean, working_tp
+    from dtp.resolve import sharded_colwise
+
+    opt = next((o for o in style.options if o.key == "name"), None)
+    if opt is None:
+        rep.add(style.pos, len(style.name), path, "slice_params needs the parameters to cut, e.g. "
+                "slice_params(name=sinks)")
+        return
+    names, shown = slice_names(style), str(opt.value).lower() if isinstance(opt.value, bool) else str(opt.value)
+    own = dict(module.named_parameters(recurse=False))
+    info = heads(res.modules[""], path, module) if attention_like(module) else None
+    if not names:
+        rep.add(opt.value_pos, len(shown), path, f"slice_params' name takes a parameter name or a list of distinct "
+                f"names, not '{shown}'; e.g. slice_params(name=sinks)")
+        return
+    if info is None:
+        rep.add(style.pos, len(style.name), path, f"slice_params cuts an attention module's per-head parameters, "
+                f"but {type(module).__name__} is no attention module with a known head count")
+        return
+    dim = style.option("dim", 0)
+    dim = dim if isinstance(dim, int) and not isinstance(dim, bool) else 0
+    for name in names:
+        if name not in own:
+            rep.add(opt.value_pos, len(shown), path, f"{type(module).__name__} has no parameter '{name}' of its own"
+                    + (did_you_mean(name, list(own)) or f"; its own parameters are {', '.join(own)}" if own
+                       else " (it has none)"))
+        elif own[name].dim() <= dim or own[name].shape[dim] != info.n_head:
+            rep.add(opt.value_pos, len(shown), path, f"{name} {tuple(own[name].shape)} does not hold the "
+                    f"{info.n_head} attention heads ({info.source}) at dimension {dim}")
+    left = [n for n in own if n not in names and not did_you_mean(n, [m for m in names if m not in own])]
+    if left:  # applied to this rank's heads, any other own parameter's gradient would be a partial sum
+        rep.add(opt.value_pos, len(shown), path, f"slice_params must name every parameter of "
+                f"{type(module).__name__} itself; {', '.join(left)} would stay whole beside sliced heads")
+    if tp and info.n_head % tp:
+        rep.add(style.pos, len(style.name), path, f"slice_params cuts {info.n_head} attention heads "
+                f"({info.source}) into whole heads per rank, which tp={tp} does not divide; tp values that work: "
+                f"{working_tp(info.n_head)}")
+    if tp != 1 and path not in sharded_colwise(res):
+        rep.add(style.pos, len(style.name), path, "slice_params cuts per-head parameters to this rank's heads, but "
+                "no colwise layer in this module splits its heads: every rank computes all of them; drop the "
+                "rule, or shard the attention's projections colwise")

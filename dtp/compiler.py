@@ -15,6 +15,7 @@ can derive the communication schedule from the same decisions); `compile_plan` t
 | colwise/rowwise on Conv1D, packed=[…] | PlacedColwise / PlacedRowwise (dtp/layouts.py)                  |
 | experts                    | ExpertsParallel: each expert's FFN dimension split, f and g around it      |
 | slice_input(name=X, dim=D) | SliceHeadsInput: inputs X holding every head at dim D cut to this rank's heads |
+| slice_params(name=X, dim=D) | SliceHeadsParams: the module's own per-head parameters X, Shard(D)        |
 | sharded_norm               | ShardedNorm: RMS norm on this rank's features, sum of squares all-reduced  |
 | colwise siblings           | SharedInput on their parent: one input redistribution for q/k/v, gate/up   |
 """
@@ -31,12 +32,13 @@ from dtp import conditions, ir, models
 from dtp.check import Checked, checked_for, evaluate, set_target
 from dtp.check_slices import slice_names
 from dtp.experts import experts_layout
-from dtp.head_slices import SliceHeadsInput
+from dtp.head_slices import SliceHeadsInput, SliceHeadsParams
 from dtp.layouts import ExpertsParallel, PlacedColwise, PlacedRowwise, ReplicateReduceGrad
 from dtp.placement import Placement as Placement_
 from dtp.placement import is_conv1d
 from dtp.sharded_norm import ShardedNorm
-from dtp.styles import PackedColwiseParallel, SequenceParallelFromReplicated, SetAttributes, SharedInput
+from dtp.styles import (Chained, PackedColwiseParallel, SequenceParallelFromReplicated, SetAttributes,
+                        SharedInput)
 
 SEQUENCE = Shard(1)
 
@@ -67,9 +69,9 @@ class ModuleLayout:
     # Parameter placements for the layouts torch's styles lack (Conv1D, unequal or replicated parts):
     placements: tuple[tuple[str, Placement_], ...] = ()
     reduce_grad: bool = False  # replicate(reduce_grad=true)
-    slice_names: tuple[str, ...] = ()  # slice_input(name=…): the inputs cut to this rank's heads
+    slice_names: tuple[str, ...] = ()  # slice_input / slice_params(name=…): the inputs or parameters cut
     heads: int = 0  # the config's attention heads (slice_input)
-    slice_dim: int = 0  # slice_input(dim=…): the dimension holding the heads
+    slice_dim: int = 0  # slice_input / slice_params(dim=…): the dimension holding the heads
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ def _module_layout(style: ir.Style, module: nn.Module, sp: bool) -> ModuleLayout
         return ModuleLayout(name, False, SEQUENCE, SEQUENCE, False)
     if name == "experts":
         return ModuleLayout(name, False, Replicate(), Replicate(), True)
-    if name == "slice_input":
+    if name in ("slice_input", "slice_params"):
         return ModuleLayout(name, False, None, None, True)
     if name == "sharded_norm":  # between a colwise layer and its consumer: local feature slices in and out
         return ModuleLayout(name, False, Shard(-1), Shard(-1), True)
@@ -125,7 +127,7 @@ def lower(checked: Checked, tp: int) -> Lowered:
     modules: dict[str, ModuleLayout] = {}
     for path, rule in res.claims.items():
         layout = _module_layout(rule.style, res.modules[path], sp)
-        if layout is not None and layout.style == "slice_input":
+        if layout is not None and layout.style in ("slice_input", "slice_params"):
             info = models.heads(res.modules[""])
             layout = replace(layout, slice_names=slice_names(rule.style), heads=info.n_head if info else 0,
                              slice_dim=int(rule.style.option("dim", 0)))
@@ -145,8 +147,10 @@ def lower(checked: Checked, tp: int) -> Lowered:
     for path, layout in modules.items():
         if layout.style == "colwise" and "." in path:
             groups.setdefault(path.rpartition(".")[0], []).append(path)
+    # (A parent whose own style leaves its activations alone, slice_input or slice_params, may have one too.)
     shared = {parent: tuple(c) for parent, c in groups.items()
-              if len(c) > 1 and parent not in modules and all(modules[p].input == between for p in c)}
+              if len(c) > 1 and (parent not in modules or modules[parent].style in ("slice_input", "slice_params"))
+              and all(modules[p].input == between for p in c)}
     for children in shared.values():  # they receive the parent's input already replicated
         for path in children:
             modules[path] = replace(modules[path], input=Replicate())
@@ -188,6 +192,8 @@ def _style(m: ModuleLayout) -> ParallelStyle:
         return ReplicateReduceGrad()
     if m.style == "slice_input":
         return SliceHeadsInput(m.slice_names, m.heads, m.slice_dim)
+    if m.style == "slice_params":
+        return SliceHeadsParams(m.slice_names, m.slice_dim)
     if m.style == "sharded_norm":
         return ShardedNorm(dict(m.placements)["weight"])
     if m.style == "vocab_parallel" and m.embedding:
@@ -219,7 +225,8 @@ def compile_plan(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh) ->
     low = lower(checked, tp)
     styles = {path: _style(m) for path, m in low.modules.items()}
     for parent in low.shared_inputs:
-        styles[parent] = SharedInput(SEQUENCE if low.sequence_parallel else Replicate())
+        shared = SharedInput(SEQUENCE if low.sequence_parallel else Replicate())
+        styles[parent] = Chained(shared, styles[parent]) if parent in styles else shared
     packed = {path: m.packed for path, m in low.modules.items() if m.packed > 1 and not m.placements}
     packed.update(placed_params(low, model))
     rewrites = {path: SetAttributes(v) for path, v in low.rewrites.items()}

@@ -1,4 +1,5 @@
-"""`slice_input`: per-head tensors a module receives from outside, cut to this rank's heads.
+"""`slice_input`: per-head tensors a module receives from outside, cut to this rank's heads; `slice_params`:
+per-head parameters an attention module holds itself (GPT-OSS's learnt `sinks`, one logit per head).
 
 Some models build a per-head tensor once, for every head, outside attention and hand it to each attention
 module as an input. Bloom's ALiBi bias is laid out (batch · heads, 1, keys): the heads at dimension 0,
@@ -9,16 +10,22 @@ the cut needs no communication. A size of 1 at the heads dimension is a value br
 (a causal mask without per-head bias) and is kept whole.
 
 A tensor whose gradient is needed is refused: each rank's gradient would cover its own heads only, and
-the sum over ranks that would make it whole is not part of this layout.
+the sum over ranks that would make it whole is not part of this layout. A sliced parameter needs no such
+sum: each rank's gradient covers its own heads' values, which are all it holds (Shard at the heads dim).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.nn.utils.stateless import _reparametrize_module
 
 from dtp.check_slices import forward_params
+from dtp.layouts import distribute_param
+from dtp.placement import Placement
 
 
 def cut_heads(x: torch.Tensor, heads: int, dim: int, rank: int, tp: int, what: str = "input") -> torch.Tensor:
@@ -86,3 +93,26 @@ class SliceHeadsInput(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"SliceHeadsInput({', '.join(self.names)}, heads={self.heads}, dim={self.dim})"
+
+
+class SliceHeadsParams(ParallelStyle):
+    """The module's own parameters `names`, each holding every head at dimension `dim`, kept as Shard(dim)
+    DTensors (this rank's heads) and handed to its forward as local tensors. No communication."""
+
+    def __init__(self, names: tuple[str, ...], dim: int = 0):
+        super().__init__()
+        self.names, self.dim = tuple(names), dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name in self.names:
+            distribute_param(module, name, Placement(self.dim), device_mesh)
+        inner = module.forward
+
+        @functools.wraps(inner)  # the signature stays readable (a shared input's hook looks for its name)
+        def forward(*args, **kwargs):
+            local = {n: getattr(module, n).to_local() for n in self.names}
+            with _reparametrize_module(module, local):
+                return inner(*args, **kwargs)
+
+        module.forward = forward
+        return module

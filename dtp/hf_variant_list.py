@@ -177,7 +177,8 @@ VARIANTS: list[Variant] = [
             "expert FFN 24: 6 a rank at tp 4"),
     Variant("qwen2_moe/sliding", "qwen2_moe", dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
                                                    max_window_layers=1), "sliding window"),
-    # GPT-OSS: transposed experts, gate/up interleaved, with biases; attention (sinks) whole
+    # GPT-OSS: sinks sliced per head; transposed experts, gate/up interleaved, with biases
+    *_llama_like("gpt_oss"),
     Variant("gpt_oss/top4_8experts", "gpt_oss", dict(num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=4),
             "gpt-oss-20b: 32 experts, top-4"),
     Variant("gpt_oss/ffn100", "gpt_oss", dict(num_key_value_heads=2, intermediate_size=100),
@@ -185,8 +186,6 @@ VARIANTS: list[Variant] = [
     Variant("gpt_oss/ffn12", "gpt_oss", dict(num_key_value_heads=2, intermediate_size=12),
             "expert FFN 12: 6 and 3 a rank, misaligned for grouped_mm"),
     Variant("gpt_oss/window4", "gpt_oss", dict(num_key_value_heads=2, sliding_window=4), "sliding window 4"),
-    Variant("gpt_oss/odd_vocab", "gpt_oss", dict(ODD_VOCAB, num_key_value_heads=2), "gpt-oss: 201088"),
-    Variant("gpt_oss/tied", "gpt_oss", dict(num_key_value_heads=2, tie_word_embeddings=True), "tied"),
 ]
 
 # How a checkpoint is loaded rather than what it is: bfloat16 weights (config.json's dtype), a KV cache

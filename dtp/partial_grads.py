@@ -45,9 +45,12 @@ def check_partial_grads(res, model: nn.Module, tp: int | None, rep) -> None:
                 continue
             names = ", ".join(f"{n} {tuple(p.shape)}" for n, p in own[:3])
             if not sub and _per_head(model, path, module, own):
+                per_head = ", ".join(n for n, _ in own)
+                per_head = f"[{per_head}]" if len(own) > 1 else per_head
                 rep.add(rule.style.pos, len(rule.style.name), path,
-                        f"{type(module).__name__} holds per-head parameters ({names}) that no style slices: each "
-                        "rank would apply every head's values to the heads it holds; keep this attention whole (no "
+                        f"{type(module).__name__} holds per-head parameters ({names}) that no rule slices: each "
+                        "rank would apply every head's values to the heads it holds; add "
+                        f"`{generic_path(path)}: slice_params(name={per_head})`, or keep this attention whole (no "
                         "colwise or rowwise in it)")
                 continue
             here = sub or "the container itself"

@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # torch is imported by the functions that look at modules: `d
     import torch.nn as nn
 
 STYLES = ("colwise", "rowwise", "vocab_parallel", "sequence_parallel", "replicate", "experts", "slice_input",
-          "sharded_norm")
+          "sharded_norm", "slice_params")
 
 # The options each style accepts, with the kind of value each takes.
 OPTIONS: dict[str, dict[str, str]] = {
@@ -27,6 +27,8 @@ OPTIONS: dict[str, dict[str, str]] = {
     # inputs (one name or a list) holding every head at dimension `dim` (0: (batch · heads, …)), cut to this rank's
     "slice_input": {"name": "names", "dim": "index"},
     "sharded_norm": {"packed": "parts"},  # an RMS norm over a colwise-sharded feature dim (dtp/sharded_norm.py)
+    # an attention's own per-head parameters (one name or a list) holding every head at `dim`, cut to this rank's
+    "slice_params": {"name": "names", "dim": "index"},
 }
 
 
@@ -151,8 +153,10 @@ REPLICATE = Placement()
 
 
 def param_placements(style: str | None, module: nn.Module, packed: int = 1,
-                     parts: tuple[tuple[int, bool | int], ...] = ()) -> dict[str, Placement]:
-    """Placement of each of `module`'s own parameters (not its children's) under `style`."""
+                     parts: tuple[tuple[int, bool | int], ...] = (), sliced: tuple[str, ...] = (),
+                     dim: int = 0) -> dict[str, Placement]:
+    """Placement of each of `module`'s own parameters (not its children's) under `style` (`sliced`, `dim`:
+    slice_params' names and heads dimension)."""
     names = [n for n, _ in module.named_parameters(recurse=False)]
     table: dict[str, Placement] = {}
     conv = is_conv1d(module)  # weight (in, out): the output features are dim 1
@@ -169,6 +173,8 @@ def param_placements(style: str | None, module: nn.Module, packed: int = 1,
         table = {"weight": Placement(0), "bias": Placement(0)}
     elif style == "sharded_norm":  # laid out as the colwise output it normalises
         table = {"weight": Placement(0, packed, parts)}
+    elif style == "slice_params":  # this rank's heads (dtp/head_slices.py)
+        table = dict.fromkeys(sliced, Placement(dim))
     return {n: table.get(n, REPLICATE) for n in names}
 
 

@@ -17,6 +17,7 @@ A layout change costs (N tokens × width × element size is the buffer S):
 | `replicate(reduce_grad=true)`           | -                  | all-reduce of each parameter's gradient |
 | `sharded_norm` (RMS norm over sharded features) | all-reduce of N sums of squares | all-reduce of their gradient |
 | `experts` (expert FFN dimension split)  | all-reduce S (g)   | all-reduce S (f), and of the N × top-k routing weights |
+| `slice_input`, `slice_params` (per head) | -                 | -                  |
 
 Sibling colwise layers that share their parent's input pay the input cost once (Megatron's f).
 """

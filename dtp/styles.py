@@ -76,6 +76,20 @@ class SetAttributes(ParallelStyle):
         return f"SetAttributes({self.values})"
 
 
+class Chained(ParallelStyle):
+    """Several styles on one module, applied in order (a shared input for the colwise children of a module
+    whose own style, slice_params, leaves its activations alone)."""
+
+    def __init__(self, *styles: ParallelStyle):
+        super().__init__()
+        self.styles = styles
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for style in self.styles:
+            module = style._apply(module, device_mesh)
+        return module
+
+
 class SharedInput(ParallelStyle):
     """Redistribute a module's input once, for all of its column-parallel children (q/k/v, gate/up).
 

@@ -65,15 +65,15 @@ def test_an_ffn_dimension_tp_does_not_divide_is_refused_with_its_position():
     with pytest.raises(PlanError) as err:
         check(load("plans/hf/gpt_oss.tp"), model, 4)
     assert [f"{d.pos.line}:{d.pos.column}: {d.message}" for d in err.value.diagnostics] == [
-        "12:18: model.layers.0.mlp.experts (and 1 more module): experts shards the expert FFN dimension of 6 "
+        "23:18: model.layers.0.mlp.experts (and 1 more module): experts shards the expert FFN dimension of 6 "
         "(gate_up_proj dim 2, down_proj dim 1 in gate/up pairs) over tp=4, which does not divide it; tp values "
         "that work: 1, 2, 3, 6"]
-    check(load("plans/hf/gpt_oss.tp"), model, 3)  # 2 gate/up pairs per rank
+    check(load("plans/hf/gpt_oss.tp"), model, 2)  # 3 gate/up pairs per rank
 
 
 def test_gpt_oss_experts_do_not_export_to_hf(repo):
     refused = dtp_cli("plan", "--to-hf", "plans/hf/gpt_oss.tp", "dtp.models.hf:gpt_oss")
     assert refused.returncode == 2 and refused.stdout == ""
-    assert ("line 12 (model.layers.*.mlp.experts: experts): HF's moe_tp_experts splits [gate; up] experts without "
+    assert ("line 23 (model.layers.*.mlp.experts: experts): HF's moe_tp_experts splits [gate; up] experts without "
             "biases; these are gate_up_proj (E, H, 2·I), down_proj (E, I, H), gate/up interleaved, with biases"
             ) in refused.stderr

@@ -30,7 +30,7 @@ TP2 = {
     "bloom/slow_but_exact": {"forward": {"all_gather": 4, "all_reduce": 4}, "backward": {"all_reduce": 5}},  # bug:
     # HF reads dense weight slices directly: crashed on sharded weights; now those stay whole, inputs gathered
     "mixtral/ffn100": _counts(8, 7),  # bug: local expert slices of 50 broke grouped_mm's stride alignment
-    "gpt_oss/ffn100": _counts(6, 5),  # bug: its local activations of 50 (not a weight) broke the same alignment
+    "gpt_oss/ffn100": _counts(8, 7),  # bug: its local activations of 50 (not a weight) broke the same alignment
     "qwen2/sliding": _counts(8, 5),  # bug in the tiny configs: layer_types did not follow use_sliding_window
     "qwen2_moe/bf16": {"forward": {"all_reduce": 10}, "backward": {"all_reduce": 9}},  # bytes in bfloat16
     "mixtral/bf16": _counts(8, 7),  # routing weights' gradient summed in float32, as the schedule says
