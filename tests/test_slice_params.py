@@ -81,3 +81,15 @@ def test_slice_params_does_not_export_to_hf(repo):
     refused = dtp_cli("plan", "--to-hf", "plans/hf/gpt_oss.tp", "dtp.models.hf:gpt_oss")
     assert refused.returncode == 2 and refused.stdout == ""
     assert "line 12 (model.layers.*.self_attn: slice_params): no HF style for slice_params; rule left out" in refused.stderr
+
+
+def test_train_refuses_a_parameter_its_keyed_init_cannot_draw_before_any_rank(repo, tmp_path, capsys):
+    from dtp.cli import main
+
+    # GPT-OSS's sinks are neither matrix, bias nor norm: exit 2 from the parent, no rank started
+    assert main(["train", "plans/hf/gpt_oss.tp", "dtp.models.hf:gpt_oss", "--steps", "1",
+                 "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: dtp train's keyed initialisation knows matrices, biases and norms; "
+                          "model.layers.0.self_attn.sinks is a 1-D parameter of a GptOssAttention")
+    assert "rank" not in err

@@ -78,6 +78,11 @@ def _preflight(args, tps: list[int]):
                                            if type(m).__name__ == "Dropout"):
         raise UsageError("--checkpoint-activations with dropout > 0 would redraw different masks when the "
                          "forward is recomputed; use a model with dropout 0")
+    from dtp.train.init import init_rule
+
+    for path, module in model.named_modules():  # a parameter the keyed initialisation cannot draw: exit 2 here
+        for pname, param in module.named_parameters(recurse=False):
+            init_rule(model, module, pname, f"{path}.{pname}".lstrip("."), param.dim())
     for tp in tps:
         checked = check(plan, model, tp)  # every tp, so a plan error is exit 2 before any rank starts
         if args.seq < tp and lower(checked, tp).sequence_parallel:
