@@ -212,8 +212,9 @@ def placed_params(low: Lowered, model: nn.Module) -> dict[str, Placement_]:
             if placement.parts or placement.packed > 1:
                 out[f"{path}.{name}"] = placement
         if m.style == "experts":
-            for name, placement in experts_layout(model.get_submodule(path)).placements().items():
-                if placement.packed > 1 and hasattr(model.get_submodule(path), name):
+            module = model.get_submodule(path)
+            for name, placement in experts_layout(module).placements().items():
+                if placement.packed > 1 and hasattr(module, name):  # [gate; up] halves
                     out[f"{path}.{name}"] = placement
     return out
 

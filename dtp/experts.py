@@ -42,7 +42,7 @@ class ExpertsLayout:
                 "gate_up_proj_bias": Placement(1, parts), "down_proj_bias": REPLICATE}
 
     def describe(self) -> str:
-        """The layout in words, for `explain` and messages."""
+        """The layout in words, for messages."""
         order = "[gate; up]" if self.concatenated else "gate/up interleaved"
         shapes = ("gate_up_proj (E, H, 2·I), down_proj (E, I, H)" if self.transposed
                   else "gate_up_proj (E, 2·I, H), down_proj (E, H, I)")

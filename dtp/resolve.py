@@ -93,17 +93,17 @@ class Resolution:
         rule = self.claims.get(path)
         if rule is None:
             return param_placements(None, self.modules[path])
+        if rule.style.name == "slice_params":
+            from dtp.check_slices import slice_names
+
+            dim = rule.style.option("dim", 0)
+            return param_placements("slice_params", self.modules[path], sliced=slice_names(rule.style),
+                                    dim=dim if isinstance(dim, int) and not isinstance(dim, bool) else 0)
         packed = rule.style.option("packed", 1)
         valid = isinstance(packed, int) and not isinstance(packed, bool) and packed >= 1
         module = self.modules[path]
         width = features(module)[1] if is_linear(module) else norm_width(module) if rule.style.name == "sharded_norm" else 0
         parts = try_parts(packed, width, self.modules[""]) if width else ()
-        if rule.style.name == "slice_params":
-            from dtp.check_slices import slice_names
-
-            dim = rule.style.option("dim", 0)
-            return param_placements("slice_params", module, sliced=slice_names(rule.style),
-                                    dim=dim if isinstance(dim, int) and not isinstance(dim, bool) else 0)
         return param_placements(rule.style.name, module, packed if valid else 1, parts)
 
 
