@@ -47,21 +47,31 @@ def forward_inputs(module: nn.Module) -> tuple[list[str], bool]:
     return named, any(p.kind == p.VAR_KEYWORD for p in params)
 
 
+def _names_option(style: ir.Style, path: str, rep, what: str, one: str, first: str, examples: str):
+    """(names, the `name` option, its text as written); None once a missing or malformed option is reported."""
+    opt = next((o for o in style.options if o.key == "name"), None)
+    if opt is None:
+        rep.add(style.pos, len(style.name), path, f"{style.name} needs the {what} to cut, e.g. {first}")
+        return None
+    names, shown = slice_names(style), str(opt.value).lower() if isinstance(opt.value, bool) else str(opt.value)
+    if not names:
+        owner = style.name + ("'" if style.name.endswith("s") else "'s")
+        rep.add(opt.value_pos, len(shown), path, f"{owner} name takes {one} or a list of distinct names, not "
+                f"'{shown}'; {examples}")
+        return None
+    return names, opt, shown
+
+
 def check_slice_input(path: str, style: ir.Style, module: nn.Module, root: nn.Module, tp: int | None, rep,
                       sizes: list[int]) -> None:
     """Names well formed and taken by the module's forward; the config gives the head count; tp divides it."""
     from dtp.check import did_you_mean, working_tp
 
-    opt = next((o for o in style.options if o.key == "name"), None)
-    if opt is None:
-        rep.add(style.pos, len(style.name), path, "slice_input needs the keyword input to cut, e.g. "
-                "slice_input(name=alibi)")
+    named_option = _names_option(style, path, rep, "keyword input", "an input name", "slice_input(name=alibi)",
+                                 EXAMPLE)
+    if named_option is None:
         return
-    names, shown = slice_names(style), str(opt.value).lower() if isinstance(opt.value, bool) else str(opt.value)
-    if not names:
-        rep.add(opt.value_pos, len(shown), path, f"slice_input's name takes an input name or a list of distinct "
-                f"names, not '{shown}'; {EXAMPLE}")
-        return
+    names, opt, shown = named_option
     named, any_keyword = forward_inputs(module)
     for name in names:  # through **kwargs any name may arrive, but one a letter off a named input is a typo
         hint = did_you_mean(name, named)
@@ -88,18 +98,13 @@ def check_slice_params(path: str, style: ir.Style, module: nn.Module, res, tp: i
     from dtp.check import did_you_mean, working_tp
     from dtp.resolve import sharded_colwise
 
-    opt = next((o for o in style.options if o.key == "name"), None)
-    if opt is None:
-        rep.add(style.pos, len(style.name), path, "slice_params needs the parameters to cut, e.g. "
-                "slice_params(name=sinks)")
+    named_option = _names_option(style, path, rep, "parameters", "a parameter name", "slice_params(name=sinks)",
+                                 "e.g. slice_params(name=sinks)")
+    if named_option is None:
         return
-    names, shown = slice_names(style), str(opt.value).lower() if isinstance(opt.value, bool) else str(opt.value)
+    names, opt, shown = named_option
     own = dict(module.named_parameters(recurse=False))
     info = heads(res.modules[""], path, module) if attention_like(module) else None
-    if not names:
-        rep.add(opt.value_pos, len(shown), path, f"slice_params' name takes a parameter name or a list of distinct "
-                f"names, not '{shown}'; e.g. slice_params(name=sinks)")
-        return
     if info is None:
         rep.add(style.pos, len(style.name), path, f"slice_params cuts an attention module's per-head parameters, "
                 f"but {type(module).__name__} is no attention module with a known head count")
