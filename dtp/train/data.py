@@ -12,7 +12,9 @@ group reads the same rows.
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +84,20 @@ def read_text(files: list[Path], name: str) -> bytes:
     return text
 
 
+def _publish(path: Path, write) -> None:
+    """Create `path` atomically: `write` fills a temporary file of this process's own beside it, which is then
+    renamed. Ranks preparing one cache at once (under torchrun each runs the preflight) neither read half a
+    file nor rename each other's temporary file; identical contents, so the last rename wins harmlessly."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def _bpe(text: bytes, vocab: int, cache: Path):
     """A byte-level BPE trained on `text` to `vocab` ids, cached as JSON in `cache`."""
     try:
@@ -97,7 +113,7 @@ def _bpe(text: bytes, vocab: int, cache: Path):
                                   show_progress=False)
     lines = text.decode("utf-8").splitlines(keepends=True)
     tok.train_from_iterator((lines[i:i + 1000] for i in range(0, len(lines), 1000)), trainer=trainer)
-    tok.save(str(cache))
+    _publish(cache, tok.save)
     return tok
 
 
@@ -151,9 +167,7 @@ def prepare(data: str | None, cache_dir: Path, *, tokenizer: str = "bytes", mode
         ids, vocab = np.frombuffer(text, dtype=np.uint8).astype(TOKEN_DTYPE), 256
     out = cache_dir / (f"tokens-bpe-{key}-{vocab}.bin" if tokenizer == "bpe" else f"tokens-bytes-{key}.bin")
     if not out.exists():
-        tmp = out.with_suffix(".tmp")
-        ids.tofile(tmp)
-        tmp.replace(out)  # atomic: a concurrent run never reads half a file
+        _publish(out, ids.tofile)
     return Corpus(str(out), name, len(ids), _train_len(len(ids)), vocab, tokenizer)
 
 
