@@ -62,10 +62,20 @@ def _names_option(style: ir.Style, path: str, rep, what: str, one: str, first: s
     return names, opt, shown
 
 
+def _whole_heads(style: ir.Style, path: str, info, tp: int | None, rep) -> None:
+    """Report a tp that does not divide the heads a slice_input / slice_params rule cuts."""
+    from dtp.check import working_tp
+
+    if tp and info.n_head % tp:
+        rep.add(style.pos, len(style.name), path, f"{style.name} cuts {info.n_head} attention heads ({info.source}) "
+                f"into whole heads per rank, which tp={tp} does not divide; tp values that work: "
+                f"{working_tp(info.n_head)}")
+
+
 def check_slice_input(path: str, style: ir.Style, module: nn.Module, root: nn.Module, tp: int | None, rep,
                       sizes: list[int]) -> None:
     """Names well formed and taken by the module's forward; the config gives the head count; tp divides it."""
-    from dtp.check import did_you_mean, working_tp
+    from dtp.check import did_you_mean
 
     named_option = _names_option(style, path, rep, "keyword input", "an input name", "slice_input(name=alibi)",
                                  EXAMPLE)
@@ -85,17 +95,14 @@ def check_slice_input(path: str, style: ir.Style, module: nn.Module, root: nn.Mo
                 "gives no head count")
         return
     sizes.append(info.n_head)
-    if tp and info.n_head % tp:
-        rep.add(style.pos, len(style.name), path, f"slice_input cuts {info.n_head} attention heads ({info.source}) "
-                f"into whole heads per rank, which tp={tp} does not divide; tp values that work: "
-                f"{working_tp(info.n_head)}")
+    _whole_heads(style, path, info, tp, rep)
 
 
 def check_slice_params(path: str, style: ir.Style, module: nn.Module, res, tp: int | None, rep) -> None:
     """Names are the attention module's own parameters, every one of them, each holding its heads at `dim`;
     a colwise layer in the module splits its heads (else every rank computes every head)."""
     from dtp.attention import attention_like, heads
-    from dtp.check import did_you_mean, working_tp
+    from dtp.check import did_you_mean
     from dtp.resolve import sharded_colwise
 
     named_option = _names_option(style, path, rep, "parameters", "a parameter name", "slice_params(name=sinks)",
@@ -123,10 +130,7 @@ def check_slice_params(path: str, style: ir.Style, module: nn.Module, res, tp: i
     if left:  # applied to this rank's heads, any other own parameter's gradient would be a partial sum
         rep.add(opt.value_pos, len(shown), path, f"slice_params must name every parameter of "
                 f"{type(module).__name__} itself; {', '.join(left)} would stay whole beside sliced heads")
-    if tp and info.n_head % tp:
-        rep.add(style.pos, len(style.name), path, f"slice_params cuts {info.n_head} attention heads "
-                f"({info.source}) into whole heads per rank, which tp={tp} does not divide; tp values that work: "
-                f"{working_tp(info.n_head)}")
+    _whole_heads(style, path, info, tp, rep)
     if tp != 1 and path not in sharded_colwise(res):
         rep.add(style.pos, len(style.name), path, "slice_params cuts per-head parameters to this rank's heads, but "
                 "no colwise layer in this module splits its heads: every rank computes all of them; drop the "

@@ -41,6 +41,7 @@ from dtp.styles import (Chained, PackedColwiseParallel, SequenceParallelFromRepl
                         SharedInput)
 
 SEQUENCE = Shard(1)
+HEAD_SLICES = ("slice_input", "slice_params")  # styles that cut per-head tensors and leave activations alone
 
 
 def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -111,7 +112,7 @@ def _module_layout(style: ir.Style, module: nn.Module, sp: bool) -> ModuleLayout
         return ModuleLayout(name, False, SEQUENCE, SEQUENCE, False)
     if name == "experts":
         return ModuleLayout(name, False, Replicate(), Replicate(), True)
-    if name in ("slice_input", "slice_params"):
+    if name in HEAD_SLICES:
         return ModuleLayout(name, False, None, None, True)
     if name == "sharded_norm":  # between a colwise layer and its consumer: local feature slices in and out
         return ModuleLayout(name, False, Shard(-1), Shard(-1), True)
@@ -127,7 +128,7 @@ def lower(checked: Checked, tp: int) -> Lowered:
     modules: dict[str, ModuleLayout] = {}
     for path, rule in res.claims.items():
         layout = _module_layout(rule.style, res.modules[path], sp)
-        if layout is not None and layout.style in ("slice_input", "slice_params"):
+        if layout is not None and layout.style in HEAD_SLICES:
             info = models.heads(res.modules[""])
             layout = replace(layout, slice_names=slice_names(rule.style), heads=info.n_head if info else 0,
                              slice_dim=int(rule.style.option("dim", 0)))
@@ -149,7 +150,7 @@ def lower(checked: Checked, tp: int) -> Lowered:
             groups.setdefault(path.rpartition(".")[0], []).append(path)
     # (A parent whose own style leaves its activations alone, slice_input or slice_params, may have one too.)
     shared = {parent: tuple(c) for parent, c in groups.items()
-              if len(c) > 1 and (parent not in modules or modules[parent].style in ("slice_input", "slice_params"))
+              if len(c) > 1 and (parent not in modules or modules[parent].style in HEAD_SLICES)
               and all(modules[p].input == between for p in c)}
     for children in shared.values():  # they receive the parent's input already replicated
         for path in children:

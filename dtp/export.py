@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import secrets
 import time
 import warnings
 from pathlib import Path
@@ -17,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from dtp.atomic import replace_atomically
 from dtp.checkpoint_files import CheckpointError, SafeReader, read_meta, some
 from dtp.errors import UsageError
 from dtp.fingerprint import fingerprint
@@ -61,21 +60,9 @@ def read_model(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return meta, out
 
 
-def _replace_atomically(path: Path, write) -> None:
-    """Write a file beside `path` with `write(tmp)`, then rename it over `path`."""
-    tmp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as err:
-        raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _save(state: dict[str, torch.Tensor], path: Path, fmt: str) -> None:
     if fmt == "torch":
-        _replace_atomically(path, lambda tmp: torch.save(state, tmp))
+        replace_atomically(path, lambda tmp: torch.save(state, tmp))
         return
     try:
         from safetensors.torch import save_file
@@ -86,7 +73,7 @@ def _save(state: dict[str, torch.Tensor], path: Path, fmt: str) -> None:
     for name, t in state.items():  # safetensors refuses shared storage: tied names get their own copy
         plain[name] = t.clone() if t.untyped_storage().data_ptr() in seen else t.contiguous()
         seen.add(t.untyped_storage().data_ptr())
-    _replace_atomically(path, lambda tmp: save_file(plain, str(tmp), metadata={"format": "pt"}))
+    replace_atomically(path, lambda tmp: save_file(plain, str(tmp), metadata={"format": "pt"}))
 
 
 def export(checkpoint: str, fmt: str | None, output: str | None, hf_dir: str | None) -> tuple[Path, int]:
@@ -104,7 +91,7 @@ def export(checkpoint: str, fmt: str | None, output: str | None, hf_dir: str | N
             raise UsageError(f"cannot create {target}: {err.strerror}") from None
         fmt = fmt or "safetensors"
         text = json.dumps(config, indent=2, default=str) + "\n"
-        _replace_atomically(target / "config.json", lambda tmp: tmp.write_text(text))
+        replace_atomically(target / "config.json", lambda tmp: tmp.write_text(text))
         path = target / ("model.safetensors" if fmt == "safetensors" else "pytorch_model.bin")
     else:
         fmt = fmt or "torch"

@@ -12,15 +12,14 @@ group reads the same rows.
 from __future__ import annotations
 
 import hashlib
-import os
 import sysconfig
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from dtp.atomic import replace_atomically
 from dtp.errors import UsageError
 
 DEFAULT_CORPUS_BYTES = 2 * 2**20  # the stdlib subset: the first sorted modules up to 2 MiB
@@ -84,20 +83,6 @@ def read_text(files: list[Path], name: str) -> bytes:
     return text
 
 
-def _publish(path: Path, write) -> None:
-    """Create `path` atomically: `write` fills a temporary file of this process's own beside it, which is then
-    renamed. Ranks preparing one cache at once (under torchrun each runs the preflight) neither read half a
-    file nor rename each other's temporary file; identical contents, so the last rename wins harmlessly."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _bpe(text: bytes, vocab: int, cache: Path):
     """A byte-level BPE trained on `text` to `vocab` ids, cached as JSON in `cache`."""
     try:
@@ -113,7 +98,7 @@ def _bpe(text: bytes, vocab: int, cache: Path):
                                   show_progress=False)
     lines = text.decode("utf-8").splitlines(keepends=True)
     tok.train_from_iterator((lines[i:i + 1000] for i in range(0, len(lines), 1000)), trainer=trainer)
-    _publish(cache, tok.save)
+    replace_atomically(cache, lambda tmp: tok.save(str(tmp)))  # under torchrun every rank prepares it
     return tok
 
 
@@ -167,7 +152,7 @@ def prepare(data: str | None, cache_dir: Path, *, tokenizer: str = "bytes", mode
         ids, vocab = np.frombuffer(text, dtype=np.uint8).astype(TOKEN_DTYPE), 256
     out = cache_dir / (f"tokens-bpe-{key}-{vocab}.bin" if tokenizer == "bpe" else f"tokens-bytes-{key}.bin")
     if not out.exists():
-        _publish(out, ids.tofile)
+        replace_atomically(out, ids.tofile)
     return Corpus(str(out), name, len(ids), _train_len(len(ids)), vocab, tokenizer)
 
 
