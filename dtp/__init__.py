@@ -1,24 +1,39 @@
 """dtp: declarative, checked tensor parallelism on PyTorch DTensor.
 
-The pipeline, one module per stage: text → `parse` → plan IR → `check` (resolve against the model) →
-`compile` to ParallelStyles → `apply` with `parallelize_module` → run and compare (`dtp apply`).
+The pipeline, one package per stage: text → `lang` (parse → plan IR) → `layout` (resolve against the model) →
+`checks` → `compiler` (ParallelStyles) → `runtime` (meshes, ranks, build, `apply` with `parallelize_module`) →
+`verify` (run and compare: `dtp apply`). docs/architecture.md draws the whole tree.
 """
-import importlib
+from __future__ import annotations
 
-from dtp.check import check
+from typing import TYPE_CHECKING
+
+from dtp.checks.checker import check
 from dtp.errors import DtpError, PlanError, RunError, UsageError
-from dtp.syntax import load, parse
+from dtp.lang.parse import load, parse
 
-# The stages that need torch are imported on first use (PEP 562): `dtp fmt` and `dtp check PLAN` never
-# import it.
-_LAZY = {"compile": "dtp.compiler", "apply": "dtp.shard"}
+if TYPE_CHECKING:
+    import torch.nn as nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    from dtp.checks.checker import Checked
+    from dtp.lang.ir import Plan
+    from dtp.runtime.shard import Applied
 
 
-def __getattr__(name: str):
-    """`dtp.apply` and friends, imported when first asked for."""
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'dtp' has no attribute {name!r}")
+def compile(plan: Plan | Checked, model: nn.Module, mesh: DeviceMesh) -> dict[str, ParallelStyle]:  # noqa: A001
+    """The `parallelize_module` plan for `model` on `mesh` (module path → ParallelStyle); imports torch on use."""
+    from dtp.compiler.compiler import compile_plan
+
+    return compile_plan(plan, model, mesh).styles
+
+
+def apply(plan: Plan | Checked, model: nn.Module, mesh: DeviceMesh, seed: int = 0) -> Applied:
+    """Shard `model` in place under `plan` on `mesh`; returns how to read it back (dtp.runtime.shard.apply)."""
+    from dtp.runtime.shard import apply as apply_plan
+
+    return apply_plan(plan, model, mesh, seed)
 
 
 __all__ = ["parse", "load", "check", "compile", "apply", "DtpError", "PlanError", "RunError", "UsageError"]

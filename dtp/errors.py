@@ -1,9 +1,30 @@
 """User-facing errors: positioned plan diagnostics (exit 2), usage errors (exit 2), run failures (exit 1)."""
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
-from dtp.ir import Pos
+
+@dataclass(frozen=True)
+class Pos:
+    """A place in a plan file: 1-based line and column."""
+
+    file: str
+    line: int
+    column: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.column}"
+
+
+NOWHERE = Pos("<plan>", 0, 0)
+
+
+def did_you_mean(word: str, choices: list[str], cutoff: float = 0.5, prefix: str = "") -> str:
+    """`; did you mean 'x'?` for the choice nearest `word` (difflib ratio ≥ `cutoff`), or nothing."""
+    best = difflib.get_close_matches(word, choices, n=1, cutoff=cutoff)
+    return f"; did you mean '{prefix}{best[0]}'?" if best else ""
+
 
 MAX_SHOWN = 50  # diagnostics rendered per file; the count says how many there were
 

@@ -15,11 +15,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from dtp import models
-from dtp.data_parallel import data_parallel
+from dtp.lang.parse import parse
 from dtp.models.gpt import GPT, GPTConfig
 from dtp.models.llama import Llama, LlamaConfig
-from dtp.shard import Applied, apply
-from dtp.syntax import parse
+from dtp.runtime.data_parallel import data_parallel
+from dtp.runtime.shard import Applied, apply
 
 REPO = Path(__file__).resolve().parent.parent
 BATCH, SEQ, LR = 4, 16, 1e-2

@@ -1,4 +1,4 @@
-"""Hypothesis strategies that build dtp.ir.Plan objects which the grammar can express.
+"""Hypothesis strategies that build dtp.lang.ir.Plan objects which the grammar can express.
 
 What the grammar cannot say, the strategies do not generate:
 - a segment containing `**` other than `**` itself, and empty index ranges;
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from dtp import ir
-from dtp.syntax import MAX_INT
+from dtp.lang import ir
+from dtp.lang.parse import MAX_INT
 
 KEYWORDS = frozenset({"dtp", "plan", "mesh", "set", "version", "when", "else"})
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_"

@@ -22,9 +22,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 from dtp.bench.megatron import MegatronGPT
+from dtp.compiler.styles import pack_rows
+from dtp.cost.param_bytes import local_param_bytes
 from dtp.models.gpt import GPT, GPTConfig
-from dtp.param_bytes import local_param_bytes
-from dtp.styles import pack_rows
 
 # plans/gpt2.tp, shipped inside the package so `dtp bench` runs from any install (a test keeps them equal).
 PLAN = """\
@@ -76,7 +76,7 @@ def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 def _dtensor_arm(name: str, model: torch.nn.Module, x, y, extra: dict | None = None) -> Arm:
     """An arm over a DTensor-sharded GPT (logits Shard(-1), loss under `loss_parallel`)."""
-    from dtp.comm import CommCounter, merge
+    from dtp.runtime.comm import CommCounter, merge
 
     opt = _sgd(model)
 
@@ -106,12 +106,12 @@ def _dtensor_arm(name: str, model: torch.nn.Module, x, y, extra: dict | None = N
 
 
 def _dtp_model(base: GPT, mesh):
-    """dtp's sharded GPT through the one build path (dtp.build): built on meta, sharded by the plan, each
+    """dtp's sharded GPT through the one build path (dtp.runtime.build): built on meta, sharded by the plan, each
     rank's blocks scattered from rank 0's `base`."""
-    from dtp.build import build_sharded
-    from dtp.check import check
+    from dtp.checks.checker import check
+    from dtp.lang.parse import parse
     from dtp.models import ModelSource
-    from dtp.syntax import parse
+    from dtp.runtime.build import build_sharded
 
     source = ModelSource("bench-gpt", "gpt", base.config)
     with torch.device("meta"):

@@ -16,7 +16,8 @@ def measure(examples: int = 40, baseline_examples: int = 6, seed: int = 11) -> d
     finally:
         pools.close()
     cases = []
-    from hypothesis import given, settings, seed as hseed, HealthCheck, Phase
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hseed
 
     @settings(max_examples=baseline_examples, database=None, deadline=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))

@@ -96,12 +96,12 @@ def _ratio_on(cfg) -> dict:
     """The interleaved benchmark configuration: NCCL ranks (spawned, one GPU each) or, on CPU, gloo ranks."""
     if cfg.device != "cuda":
         from dtp.bench.scaling import measure
-        from dtp.ranks import on_ranks
+        from dtp.runtime.ranks import on_ranks
 
         return on_ranks(measure, cfg.tp, cfg, timeout=600)[0]
     import torch.multiprocessing as mp
 
-    from dtp.ranks import free_port
+    from dtp.runtime.ranks import free_port
 
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(_cuda_entry, args=(cfg.tp, free_port(), out, cfg), nprocs=cfg.tp, start_method="spawn")
@@ -112,8 +112,7 @@ def main(root: Path, dry_run: bool = False) -> int:
     """Run the three checks; exit 1 when parity failed anywhere, 2 when no GPU is visible (without --dry-run)."""
     import torch
 
-    from dtp.bench.report import compare
-    from dtp.bench.run import results_folder
+    from dtp.bench.report import compare, results_folder
     from dtp.bench.scaling import Config
 
     gpus = torch.cuda.device_count()

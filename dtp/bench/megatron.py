@@ -28,8 +28,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dtp.compiler.styles import pack_rows
 from dtp.models.gpt import GPT, GPTConfig
-from dtp.styles import pack_rows
 
 BASELINE_VERSION = "megatron-style-2"
 

@@ -1,6 +1,8 @@
 """What a benchmark run says: headline ratios with intervals and verdicts, the Markdown tables, plots."""
 from __future__ import annotations
 
+import datetime
+import socket
 import statistics
 from pathlib import Path
 
@@ -151,3 +153,16 @@ def plots(result: dict, out: Path) -> list[str]:
 
 
 TPS_TICKS = (1, 2, 4)
+
+
+def results_folder(root: Path, kind: str, now: datetime.datetime) -> Path:
+    """A new folder `<root>/<YYYYmmdd-HHMMSS>-<kind>-<host>/`; never one that exists."""
+    base = f"{now:%Y%m%d-%H%M%S}-{kind}-{socket.gethostname()}"
+    for n in range(100):
+        out = root / (base if n == 0 else f"{base}.{n}")
+        try:
+            out.mkdir(parents=True, exist_ok=False)
+            return out
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free results folder under {root} for {base}")

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from dtp.bench.report import markdown, plots, ratios
+from dtp.bench.report import markdown, plots, ratios, results_folder
 from dtp.bench.scaling import Config
 
 TPS = (1, 2, 4)
@@ -62,7 +62,7 @@ def gemm_peak(n: int = 512, reps: int = 10, trials: int = 5) -> float:
 
 def _run(cfgs: list[Config], progress) -> list[dict]:
     from dtp.bench.scaling import measure
-    from dtp.ranks import on_ranks
+    from dtp.runtime.ranks import on_ranks
 
     results = []
     for cfg in cfgs:
@@ -71,23 +71,10 @@ def _run(cfgs: list[Config], progress) -> list[dict]:
     return results
 
 
-def results_folder(root: Path, kind: str, now: datetime.datetime) -> Path:
-    """A new folder `<root>/<YYYYmmdd-HHMMSS>-<kind>-<host>/`; never one that exists."""
-    base = f"{now:%Y%m%d-%H%M%S}-{kind}-{socket.gethostname()}"
-    for n in range(100):
-        out = root / (base if n == 0 else f"{base}.{n}")
-        try:
-            out.mkdir(parents=True, exist_ok=False)
-            return out
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"no free results folder under {root} for {base}")
-
-
 def _profile(strong: list[Config], root: Path, kind: str, tps: tuple[int, ...]) -> int:
     """`--profile`: profile.json and profile.md in a new results folder."""
     from dtp.bench.profile import profile, table
-    from dtp.ranks import on_ranks
+    from dtp.runtime.ranks import on_ranks
 
     out = results_folder(root, f"{kind}-profile", datetime.datetime.now(datetime.timezone.utc))
     result = {f"tp{c.tp}": on_ranks(profile, c.tp, c, timeout=3600)[0] for c in strong if c.tp in tps}

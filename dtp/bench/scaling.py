@@ -115,7 +115,7 @@ def _comm_time(collectives, device: str = "cpu", reps: int = 5) -> float:
 def measure(rank: int, world: int, cfg: Config, builders: dict | None = None) -> dict:
     """Run on every rank; rank 0's dict is the result. `builders` replaces the arm registry (tests plant a
     broken arm this way)."""
-    from dtp.schedule import schedule, summarize
+    from dtp.cost.schedule import schedule, summarize
 
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     builders = builders or ARMS

@@ -9,17 +9,17 @@ import json
 import os
 import resource
 import sys
-import time
 import tempfile
+import time
 from pathlib import Path
 
-from dtp.launch import launch
-from dtp.run import RunConfig
 from dtp.simulate.calibrate import profile_yaml
 from dtp.simulate.memory import activation_bytes
 from dtp.simulate.model import Run, simulate
 from dtp.simulate.prepare import Prepared
 from dtp.simulate.profile import parse
+from dtp.verify.apply import launch
+from dtp.verify.rank import RunConfig
 
 MODELS = {"gpt-4x256": dict(n_layer=4, n_head=4, n_embd=256, vocab_size=4096),
           "gpt-4x512": dict(n_layer=4, n_head=8, n_embd=512, vocab_size=8192)}

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from dtp.launcher import init_rank, loopback_listener, serve_store, start_ranks, stop_ranks
-from dtp.run import RunConfig
+from dtp.runtime.launcher import init_rank, loopback_listener, serve_store, start_ranks, stop_ranks
+from dtp.verify.rank import RunConfig
 
 RANK_TIMEOUT_S = 120.0  # a collective that waits longer than this on a pool rank fails it
 READY = "ready"  # what a rank answers once it has joined the process group and built the mesh
@@ -22,7 +22,7 @@ READY = "ready"  # what a rank answers once it has joined the process group and 
 def _worker(rank: int, world: int, port: int, jobs: list, results, tp: int, dp: int) -> None:
     import torch.distributed as dist
 
-    from dtp import run as run_mod
+    from dtp.verify import rank as run_mod
 
     init_rank(rank, world, port, "cpu", RANK_TIMEOUT_S)  # loopback rendezvous; Ctrl-C is the parent's
     mesh = run_mod.make_mesh(RunConfig(plan="", model="", tp=tp, dp=dp))

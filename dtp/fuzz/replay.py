@@ -62,7 +62,7 @@ def _model(path: str, model: object, allow_factory: str | None) -> object:
 def load_checked_case(path: str, allow_factory: str | None = None):
     """(Case, the error it was saved with) from a case file whose every field has been checked."""
     from dtp.fuzz.cases import Case
-    from dtp.preflight import check_world
+    from dtp.runtime.preflight import check_world
 
     data = _read(path)
     plan = data.get("plan")
@@ -95,7 +95,7 @@ def check_case_memory(case) -> None:
     import yaml
 
     from dtp import models
-    from dtp.preflight import check_memory, estimate
+    from dtp.runtime.preflight import check_memory, estimate
 
     if isinstance(case.model, dict):
         family, config = models.config_from_dict("case", case.model)

@@ -19,17 +19,17 @@ from pathlib import Path
 
 import torch
 import yaml
-from hypothesis import HealthCheck, Phase, given, seed as hseed, settings
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hseed
 
 from dtp import models
-from dtp.check import check
+from dtp.checks.checker import check, sequence_shape_problem
+from dtp.cost.param_bytes import param_bytes_per_rank
 from dtp.errors import DtpError, PlanError, UsageError
 from dtp.fuzz.cases import Case
 from dtp.fuzz.pool import Hang, Pools
-from dtp.launch import sequence_shape_problem
-from dtp.param_bytes import param_bytes_per_rank
-from dtp.run import RunConfig
-from dtp.syntax import parse
+from dtp.lang.parse import parse
+from dtp.verify.rank import RunConfig
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dtp.ranks import on_ranks
+from dtp.runtime.ranks import on_ranks
 
 SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # all-reduce buffers, bytes
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from dtp.resolve import Resolution
+from dtp.layout.resolve import Resolution
 from dtp.simulate.ops import Recorder, summarize
 
 SHARDING_STYLES = ("colwise", "rowwise", "vocab_parallel")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from dtp.resolve import Resolution
+from dtp.layout.resolve import Resolution
 
 GiB = 1024 ** 3
 OPTIMIZER_BYTES = {"adam": 8, "sgd": 4}  # fp32 state per parameter: Adam's m and v; SGD's momentum

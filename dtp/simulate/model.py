@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from dtp.schedule import Collective, recomputed, schedule, sent_bytes
+from dtp.cost.schedule import Collective, recomputed, schedule, sent_bytes
 from dtp.simulate.flops import Flops, block_paths
-from dtp.simulate.memory import Memory, activation_bytes, memory, Shape
+from dtp.simulate.memory import Memory, Shape, activation_bytes, memory
 from dtp.simulate.profile import Link, Profile
 
 ELEM = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -203,9 +203,9 @@ def _dp_allreduce(nbytes: float, run: Run, prof: Profile) -> float:
 def workload(checked, model, tp: int, seq: int, micro_batch: int, precision: str, flops: Flops,
              params_per_rank: float, shape: Shape) -> Workload:
     """The model side for one tp: the analytic schedule of one micro-batch and what memory needs."""
-    from dtp.compiler import lower
+    from dtp.layout.lower import lower
 
-    low = lower(checked, tp)
+    low = lower(checked.resolution, tp)
     colls = schedule(checked, tp, micro_batch, seq, DTYPE[precision], low)
     total = float(sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()))
     return Workload(flops, params_per_rank, total, shape, low.sequence_parallel, tuple(colls),

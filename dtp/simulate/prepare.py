@@ -17,8 +17,7 @@ def shape_of(model: nn.Module) -> Shape:
     """Layers, hidden size, heads and vocabulary of a transformer, from its config and structure."""
     cfg = getattr(model, "config", None)
     hidden = getattr(cfg, "n_embd", None) or getattr(cfg, "hidden_size", None)
-    h = models.heads(model)
-    heads = getattr(h, "heads", None) or getattr(cfg, "n_head", None) or getattr(cfg, "num_attention_heads", None)
+    heads = getattr(cfg, "n_head", None) or getattr(cfg, "num_attention_heads", None)
     vocab = models.vocab_size(model)
     layers = len(fl.block_paths(model))
     if not (hidden and heads and vocab and layers):
@@ -41,8 +40,8 @@ class Prepared:
     _cache: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from dtp.check import check
-        from dtp.syntax import load
+        from dtp.checks.checker import check
+        from dtp.lang.parse import load
 
         self.plan = load(self.plan_path)
         self.model = models.build(models.resolve(self.model_spec), device="meta")
@@ -60,7 +59,7 @@ class Prepared:
 
     def workload(self, tp: int, micro_batch: int, precision: str) -> Workload:
         """The workload at `tp` (a plan that does not fit tp is a positioned plan error, exit 2)."""
-        from dtp.check import check
+        from dtp.checks.checker import check
 
         key = (tp, micro_batch, precision)
         if key not in self._cache:

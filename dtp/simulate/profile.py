@@ -6,13 +6,13 @@ profiles live in `profiles/` (inside the wheel as `dtp/profiles/`); any other pa
 """
 from __future__ import annotations
 
-import importlib.resources
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from dtp import files
 from dtp.errors import UsageError
 
 MAX_BYTES = 64 * 1024
@@ -103,12 +103,8 @@ def shipped() -> list[str]:
     return sorted(p.name[:-5] for p in _shipped_dir().iterdir() if p.name.endswith(".yaml"))
 
 
-def _shipped_dir():
-    # Installed wheels carry the profiles inside the package; a source checkout keeps them at top level.
-    packaged = importlib.resources.files("dtp") / "profiles"
-    if packaged.is_dir():
-        return packaged
-    return Path(__file__).resolve().parent.parent.parent / "profiles"
+def _shipped_dir() -> Path:
+    return files.shipped("profiles")
 
 
 def load(spec: str) -> Profile:

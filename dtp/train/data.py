@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dtp.atomic import replace_atomically
 from dtp.errors import UsageError
+from dtp.files import replace_atomically
 
 DEFAULT_CORPUS_BYTES = 2 * 2**20  # the stdlib subset: the first sorted modules up to 2 MiB
 MAX_TEXT_BYTES = 512 * 2**20  # a text corpus is read into memory once to tokenise it

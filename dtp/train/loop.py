@@ -23,14 +23,16 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
 
-from dtp import models, syntax
-from dtp.check import check
-from dtp.comm import CommCounter, merge
-from dtp.data_parallel import units
-from dtp.param_bytes import local_param_bytes
-from dtp.schedule import NotModeled, schedule, summarize
+from dtp import models
+from dtp.checks.checker import check
+from dtp.cost.fsdp import units
+from dtp.cost.param_bytes import local_param_bytes
+from dtp.cost.schedule import NotModeled, schedule, summarize
+from dtp.lang import parse as syntax
+from dtp.runtime.build import build_sharded
+from dtp.runtime.comm import CommCounter, merge
+from dtp.runtime.rows import shared_rows
 from dtp.train import data, resume
-from dtp.build import build_sharded, shared_rows
 from dtp.train.meter import CommTimer, peak_memory, sync
 from dtp.train.optim import Schedule, adamw, clip_, set_lr
 
@@ -63,7 +65,7 @@ class TrainConfig:
     checkpoint: str | None = None  # save here every `save_every` steps (0: at the end only)
     save_every: int = 0
     resume: str | None = None  # load this checkpoint before the first step
-    convert: bool = False  # resume from a checkpoint of another plan (dtp.checkpoint's convert=True)
+    convert: bool = False  # resume from a checkpoint of another plan (dtp.checkpoint.dcp's convert=True)
 
 
 def make_mesh(cfg: TrainConfig) -> DeviceMesh:

@@ -1,4 +1,4 @@
-"""Measuring a training step: time inside collectives and peak memory (counts: dtp.comm.CommCounter)."""
+"""Measuring a training step: time inside collectives and peak memory (counts: dtp.runtime.comm.CommCounter)."""
 from __future__ import annotations
 
 import resource

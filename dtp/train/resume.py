@@ -1,7 +1,7 @@
 """Checkpoints in `dtp train`: check a resume before any rank starts, load it into a rank's Trainer, save
 every N steps and at the end.
 
-A checkpoint is dtp.checkpoint's (DCP, reshards across tp/dp) with `Trainer.train_state()` as its `extra`:
+A checkpoint is dtp.checkpoint.dcp's (DCP, reshards across tp/dp) with `Trainer.train_state()` as its `extra`:
 the step and the RNG states are all a resume needs, since batches and the learning rate derive from the step.
 """
 from __future__ import annotations
@@ -29,8 +29,8 @@ def saved_state(directory: Path) -> tuple[dict, dict]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from dtp.checkpoint_files import CheckpointError, SafeReader, read_meta
-    from dtp.optim_state import unpack
+    from dtp.checkpoint.files import CheckpointError, SafeReader, read_meta
+    from dtp.checkpoint.optim_state import unpack
 
     meta = read_meta(directory)
     size = meta.get("objects", {}).get("extra/rank0")
@@ -54,14 +54,14 @@ def saved_state(directory: Path) -> tuple[dict, dict]:
 def _check_model(meta: dict, spec: str, directory: Path) -> None:
     """Refuse, before any rank, a checkpoint whose model tensors are not this model's (names, full shapes)."""
     from dtp import models
-    from dtp.checkpoint import _model_shape
-    from dtp.checkpoint_files import CheckpointError, some
+    from dtp.checkpoint.dcp import model_shape
+    from dtp.checkpoint.files import CheckpointError, some
 
     model = models.build(models.resolve(spec), device="meta")
     persistent = model.state_dict(keep_vars=True).keys()
     here = {f"model/{n}": tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]
             if n in persistent}
-    saved = {k: _model_shape(k, tuple(v["shape"]), meta.get("packed", {}))
+    saved = {k: model_shape(k, tuple(v["shape"]), meta.get("packed", {}))
              for k, v in meta["tensors"].items() if k.startswith("model/")}
     problems = [f"it has no {some(sorted(set(here) - set(saved)))}"] if set(here) - set(saved) else []
     if set(saved) - set(here):
@@ -75,7 +75,7 @@ def _check_model(meta: dict, spec: str, directory: Path) -> None:
 def validate(args: argparse.Namespace) -> None:
     """Checkpoint flags, and the checkpoint to resume from, before any rank starts (exit 2 with one paragraph).
     Makes the directories absolute (ranks may run elsewhere) and records the resumed step in args."""
-    from dtp.checkpoint import _check_plan  # the checkpoint module's own message for another plan
+    from dtp.checkpoint.dcp import check_plan_matches
 
     if args.save_every and not args.checkpoint:
         raise UsageError("--save-every needs --checkpoint DIR (where to save)")
@@ -91,7 +91,7 @@ def validate(args: argparse.Namespace) -> None:
     args.resume = str(directory)
     meta, extra = saved_state(directory)
     try:
-        _check_plan(meta, _plan_text(args.plan), directory, args.convert)
+        check_plan_matches(meta, _plan_text(args.plan), directory, args.convert)
     except UsageError as err:
         raise type(err)(f"{err} (`dtp train --convert`)") from None
     _check_model(meta, args.model, directory)
@@ -103,7 +103,7 @@ def validate(args: argparse.Namespace) -> None:
 
 def restore(trainer, cfg) -> dict:
     """Load cfg.resume into the rank's sharded model and optimizer, set its step and RNG; the load's stats."""
-    from dtp.checkpoint import load_checkpoint
+    from dtp.checkpoint.dcp import load_checkpoint
 
     stats: dict = {}
     extra = load_checkpoint(cfg.resume, trainer.model, trainer.optimizer, mesh=trainer.mesh,
@@ -124,7 +124,7 @@ def save(trainer, cfg) -> dict:
     """Save the rank's model, optimizer and train_state to cfg.checkpoint (every rank calls it); stats."""
     from torch.distributed.fsdp import FSDPModule
 
-    from dtp.checkpoint import save_checkpoint
+    from dtp.checkpoint.dcp import save_checkpoint
 
     # FSDP2 keeps the root's parameters gathered after a forward with no backward (an evaluation), and the
     # model then names those instead of the sharded ones the optimizer holds: shard them back first.
@@ -141,7 +141,7 @@ def resumed_line(s: dict) -> list[str]:
     r = s.get("resumed")
     if not r:
         return []
-    from dtp.explain import human_bytes
+    from dtp.cost.explain import human_bytes
 
     return [f"  resumed from {r['path']} at step {r['step']} "
             f"(loaded {human_bytes(r['bytes'])} in {r['seconds']:.2f} s)"]
@@ -152,7 +152,7 @@ def saved_line(s: dict) -> list[str]:
     saves = s.get("checkpoints")
     if not saves:
         return []
-    from dtp.explain import human_bytes
+    from dtp.cost.explain import human_bytes
 
     seconds = sorted(c["seconds"] for c in saves)
     return [f"  checkpoint: {s['config']['checkpoint']} saved after step {', '.join(str(c['step']) for c in saves)} "

@@ -1,0 +1,109 @@
+"""`dtp export CHECKPOINT`: a checkpoint's unsharded model state dict as a torch or safetensors file, or a
+Hugging Face directory that `from_pretrained` loads. One process, no process group: DCP reads every chunk
+into whole tensors (`no_dist`), each tensor's fingerprint is checked, packed parts are flattened back
+into the model's own row order and tied weights get every name the model gives them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dtp.checkpoint.files import CheckpointError, SafeReader, read_meta, some
+from dtp.checkpoint.fingerprint import fingerprint
+from dtp.errors import UsageError
+from dtp.files import replace_atomically
+
+
+def _dtype(name: object, key: str) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"checkpoint metadata gives {key} an unknown dtype {name!r}")
+    return dtype
+
+
+def read_model(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(metadata, the model's unsharded state dict) of a checkpoint, every tensor verified against its fingerprint."""
+    directory = Path(directory)
+    meta = read_meta(directory)
+    tensors = {k: v for k, v in meta["tensors"].items() if k.startswith("model/")}
+    wanted = sum(torch.Size(v["shape"]).numel() * _dtype(v["dtype"], k).itemsize for k, v in tensors.items())
+    on_disk = sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
+    if wanted > on_disk:  # DCP stores raw bytes: a larger claim is a corrupt dtp.json, not a reason to allocate
+        raise CheckpointError(f"checkpoint {directory} is corrupt: its metadata describes {wanted} bytes of "
+                              f"model tensors, its files hold {on_disk}")
+    state = {k: torch.empty(v["shape"], dtype=_dtype(v["dtype"], k)) for k, v in tensors.items()}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=SafeReader(directory), no_dist=True)
+    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+        reason = str(err).strip().splitlines()[-1][:400] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"checkpoint {directory} is corrupt or unreadable: {reason}") from None
+    bad = sorted(k for k, t in state.items() if fingerprint(t) != tensors[k]["fingerprint"])
+    if bad:
+        raise CheckpointError(f"checkpoint {directory}: {some(bad)} do not "
+                              "match the fingerprints recorded at save (corrupt data or a layout dtp did not write)")
+    out: dict[str, torch.Tensor] = {}
+    for key, t in state.items():
+        name = key.removeprefix("model/")
+        out[name] = t.flatten(0, 1) if meta["packed"].get(name, 1) > 1 else t  # (K, out/K, …) → (out, …)
+    for first, *others in meta["tied"]:
+        for name in others:
+            out[name] = out[first]
+    return meta, out
+
+
+def _save(state: dict[str, torch.Tensor], path: Path, fmt: str) -> None:
+    if fmt == "torch":
+        replace_atomically(path, lambda tmp: torch.save(state, tmp))
+        return
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise UsageError("--format safetensors needs the safetensors package: pip install safetensors") from None
+    seen: set[int] = set()
+    plain = {}
+    for name, t in state.items():  # safetensors refuses shared storage: tied names get their own copy
+        plain[name] = t.clone() if t.untyped_storage().data_ptr() in seen else t.contiguous()
+        seen.add(t.untyped_storage().data_ptr())
+    replace_atomically(path, lambda tmp: save_file(plain, str(tmp), metadata={"format": "pt"}))
+
+
+def export(checkpoint: str, fmt: str | None, output: str | None, hf_dir: str | None) -> tuple[Path, int]:
+    """Write the checkpoint's unsharded state dict; (where, number of tensors)."""
+    meta, state = read_model(checkpoint)
+    if hf_dir is not None:
+        config = meta.get("hf_config")
+        if not isinstance(config, dict):
+            raise UsageError(f"{checkpoint} holds a {meta.get('model_class')} model, not a Hugging Face one "
+                             "(no config was saved); --hf-dir needs one — use -o for a plain state dict")
+        target = Path(hf_dir)
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise UsageError(f"cannot create {target}: {err.strerror}") from None
+        fmt = fmt or "safetensors"
+        text = json.dumps(config, indent=2, default=str) + "\n"
+        replace_atomically(target / "config.json", lambda tmp: tmp.write_text(text))
+        path = target / ("model.safetensors" if fmt == "safetensors" else "pytorch_model.bin")
+    else:
+        fmt = fmt or "torch"
+        suffix = "pt" if fmt == "torch" else "safetensors"
+        path = Path(output) if output else Path(f"{str(checkpoint).rstrip('/')}.{suffix}")
+    _save(state, path, fmt)
+    return (path if hf_dir is None else Path(hf_dir)), len(state)
+
+
+def export_command(args: argparse.Namespace) -> int:
+    """`dtp export CHECKPOINT [--format torch|safetensors] [-o PATH | --hf-dir DIR]`."""
+    t0 = time.perf_counter()
+    where, count = export(args.checkpoint, args.format, args.output, args.hf_dir)
+    print(f"{args.checkpoint}: {count} tensors written to {where} in {time.perf_counter() - t0:.2f} s")
+    return 0

@@ -1,0 +1,23 @@
+"""`dtp export CHECKPOINT [--format torch|safetensors] [-o PATH | --hf-dir DIR]`: exit 0 written, 2 a bad input."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub) -> None:
+    """Register `dtp export`."""
+    e = sub.add_parser("export", help="write a checkpoint's unsharded state dict (torch, safetensors, Hugging Face)")
+    e.add_argument("checkpoint", help="a checkpoint directory written by dtp")
+    e.add_argument("--format", choices=("torch", "safetensors"),
+                   help="file format (default: torch for -o, safetensors for --hf-dir)")
+    where = e.add_mutually_exclusive_group()
+    where.add_argument("-o", "--output", metavar="PATH", help="output file (default: CHECKPOINT.pt / .safetensors)")
+    where.add_argument("--hf-dir", metavar="DIR", help="write config.json and the weights for from_pretrained(DIR)")
+    e.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write the checkpoint's unsharded state dict."""
+    from dtp.checkpoint.export import export_command
+
+    return export_command(args)

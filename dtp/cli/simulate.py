@@ -1,0 +1,43 @@
+"""`dtp simulate PLAN MODEL --profile P`: predict a training iteration at scale; exit 2 on a usage error."""
+from __future__ import annotations
+
+import argparse
+
+from dtp.cli.args import bounded
+
+# a typo must not ask for a million GPUs
+LIMITS = {"tp": 4096, "dp": 1 << 20, "micro_batch": 1 << 16, "global_batch": 1 << 24, "seq": 1 << 20}
+
+
+def add_parser(sub) -> None:
+    """Register `dtp simulate`."""
+    s = sub.add_parser("simulate", help="predict a training iteration at scale from the plan and a hardware profile")
+    s.add_argument("plan", nargs="?")
+    s.add_argument("model", nargs="?", help="zoo name, model YAML, or package.module:factory")
+    s.add_argument("--profile", help="a shipped profile (dgx2h-v100, dgx-a100, h100-sxm, h200-sxm) or a YAML file")
+    s.add_argument("--tp", type=bounded(LIMITS["tp"]), default=1)
+    s.add_argument("--dp", type=bounded(LIMITS["dp"]), default=1)
+    s.add_argument("--micro-batch", type=bounded(LIMITS["micro_batch"]), default=8, help="sequences per micro-batch (default 8)")
+    s.add_argument("--global-batch", type=bounded(LIMITS["global_batch"]), help="sequences per iteration (default micro-batch × dp)")
+    s.add_argument("--seq", type=bounded(LIMITS["seq"]), help="tokens per sequence (default: the model's block size)")
+    s.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
+    s.add_argument("--recompute", choices=("none", "full", "selective"), default="full",
+                   help="activation checkpointing (default full, as the paper: every layer)")
+    s.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    s.add_argument("--dp-overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap the gradient all-reduce with backward (default: the profile's dp_overlap)")
+    s.add_argument("--sweep", action="store_true",
+                   help="the paper's weak-scaling experiment (Table-1 models) and MODEL's strong scaling")
+    s.add_argument("--json", metavar="PATH", help="also write the result as JSON")
+    s.add_argument("--plot", metavar="PATH", help="with --sweep: write the scaling plot (PNG)")
+    s.add_argument("--markdown", metavar="PATH", help="with --sweep: write the tables as Markdown")
+    s.add_argument("--calibrate", action="store_true", help="measure this machine and write a profile (-o)")
+    s.add_argument("-o", "--output", metavar="PROFILE", help="with --calibrate: the profile file to write")
+    s.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Predict one configuration, the paper's sweep, or calibrate this machine."""
+    from dtp.simulate.session import simulate_command
+
+    return simulate_command(args)

@@ -1,0 +1,55 @@
+"""`dtp train PLAN MODEL`: exit 0 trained (and, with --compare-tp, the curves agree); 1 a rank failed, the loss
+diverged or the curves differ; 2 a plan, data or flag error (before any rank starts); 130 interrupted."""
+from __future__ import annotations
+
+import argparse
+
+from dtp.cli.args import memory_size, positive_float, positive_int, seed_int, tp_list
+
+
+def add_parser(sub) -> None:
+    """Register `dtp train`."""
+    t = sub.add_parser("train", help="train a sharded model on real text; --compare-tp for convergence parity")
+    t.add_argument("plan")
+    t.add_argument("model", help="zoo name, model YAML, or package.module:factory")
+    t.add_argument("--tp", type=positive_int, default=2, help="tensor-parallel size (default 2)")
+    t.add_argument("--dp", type=positive_int, default=1, help="data-parallel size (FSDP2); --batch is global")
+    t.add_argument("--data", help="a text file, a directory of text files, or a .bin of uint16 token ids "
+                   "(default: the Python standard library's source, 2 MiB)")
+    t.add_argument("--tokenizer", choices=("bytes", "bpe"), default="bytes",
+                   help="byte-level ids (default) or a BPE trained on the corpus to the model's vocabulary")
+    t.add_argument("--steps", type=positive_int, default=300)
+    t.add_argument("--batch", type=positive_int, default=8, help="global batch in sequences (default 8)")
+    t.add_argument("--seq", type=positive_int, default=64, help="tokens per sequence (default 64)")
+    t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    t.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at the end of the cosine (default 3e-4)")
+    t.add_argument("--warmup", type=int, help="linear warm-up steps (default: 10%% of --steps)")
+    t.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay on matrices (default 0.1)")
+    t.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip, 0 for none (default 1.0)")
+    t.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="bfloat16: autocast forward with float32 master weights")
+    t.add_argument("--eval-every", type=positive_int, default=50, help="validation every E steps and at the end")
+    t.add_argument("--checkpoint-activations", action="store_true", help="recompute each block's forward in backward")
+    t.add_argument("--seed", type=seed_int, default=0)
+    t.add_argument("--max-rank-memory", type=memory_size, metavar="BYTES",
+                   help="refuse a tp whose per-rank parameters + gradients + AdamW state exceed BYTES (e.g. 1.5MiB)")
+    t.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    t.add_argument("--timeout", type=positive_float, default=900.0, help="seconds before every rank is stopped (default 900)")
+    t.add_argument("--out", default="dtp-train", help="directory for metrics.jsonl, summary.json, loss.png")
+    t.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
+    t.add_argument("--compare-tp", type=tp_list, metavar="1,2,4",
+                   help="train at each tp from the same init on the same batches; overlay and tabulate")
+    t.add_argument("--checkpoint", metavar="DIR", help="save a checkpoint (DCP, reshardable) here at the end "
+                   "and every --save-every steps")
+    t.add_argument("--save-every", type=positive_int, metavar="N", help="save every N steps (needs --checkpoint)")
+    t.add_argument("--resume", metavar="DIR", help="continue from this checkpoint's step to --steps, at any --tp/--dp")
+    t.add_argument("--convert", action="store_true", help="with --resume: accept a checkpoint of another plan "
+                   "and re-cut its tensors for this one")
+    t.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train (or compare tps) and print the summary."""
+    from dtp.train.session import train_command
+
+    return train_command(args)

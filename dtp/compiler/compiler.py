@@ -1,0 +1,121 @@
+"""Checked plan → the `parallelize_module` plan: torch's own ParallelStyles wherever torch has one.
+
+Two steps. `dtp.layout.lower` decides every module's input/output layouts with no process group (so the
+checker and `explain` read the same decisions); `compile_plan` turns them into styles.
+
+| plan style                 | ParallelStyle                                                              |
+|----------------------------|----------------------------------------------------------------------------|
+| colwise                    | ColwiseParallel (PackedColwiseParallel with packed=K)                      |
+| rowwise                    | RowwiseParallel                                                            |
+| vocab_parallel, Embedding  | RowwiseParallel: rows sharded, output all-reduced (VocabParallelEmbedding) |
+| vocab_parallel, Linear     | ColwiseParallel(output Shard(-1), DTensor output) + loss under loss_parallel |
+| sequence_parallel          | SequenceParallel (a plain input read as replicated); switches to Megatron-SP |
+| replicate                  | nothing (the module stays a plain replicated module)                       |
+| replicate(reduce_grad=true) | ReplicateReduceGrad: whole parameters, gradients all-reduced              |
+| colwise/rowwise on Conv1D, packed=[…] | PlacedColwise / PlacedRowwise (dtp/compiler/placed.py)                  |
+| experts                    | ExpertsParallel: each expert's FFN dimension split, f and g around it      |
+| slice_input(name=X, dim=D) | SliceHeadsInput: inputs X holding every head at dim D cut to this rank's heads |
+| slice_params(name=X, dim=D) | SliceHeadsParams: the module's own per-head parameters X, Shard(D)        |
+| sharded_norm               | ShardedNorm: RMS norm on this rank's features, sum of squares all-reduced  |
+| colwise siblings           | SharedInput on their parent: one input redistribution for q/k/v, gate/up   |
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from dtp.checks.checker import Checked, checked_for
+from dtp.compiler.head_slices import SliceHeadsInput, SliceHeadsParams
+from dtp.compiler.placed import ExpertsParallel, PlacedColwise, PlacedRowwise, ReplicateReduceGrad
+from dtp.compiler.sharded_norm import ShardedNorm
+from dtp.compiler.styles import (
+    Chained,
+    PackedColwiseParallel,
+    SequenceParallelFromReplicated,
+    SetAttributes,
+    SharedInput,
+)
+from dtp.lang import ir
+from dtp.layout.lower import SEQUENCE, Lowered, ModuleLayout, lower
+from dtp.layout.placement import ParamPlacement, param_placements
+
+
+def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The tensor-parallel dimension of a 1-D or (dp, tp) mesh."""
+    names = mesh.mesh_dim_names or ()
+    return mesh["tp"] if "tp" in names and mesh.ndim > 1 else mesh
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """What `apply` needs: the styles, the per-rank attribute rewrites, and facts the run must know."""
+
+    styles: dict[str, ParallelStyle]
+    rewrites: dict[str, SetAttributes]
+    lowered: Lowered
+    packed: dict[str, int] = field(default_factory=dict)  # module path → parts, for gathering parameters back
+
+    @property
+    def loss_parallel(self) -> bool:
+        """Whether the loss must run under loss_parallel."""
+        return self.lowered.loss_parallel
+
+
+def _style(m: ModuleLayout) -> ParallelStyle:
+    if m.style == "colwise":
+        kw = dict(input_layouts=m.input, output_layouts=m.output, use_local_output=m.local)
+        if m.placements:
+            return PlacedColwise(dict(m.placements), **kw)
+        return PackedColwiseParallel(m.packed, **kw) if m.packed > 1 else ColwiseParallel(**kw)
+    if m.style == "rowwise":
+        return PlacedRowwise(input_layouts=m.input, output_layouts=m.output, use_local_output=m.local)
+    if m.style == "experts":
+        return ExpertsParallel()
+    if m.reduce_grad:
+        return ReplicateReduceGrad()
+    if m.style == "slice_input":
+        return SliceHeadsInput(m.slice_names, m.heads, m.slice_dim)
+    if m.style == "slice_params":
+        return SliceHeadsParams(m.slice_names, m.slice_dim)
+    if m.style == "sharded_norm":
+        return ShardedNorm(dict(m.placements)["weight"])
+    if m.style == "vocab_parallel" and m.embedding:
+        return RowwiseParallel(input_layouts=m.input, output_layouts=m.output, use_local_output=m.local)
+    if m.style == "vocab_parallel":
+        return ColwiseParallel(input_layouts=m.input, output_layouts=m.output, use_local_output=False)
+    return SequenceParallelFromReplicated()
+
+
+def placed_params(low: Lowered, model: nn.Module) -> dict[str, ParamPlacement]:
+    """Parameter name → placement, for every parameter gathered back through `layouts.unpack_parts`
+    (Conv1D with packed parts, unequal or replicated parts, experts' packed gate_up_proj)."""
+    out: dict[str, ParamPlacement] = {}
+    for path, m in low.modules.items():
+        for name, placement in m.placements:
+            if placement.parts or placement.packed > 1:
+                out[f"{path}.{name}"] = placement
+        if m.style == "experts":
+            module = model.get_submodule(path)
+            for name, placement in param_placements("experts", module).items():
+                if placement.packed > 1:  # [gate; up] halves
+                    out[f"{path}.{name}"] = placement
+    return out
+
+
+def compile_plan(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh) -> Compiled:
+    """Compile `plan` for `model` on `mesh` (checking it first if it is not a Checked plan for this tp)."""
+    tp = tp_mesh(mesh).size()
+    checked = checked_for(plan, model, tp)
+    low = lower(checked.resolution, tp)
+    styles = {path: _style(m) for path, m in low.modules.items()}
+    for parent in low.shared_inputs:
+        shared = SharedInput(SEQUENCE if low.sequence_parallel else Replicate())
+        styles[parent] = Chained(shared, styles[parent]) if parent in styles else shared
+    packed = {path: m.packed for path, m in low.modules.items() if m.packed > 1 and not m.placements}
+    packed.update(placed_params(low, model))
+    rewrites = {path: SetAttributes(v) for path, v in low.rewrites.items()}
+    return Compiled(styles, rewrites, low, packed)

@@ -1,0 +1,222 @@
+"""The analytic communication schedule of a plan: every collective of one training step, from the
+layouts `compile.lower` chose and the model's shapes, with no process group.
+
+A layout change costs (N tokens × width × element size is the buffer S):
+
+| where                                   | forward            | backward           |
+|-----------------------------------------|--------------------|--------------------|
+| replicated input → colwise region       | -                  | all-reduce S (f)   |
+| sequence-sharded input → colwise region | all-gather S       | reduce-scatter S   |
+| rowwise / embedding → replicated        | all-reduce S (g)   | -                  |
+| rowwise / embedding → sequence-sharded  | reduce-scatter S   | all-gather S       |
+| colwise output gathered (output=replicate) | all-gather S    | -                  |
+| rowwise input split (input=replicate)   | -                  | all-gather S       |
+| sequence_parallel norm parameter        | -                  | all-reduce of its gradient |
+| vocab-parallel cross-entropy            | 3 all-reduces of N values (max, sum of exponentials, target logit) | - |
+| replicated packed part (`replicate(kv)`) | -                 | all-reduce of those rows' gradient, per parameter |
+| `replicate(reduce_grad=true)`           | -                  | all-reduce of each parameter's gradient |
+| `sharded_norm` (RMS norm over sharded features) | all-reduce of N sums of squares | all-reduce of their gradient |
+| `experts` (expert FFN dimension split)  | all-reduce S (g)   | all-reduce S (f), and of the N × top-k routing weights |
+| `slice_input`, `slice_params` (per head) | -                 | -                  |
+
+Sibling colwise layers that share their parent's input pay the input cost once (Megatron's f).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+
+from dtp.checks.checker import Checked
+from dtp.cost.fsdp import unit_bytes, units
+from dtp.layout.experts import experts_layout
+from dtp.layout.lower import SEQUENCE, Lowered, lower
+from dtp.layout.modules import features
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a training step."""
+
+    op: str  # all_reduce | all_gather | reduce_scatter
+    phase: str  # forward | backward
+    buffer_bytes: int  # the full buffer (see dtp.runtime.comm)
+    module: str
+    reason: str
+    group: str = "tp"  # the mesh dimension it runs over
+
+
+def sent_bytes(op: str, buffer_bytes: int, n: int) -> int:
+    """Bytes each rank sends for one collective under ring algorithms over n ranks."""
+    if n <= 1:
+        return 0
+    factor = 2 if op == "all_reduce" else 1  # all-reduce = reduce-scatter + all-gather
+    return factor * buffer_bytes * (n - 1) // n
+
+
+class NotModeled(Exception):
+    """A layout the analytic model does not cover (e.g. a partial input); explain says so."""
+
+
+def schedule(checked: Checked, tp: int, batch: int, seq: int, dtype: torch.dtype = torch.float32,
+             lowered: Lowered | None = None, dp: int = 1, model: nn.Module | None = None,
+             checkpoint_activations: bool = False) -> list[Collective]:
+    """Every collective of one forward + backward pass of the plan at `tp` on `batch` × `seq` tokens per
+    data-parallel rank; with dp > 1 (give `model`) also FSDP2's parameter all-gathers and gradient
+    reduce-scatters; with `checkpoint_activations`, each block's forward collectives again in backward."""
+    out = _tensor_parallel(checked, tp, batch, seq, dtype, lowered)
+    if checkpoint_activations:
+        out += recomputed(out, units(checked.resolution.modules[""]))
+    if dp > 1:
+        elem = torch.empty((), dtype=dtype).element_size()
+        for path, nbytes in unit_bytes(checked, model, tp, dp, elem):
+            name = path or "(root)"
+            out.append(Collective("all_gather", "forward", nbytes, name, "FSDP2 parameters", "dp"))
+            if path:  # FSDP2 keeps the root's parameters gathered from forward to backward
+                out.append(Collective("all_gather", "backward", nbytes, name, "FSDP2 parameters again", "dp"))
+            out.append(Collective("reduce_scatter", "backward", nbytes, name, "FSDP2 gradients", "dp"))
+    return out
+
+
+def recomputed(collectives: list[Collective], blocks: list[str]) -> list[Collective]:
+    """Activation checkpointing per block re-runs each block's whole forward in backward (Megatron's
+    recomputation): the block's forward tensor-parallel collectives again, in the backward phase."""
+    inside = [c for c in collectives if c.phase == "forward" and c.group == "tp"
+              and any(c.module == b or c.module.startswith(b + ".") for b in blocks)]
+    return [replace(c, phase="backward", reason=f"recomputed forward: {c.reason}") for c in inside]
+
+
+def _tensor_parallel(checked: Checked, tp: int, batch: int, seq: int, dtype: torch.dtype,
+                     lowered: Lowered | None) -> list[Collective]:
+    low = lowered or lower(checked.resolution, tp)
+    res = checked.resolution
+    elem = torch.empty((), dtype=dtype).element_size()
+    tokens = batch * seq
+    out: list[Collective] = []
+
+    # Sequence shards follow torch.chunk: a sequence that does not divide is padded for the collective.
+    padded = batch * -(-seq // tp) * tp
+
+    def add(op: str, phase: str, width: int, module: str, reason: str, nbytes: int | None = None,
+            sequence: bool = False) -> None:
+        n = padded if sequence else tokens
+        out.append(Collective(op, phase, nbytes if nbytes is not None else n * width * elem, module, reason))
+
+    if low.loss_parallel:
+        head = next(p for p, m in low.modules.items() if m.style == "vocab_parallel" and not m.embedding)
+        # torch's vocab-parallel log-softmax keeps its statistics in at least float32 (bf16 logits are
+        # upcast); the target logit travels in the logits' own dtype
+        stats = max(elem, 4)
+        for what, size in (("max", stats), ("sum of exponentials", stats), ("target logit", elem)):
+            add("all_reduce", "forward", 1, head, f"vocab-parallel cross-entropy: {what}", tokens * size)
+    if tp == 1:
+        return out  # DTensor skips redistributions over a one-rank mesh
+
+    shared_children = {c: parent for parent, children in low.shared_inputs.items() for c in children}
+    entered: set[str] = set()
+    for path, m in low.modules.items():
+        module = res.modules[path]
+        for name, placement in m.placements:  # replicated packed parts: their rows' gradient is summed
+            rows = placement.replicated_rows(tp)
+            param = getattr(module, name, None)
+            if rows and param is not None:
+                numel = param.numel() // param.shape[placement.shard_dim] * rows
+                add("all_reduce", "backward", 0, path, f"gradient of {name}'s replicated parts", numel * elem)
+        if m.style == "sharded_norm":  # statistics in at least float32 (dtp/compiler/sharded_norm.py)
+            stats = max(elem, 4)
+            add("all_reduce", "forward", 0, path, "sum of squares over the sharded features", tokens * stats)
+            add("all_reduce", "backward", 0, path, "gradient of the sum of squares", tokens * stats)
+            continue
+        if m.reduce_grad:
+            for name, p in module.named_parameters(recurse=False):
+                add("all_reduce", "backward", 0, path, f"gradient of replicated {name}", p.numel() * elem)
+            continue
+        if m.style == "experts":
+            hidden = experts_layout(module).hidden
+            top_k = getattr(getattr(res.modules[""], "config", None), "num_experts_per_tok", None)
+            if not isinstance(top_k, int):
+                raise NotModeled(f"{path}: experts without config.num_experts_per_tok")
+            add("all_reduce", "backward", hidden, path, "input: gradient (f)")
+            add("all_reduce", "backward", top_k, path, "routing weights: gradient (f), in at least float32",
+                tokens * top_k * max(elem, 4))
+            add("all_reduce", "forward", hidden, path, "partial sums (g)")
+            continue
+        if m.style in ("colwise", "vocab_parallel") and not m.embedding:
+            key = shared_children.get(path, path)
+            if key not in entered:
+                entered.add(key)
+                layout = (SEQUENCE if low.sequence_parallel else Replicate()) if key in low.shared_inputs else m.input
+                _enter_region(add, layout, features(module)[0], key,
+                              "shared input of " + ", ".join(c.rsplit(".", 1)[-1] for c in low.shared_inputs[key])
+                              if key in low.shared_inputs else "input")
+            if m.style == "colwise" and m.output != Shard(-1):
+                if m.output != Replicate():
+                    raise NotModeled(f"{path}: colwise output {m.output}")
+                if any(p.parts for _, p in m.placements):
+                    raise NotModeled(f"{path}: gathered output of packed parts")
+                add("all_gather", "forward", features(module)[1], path, "gathered output")
+        elif m.style == "rowwise" or m.embedding:
+            if m.style == "rowwise" and m.input == Replicate():  # split locally; its gradient gathered
+                add("all_gather", "backward", features(module)[0], path, "gradient of the split input")
+            elif m.style == "rowwise" and m.input != Shard(-1):
+                raise NotModeled(f"{path}: rowwise input {m.input}")
+            width = module.embedding_dim if m.embedding else features(module)[1]
+            _leave_region(add, m.output, width, path)
+        elif m.style == "sequence_parallel":
+            for name, p in module.named_parameters(recurse=False):
+                add("all_reduce", "backward", 0, path, f"gradient of replicated {name}", p.numel() * elem)
+    if low.sequence_parallel and not any(m.embedding and m.output == SEQUENCE for m in low.modules.values()):
+        # A replicated activation (e.g. GPT-2's token + position sum) is cut into sequence shards where it
+        # enters the first sequence-parallel module; the backward pass gathers its gradient.
+        first = next(p for p, m in low.modules.items() if m.style == "sequence_parallel")
+        add("all_gather", "backward", _hidden(res.modules, low), first, "gradient of the split into sequence shards",
+            sequence=True)
+    return out
+
+
+def _hidden(modules: dict[str, nn.Module], low: Lowered) -> int:
+    """The width of the sequence-parallel activations: a sequence-parallel norm's size."""
+    for path, m in low.modules.items():
+        weight = getattr(modules[path], "weight", None) if m.style == "sequence_parallel" else None
+        if weight is not None:
+            return weight.shape[-1]
+    raise NotModeled("sequence parallelism without a norm to read the hidden size from")
+
+
+def _enter_region(add, placement, width: int, module: str, what: str) -> None:
+    if placement == Replicate():
+        add("all_reduce", "backward", width, module, f"{what}: gradient (f)")
+    elif placement == SEQUENCE:
+        add("all_gather", "forward", width, module, f"{what}: sequence gather", sequence=True)
+        add("reduce_scatter", "backward", width, module, f"{what}: gradient", sequence=True)
+    else:
+        raise NotModeled(f"{module}: input {placement}")
+
+
+def _leave_region(add, placement, width: int, module: str) -> None:
+    if placement == Replicate():
+        add("all_reduce", "forward", width, module, "partial sums (g)")
+    elif placement == SEQUENCE:
+        add("reduce_scatter", "forward", width, module, "partial sums to sequence shards", sequence=True)
+        add("all_gather", "backward", width, module, "gradient", sequence=True)
+    else:
+        raise NotModeled(f"{module}: output {placement}")
+
+
+def summarize(collectives: list[Collective], tp: int, dp: int = 1) -> dict:
+    """The same shape as the measured `collectives` of a `dtp apply` report."""
+    size = {"tp": tp, "dp": dp}
+    out: dict = {"total": len(collectives), "by_op": {}, "forward": {}, "backward": {}, "bytes": {}, "sent_bytes": {}}
+    for c in collectives:
+        out["by_op"][c.op] = out["by_op"].get(c.op, 0) + 1
+        out[c.phase][c.op] = out[c.phase].get(c.op, 0) + 1
+        out["bytes"][c.op] = out["bytes"].get(c.op, 0) + c.buffer_bytes
+        out["sent_bytes"][c.op] = out["sent_bytes"].get(c.op, 0) + sent_bytes(c.op, c.buffer_bytes, size[c.group])
+    return out
+
+
+def to_json(collectives: list[Collective]) -> list[dict]:
+    """Each collective as a dict."""
+    return [asdict(c) for c in collectives]

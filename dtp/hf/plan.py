@@ -1,0 +1,257 @@
+"""Hugging Face `tp_plan` ⇄ `.tp` plans: `dtp plan --from-hf MODEL [-o FILE]`, `dtp plan --to-hf PLAN`.
+
+Import prefers the shipped `plans/hf/<config.model_type>.tp`; otherwise it maps the model's `_tp_plan`
+(its `base_model_tp_plan` with the base model's prefix, plus the head's entries). Keys are module paths
+whose numeric segments HF writes as `*`; dtp's `*` matches any one segment, which is the same set for
+these paths. Every current and legacy HF style string is mapped or named as lossy (a `# lossy:` comment
+in the plan and a warning on stderr).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch.nn as nn
+
+from dtp.errors import UsageError
+from dtp.files import shipped
+from dtp.lang import ir
+
+PLANS = shipped("plans/hf")  # plans/hf in a checkout; dtp/plans/hf inside a wheel
+
+# HF style string → dtp style text (None: not expressible; the rule is dropped with a warning)
+IMPORT: dict[str, str | None] = {
+    "colwise": "colwise", "rowwise": "rowwise",
+    "colwise_gather_output": "colwise(output=replicate)", "colwise_rep": "colwise(output=replicate)",
+    "rowwise_split_input": "rowwise(input=replicate)", "rowwise_rep": "rowwise(input=replicate)",
+    "embedding_rowwise": "vocab_parallel", "packed_colwise": "colwise(packed=2)",
+    "sequence_parallel": "sequence_parallel", "replicate": "replicate",
+    "replicated_with_grad_allreduce": "replicate(reduce_grad=true)",
+    "local_colwise": "colwise", "local_rowwise": "rowwise",  # the same maths without DTensor (lossy: local)
+    "packed_rowwise": None, "local_packed_rowwise": None, "local": None, "gather": None, "all_reduce": None,
+    "mla_kv_a_proj": None, "grouped_gemm": None, "ep_router": None, "moe_identity_expert": None,
+    "megamoe_router": None, "megamoe_experts": None, "moe_tp_experts": "experts",
+}
+LOSSY = {"local_colwise": "runs on local tensors in HF; dtp uses DTensor (same layout)",
+         "local_rowwise": "runs on local tensors in HF; dtp uses DTensor (same layout)"}
+
+
+def hf_plan_of(model: nn.Module) -> dict[str, str]:
+    """The model's full HF tp_plan (keys from the model root)."""
+    plan = dict(getattr(model, "_tp_plan", None) or {})
+    if not plan:
+        config = getattr(model, "config", None)
+        base = getattr(config, "base_model_tp_plan", None) or {}
+        prefix = getattr(model, "base_model_prefix", "model")
+        plan = {f"{prefix}.{k}": v for k, v in base.items()}
+    return plan
+
+
+def import_plan(plan: dict[str, str], name: str = "imported",
+                model: nn.Module | None = None) -> tuple[str, list[str]]:
+    """(.tp text, warnings) for an HF tp_plan dict; with `model`, keys that match none of its modules are
+    comments (HF skips them: Qwen3-MoE's plan names the dense MLP of `mlp_only_layers` a model may lack)."""
+    from dtp.layout.resolve import matches
+
+    warnings: list[str] = []
+    experts = {k for k, v in plan.items() if v == "moe_tp_experts"}
+    paths = [path for path, _ in model.named_modules() if path] if model is not None else None
+    lines = ["# imported from a Hugging Face tp_plan by `dtp plan --from-hf`", "dtp 1", f"plan {name} version 1", ""]
+    for key, style in plan.items():
+        if any(key.startswith(e + ".") for e in experts):
+            continue  # gate_up_proj / down_proj of an `experts` module: covered by its rule
+        if paths is not None and not any(matches(ir.Pattern(tuple(key.split("."))), path) for path in paths):
+            lines.append(f"# not in this model (HF skips it): {key}: {style}")
+            continue
+        if style not in IMPORT:
+            warnings.append(f"{key}: unknown Hugging Face style '{style}'; rule dropped")
+            lines.append(f"# lossy: {key}: unknown style '{style}' dropped")
+            continue
+        mapped = IMPORT[style]
+        if mapped is None:
+            warnings.append(f"{key}: '{style}' has no dtp equivalent; rule dropped (module stays replicated)")
+            lines.append(f"# lossy: {key}: '{style}' has no dtp equivalent; left replicated")
+            continue
+        if style in LOSSY:
+            warnings.append(f"{key}: '{style}' {LOSSY[style]}")
+            lines.append(f"# lossy: '{style}' {LOSSY[style]}")
+        lines.append(f"{key}: {mapped}")
+    return "\n".join(lines) + "\n", warnings
+
+
+def _hf_key(pattern: ir.Pattern) -> str | None:
+    segs = []
+    for seg in pattern.segments:
+        if isinstance(seg, ir.IndexRange) or seg == "**" or (seg != "*" and ("*" in seg or "?" in seg)):
+            return None
+        segs.append(seg)
+    return ".".join(segs)
+
+
+def export_plan(plan: ir.Plan, model: nn.Module | None = None, choose=None) -> tuple[dict[str, str], list[str]]:
+    """(HF tp_plan dict, warnings) for a dtp plan; what HF cannot express is left out and named.
+
+    `choose` picks `when` branches (`conditions.chooser`); without it every branch is exported."""
+    out, warnings, _ = _export(plan, model, choose)
+    return out, warnings
+
+
+def _export(plan: ir.Plan, model: nn.Module | None, choose) -> tuple[dict[str, str], list[str], list[str]]:
+    """(tp_plan, warnings, what was left out): the last are the warnings whose statement HF never sees."""
+    rules, sets, _ = ir.flatten(plan, choose)
+    out: dict[str, str] = {}
+    left_out = [f"line {s.pos.line}: `set {s.pattern}.{s.attr}` has no Hugging Face equivalent" for s in sets]
+    warnings = list(left_out)
+    for rule in rules:
+        key, style = _hf_key(rule.pattern), rule.style
+        where = f"line {rule.pos.line} ({rule.pattern}: {style.name})"
+        if key is None:
+            message = f"{where}: HF keys allow `*` only for whole segments; rule left out"
+            warnings.append(message)
+            left_out.append(message)
+            continue
+        before = len(warnings)
+        text = _export_style(style, key, _module(model, rule.pattern), warnings, where)
+        if text is None:
+            left_out += warnings[before:]
+        elif isinstance(text, dict):
+            out.update(text)
+        else:
+            out[key] = text
+    return out, warnings, left_out
+
+
+def export_for(plan: ir.Plan, model: nn.Module, tp: int) -> tuple[dict[str, str], list[str]]:
+    """(HF tp_plan, warnings) that computes what `plan` computes for `model` at `tp`; UsageError if none does.
+
+    HF applies a tp_plan as it is: a `set`, a per-head slice or a norm over sharded features that the
+    export leaves out would make HF run the model with the wrong shapes or the wrong maths. So the
+    `when` branches are taken for this model and tp, nothing they select may be left out, and the
+    exported plan, read back, must pass dtp's own check at tp."""
+    from dtp.checks.checker import check
+    from dtp.errors import PlanError
+    from dtp.lang import conditions
+    from dtp.lang.parse import parse
+
+    try:  # a plan that does not hold at tp says so first, whatever HF could express of it
+        check(plan, model, tp)
+    except PlanError as err:
+        first = " ".join(str(err).split())
+        raise UsageError(f"the plan does not hold for the model at tp {tp}, so there is nothing to export: "
+                         f"{first[:600]}") from None
+    diags: list = []
+    out, warnings, left_out = _export(plan, model, conditions.chooser(model, diags, tp))
+    if diags:
+        raise UsageError(f"cannot pick the plan's `when` branches for this model at tp {tp}: "
+                         + "; ".join(f"line {d.pos.line}: {d.message}" for d in diags))
+    if left_out:
+        raise UsageError(f"no Hugging Face tp_plan computes what this plan does for the model at tp {tp}: "
+                         + "; ".join(left_out) + ". HF would run the rest with the unsharded module's shapes "
+                         "(pass --lossy to print what can be expressed anyway)")
+    try:
+        check(parse(import_plan(out)[0], "<exported tp_plan>"), model, tp)
+    except PlanError as err:
+        first = " ".join(str(err).split())
+        raise UsageError(f"the exported tp_plan does not hold together for the model at tp {tp}: {first[:600]} "
+                         "(pass --lossy to print it anyway)") from None
+    return out, warnings
+
+
+def _export_style(style: ir.Style, key: str, module: nn.Module | None, warnings: list[str], where: str):
+    name, opts = style.name, {o.key: o.value for o in style.options}
+    out_layout, in_layout, packed = opts.get("output"), opts.get("input"), opts.get("packed", 1)
+    if name == "colwise":
+        if packed == 2:
+            return "packed_colwise"
+        if packed != 1:
+            warnings.append(f"{where}: packed={packed} has no HF style (HF packs 2 parts); rule left out")
+            return None
+        return "colwise_gather_output" if out_layout == ir.Layout("replicate") else "colwise"
+    if name == "rowwise":
+        return "rowwise_split_input" if in_layout == ir.Layout("replicate") else "rowwise"
+    if name == "vocab_parallel":
+        if isinstance(module, nn.Embedding) or (module is None and key != "lm_head"):
+            return "embedding_rowwise"
+        warnings.append(f"{where}: vocab_parallel output projection exported as colwise_gather_output "
+                        "(HF gathers the logits; no vocabulary-parallel loss)")
+        return "colwise_gather_output"
+    if name == "replicate":
+        return "replicated_with_grad_allreduce" if opts.get("reduce_grad") is True else "replicate"
+    if name == "sequence_parallel":
+        return "sequence_parallel"
+    if name == "experts":
+        from dtp.layout.experts import experts_layout
+
+        layout = experts_layout(module) if module is not None else None
+        if layout is not None and (layout.transposed or not layout.concatenated or hasattr(module, "down_proj_bias")):
+            warnings.append(f"{where}: HF's moe_tp_experts splits [gate; up] experts without biases; these are "
+                            f"{layout.describe()}" + (", with biases" if hasattr(module, "down_proj_bias") else "")
+                            + "; rule left out")
+            return None
+        return {f"{key}.gate_up_proj": "packed_colwise", f"{key}.down_proj": "rowwise", key: "moe_tp_experts"}
+    warnings.append(f"{where}: no HF style for {name}; rule left out")
+    return None
+
+
+def _module(model: nn.Module | None, pattern: ir.Pattern) -> nn.Module | None:
+    """The first module `pattern` matches (to tell an embedding from an output projection)."""
+    from dtp.layout.resolve import matches
+
+    if model is None:
+        return None
+    return next((m for path, m in model.named_modules() if path and matches(pattern, path)), None)
+
+
+def from_hf(spec: str) -> tuple[str, list[str]]:
+    """The .tp text for MODEL: the shipped plan of its model type, else its imported tp_plan."""
+    from dtp import models
+
+    model = models.build(models.resolve(spec), device="meta")
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if not model_type:
+        raise UsageError(f"{spec} is not a Hugging Face model (no config.model_type)")
+    shipped = PLANS / f"{model_type}.tp"
+    if shipped.is_file():
+        return shipped.read_text(encoding="utf-8"), []
+    plan = hf_plan_of(model)
+    if not plan:
+        raise UsageError(f"no shipped plan for model type '{model_type}' and the model has no tp_plan")
+    return import_plan(plan, f"hf-{model_type}-imported", model)
+
+
+def plan_command(args) -> int:
+    """`dtp plan --from-hf MODEL [-o FILE]` / `dtp plan --to-hf PLAN [MODEL]`."""
+    if args.from_hf:
+        text, warnings = from_hf(args.from_hf)
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        if args.output:
+            try:
+                Path(args.output).write_text(text, encoding="utf-8")
+            except OSError as err:
+                raise UsageError(f"cannot write {args.output}: {err.strerror}") from None
+            print(f"wrote {args.output}")
+        else:
+            sys.stdout.write(text)
+        return 0
+    from dtp import models
+    from dtp.lang.parse import load
+
+    plan = load(args.to_hf)
+    if args.model is None:
+        out, warnings = export_plan(plan)
+        warnings.append("not checked against a model: give MODEL (and --tp) to check that Hugging Face would "
+                        "compute what this plan does")
+    else:
+        model = models.build(models.resolve(args.model), device="meta")
+        if args.lossy:
+            from dtp.lang import conditions
+
+            out, warnings = export_plan(plan, model, conditions.chooser(model, [], args.tp))
+        else:
+            out, warnings = export_for(plan, model, args.tp)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    print(json.dumps(out, indent=2))
+    return 0

@@ -1,0 +1,100 @@
+"""Parity of a shipped `plans/hf/*.tp` plan on a tiny Hugging Face model, in this process's rank (no
+CommDebugMode): one forward + backward of the sharded model next to an unsharded copy, every gradient
+gathered and compared, and the collectives counted by dtp.runtime.comm's dispatch counter, set against the analytic
+schedule. Used by tests/hf/test_families.py, several families per rank launch.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from dtp.cost.schedule import schedule, summarize
+from dtp.hf.plan import PLANS
+from dtp.lang import parse as syntax
+from dtp.runtime.comm import CommCounter
+from dtp.verify.parity import ParityCheck
+from dtp.verify.reference import copy_in
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq: int = 8, seed: int = 0,
+           overrides: dict | None = None) -> dict:
+    """{family, ok, logits, loss, grads, worst, measured, analytic} for one family (its tiny config with
+    `overrides` on top) on `mesh` (every rank)."""
+    from dtp.checks.checker import checked_for
+    from dtp.models import hf
+    from dtp.runtime.build import build_sharded
+
+    rank = mesh.get_local_rank()
+    torch.manual_seed(seed)
+    reference = hf.build(family, **(overrides or {})).train()  # unsharded, float32: the error sharding may add is measured against its own
+    truth = copy_in(reference, torch.float64)  # the parity rule's ground truth (dtp/verify/parity.py)
+    plan = syntax.load(str(plan_path or PLANS / f"{hf.FAMILIES[family][0]}.tp"))
+    # The sharded model comes from the build path `dtp apply` uses: meta → shard → blocks scattered from rank 0.
+    def source() -> torch.nn.Module:
+        return hf.build(family, **(overrides or {}))
+
+    with torch.device("meta"):
+        meta = source()
+    checked = checked_for(plan, meta, mesh.size())
+    applied = build_sharded(checked, source, mesh, seed=seed, device=torch.device("cpu"), dtype=None,
+                            full=reference if rank == 0 else None, from_rank0=True)
+    model = applied.model.train()
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(seed + 1))
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    ctx = loss_parallel if applied.compiled.loss_parallel else contextlib.nullcontext
+    fwd, bwd = CommCounter(), CommCounter()
+    with ctx():
+        with fwd:
+            logits = model(inputs).logits
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        with bwd:
+            loss.backward()
+    dtype = next(reference.parameters()).dtype  # a config may ask for bfloat16
+    parity = ParityCheck(dtype)
+    ref_logits = reference(inputs).logits
+    ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten())
+    ref_loss.backward()
+    true_logits = truth(inputs).logits
+    true_loss = F.cross_entropy(true_logits.flatten(0, 1), targets.flatten())
+    true_loss.backward()
+    parity.compare("logits", "logits", _full(logits), true_logits, ref_logits)
+    parity.compare("loss", "loss", _full(loss), true_loss, ref_loss)
+    ref_params, true_params = dict(reference.named_parameters()), dict(truth.named_parameters())
+    for name, p in model.named_parameters():
+        got = applied.full(name, p.grad) if p.grad is not None else None
+        parity.compare("grads", f"{name}.grad", got, true_params[name].grad, ref_params[name].grad)
+    tp = mesh.size()
+    analytic = summarize(schedule(applied.checked, tp, batch, seq, dtype, lowered=applied.compiled.lowered), tp)
+    measured = {"forward": fwd.get_comm_counts(), "backward": bwd.get_comm_counts(),
+                "bytes": dict(Counter(fwd.comm_bytes) + Counter(bwd.comm_bytes))}
+    report = parity.to_json()
+    return {"family": family, "rank": rank, "ok": report["ok"], "worst": report["worst_tensor"],
+            "errors": {q: report[q]["max_rel"] for q in ("logits", "loss", "grads")},
+            "problems": [p for q in ("logits", "loss", "grads") for p in report[q]["problems"]],
+            "measured": measured, "analytic": {"forward": analytic["forward"], "backward": analytic["backward"], "bytes": analytic["bytes"]}}
+
+
+def verify_on_rank(rank: int, world: int, families: list) -> list[dict]:
+    """For `dtp.runtime.ranks.on_ranks`: verify every family (or (family, plan path)) in turn on one tp mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out = []
+    for item in families:
+        family, plan = item if isinstance(item, tuple) else (item, None)
+        try:
+            out.append(verify(family, mesh, plan))
+        except Exception as err:  # one family's failure is reported with the others
+            out.append({"family": family, "rank": rank, "ok": False, "error": f"{type(err).__name__}: {err}"})
+    return out

@@ -1,0 +1,114 @@
+"""Which modules are attention, how many heads they hold, and what a fused projection really packs.
+
+Decided by structure, not by a module's path: a module is attention-like when its class says so, when it
+keeps head counts or a head size as integer attributes, or when it owns q/k/v (or fused qkv) projections.
+Head counts come from the model's config where it has one (`config_heads`), else from the attention module's
+own attributes. A fused projection's parts are read from its weight's shape: `config.multi_query` or a key/value
+head count in the config are only cross-checked against it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from dtp.layout.modules import features
+
+# Names of query/key/value projections across common codebases (Hugging Face, nanoGPT, Meta's Llama, MPT).
+PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "q_attn", "query_key_value", "wq", "wk",
+                         "wv", "wqkv", "Wqkv", "query", "key", "value", "qkv", "kv_proj", "in_proj"})
+_COUNT_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads")
+_KV_ATTRS = ("num_key_value_heads", "n_kv_head", "n_kv_heads", "num_kv_heads")
+_SIZE_ATTRS = ("head_dim", "head_size")
+_CONFIG_HEAD_KEYS = ("n_head", "num_attention_heads", "n_heads", "num_heads")  # a config's names, in this order
+_HIDDEN_KEYS = ("n_embd", "hidden_size", "dim", "d_model")
+
+
+def _int_attr(obj: object, names: tuple[str, ...]) -> tuple[str, int] | None:
+    for name in names:
+        value = getattr(obj, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return name, value
+    return None
+
+
+def attention_like(module: nn.Module) -> bool:
+    """Whether `module` is an attention layer, judged by its class, its attributes and its projections."""
+    if "attention" in type(module).__name__.lower():
+        return True
+    if _int_attr(module, _COUNT_ATTRS + _KV_ATTRS + _SIZE_ATTRS):
+        return True
+    return any(name in PROJECTIONS and isinstance(child, nn.Linear) for name, child in module.named_children())
+
+
+@dataclass(frozen=True)
+class Heads:
+    """Head counts and size for one attention module, and where each number came from."""
+
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    source: str  # e.g. "config.n_head" or "attn.n_heads"
+    kv_source: str = ""  # e.g. "config.num_key_value_heads"
+
+
+def heads(model: nn.Module, path: str, module: nn.Module) -> Heads | None:
+    """The heads of attention module `path`: the model's config first, the module's own attributes second."""
+    cfg = config_heads(model)
+    name = path.rsplit(".", 1)[-1] or "attention"
+    size = _int_attr(module, _SIZE_ATTRS)
+    if cfg is not None:
+        n_kv, kv_source = cfg.n_kv_head, cfg.kv_source
+        config = getattr(model, cfg.source.split(".")[0], None)
+        if kv_source == cfg.source and getattr(config, "multi_query", False) is True:
+            n_kv, kv_source = 1, f"{cfg.source.split('.')[0]}.multi_query"
+        return Heads(cfg.n_head, n_kv, size[1] if size else cfg.head_dim, cfg.source, kv_source)
+    count = _int_attr(module, _COUNT_ATTRS)
+    if count is None:
+        return None
+    kv = _int_attr(module, _KV_ATTRS)
+    if size is None:
+        width = next((c.in_features for n, c in module.named_children() if n in PROJECTIONS  # the hidden size
+                      and isinstance(c, nn.Linear)), None)
+        if width is None or width % count[1]:
+            return None
+        size = ("", width // count[1])
+    source = f"{name}.{count[0]}"
+    return Heads(count[1], kv[1] if kv else count[1], size[1], source, f"{name}.{kv[0]}" if kv else source)
+
+
+def fused_parts(attention: nn.Module, linear: nn.Linear, info: Heads) -> tuple[int, ...] | None:
+    """The widths packed in a fused q/k/v projection, from its weight's shape; None when it is not one."""
+    names = {n for n, _ in attention.named_children()}
+    if {"q_proj", "k_proj"} <= names or {"wq", "wk"} <= names or {"query", "key"} <= names:
+        return None  # separate projections
+    q, width, hd = info.n_head * info.head_dim, features(linear)[1], info.head_dim
+    if width <= q:
+        return None
+    if width == 3 * q:
+        return (q, q, q)
+    if (width - q) % (2 * hd) == 0:
+        kv = (width - q) // 2
+        return (q, kv, kv)
+    return None
+
+
+def config_heads(model: nn.Module) -> Heads | None:
+    """Head counts from the model's config object (`config`, `model_args` or `args`), if it has one."""
+    for attr in ("config", "model_args", "args"):
+        config = getattr(model, attr, None)
+        if config is None:
+            continue
+        n_head = next(((k, getattr(config, k)) for k in _CONFIG_HEAD_KEYS if isinstance(getattr(config, k, None), int)), None)
+        if n_head is None:
+            continue
+        kv = next(((k, getattr(config, k)) for k in _KV_ATTRS if isinstance(getattr(config, k, None), int)), None)
+        head_dim = getattr(config, "head_dim", None)
+        if not isinstance(head_dim, int):
+            hidden = next((getattr(config, k) for k in _HIDDEN_KEYS if isinstance(getattr(config, k, None), int)), None)
+            if hidden is None:
+                continue
+            head_dim = hidden // n_head[1]
+        source = f"{attr}.{n_head[0]}"
+        return Heads(n_head[1], kv[1] if kv else n_head[1], head_dim, source, f"{attr}.{kv[0]}" if kv else source)
+    return None

@@ -1,0 +1,203 @@
+"""The MODEL argument: a zoo name, a YAML config file, or `package.module:factory`."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.resources
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import yaml
+
+from dtp.errors import UsageError, clip, shorten
+from dtp.models.gpt import GPT, GPTConfig
+from dtp.models.llama import Llama, LlamaConfig
+
+# family name → (config class, model class); a YAML file picks one with `family:` (default gpt).
+FAMILIES: dict[str, tuple[type, Callable[..., nn.Module]]] = {"gpt": (GPTConfig, GPT), "llama": (LlamaConfig, Llama)}
+
+
+def zoo_names() -> list[str]:
+    """Names of the configs shipped in dtp/models/configs."""
+    root = importlib.resources.files("dtp.models") / "configs"
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+MAX_CONFIG_BYTES = 64 * 1024  # a model config is a handful of keys
+MAX_CONFIG_INT = 2**31  # larger sizes are typos (or attacks); nothing real comes near
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """SafeLoader without anchors/aliases: a 441-byte 'billion laughs' file must not expand to gigabytes."""
+
+    def compose_node(self, parent, index):  # noqa: D102 - PyYAML's hook
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in a model config",
+                                              event.start_mark)
+        return super().compose_node(parent, index)
+
+
+def _load_yaml(name: str, text: str | None, path: Path | str) -> object:
+    if text is None:
+        p = Path(path)
+        if not p.is_file():
+            raise UsageError(f"model config {name} is not a regular file")
+        if p.stat().st_size > MAX_CONFIG_BYTES:
+            raise UsageError(f"model config {name} is {p.stat().st_size} bytes; a model config is at most "
+                             f"{MAX_CONFIG_BYTES // 1024} KiB")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise UsageError(f"cannot read model config {name}: {clip(str(err), 200)}") from None
+    try:
+        return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        raise UsageError(f"model config {name} is not valid YAML: {clip(' '.join(str(err).split()), 300)}") from None
+    except RecursionError:
+        raise UsageError(f"model config {name} nests too deeply to be a model config") from None
+
+
+def _numeric(value: object) -> bool:
+    try:
+        float(value)  # type: ignore[arg-type]
+        return isinstance(value, str)
+    except (TypeError, ValueError):
+        return False
+
+
+def _check_value(name: str, key: str, kind: str, value: object) -> None:
+    """A config value of the field's declared type (`int`, `float` or `bool`), within sane bounds."""
+    if kind == "bool" and not isinstance(value, bool):
+        raise UsageError(f"model config {name}: {key} must be true or false, got {shorten(value)}")
+    if kind == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+        hint = " (YAML reads 1e12 as text and 1.0e12 as a float)" if isinstance(value, float) or _numeric(value) else ""
+        raise UsageError(f"model config {name}: {key} must be a positive integer, got {shorten(value)}{hint}")
+    if kind == "float" and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+        hint = " (write numbers without quotes; YAML reads 1e-5 as text: write 1.0e-5)" if _numeric(value) else ""
+        raise UsageError(f"model config {name}: {key} must be a number, got {shorten(value)}{hint}")
+    if kind in ("int", "float") and not (abs(value) <= MAX_CONFIG_INT and value == value):
+        raise UsageError(f"model config {name}: {key} = {shorten(value)} is out of range (at most {MAX_CONFIG_INT})")
+
+
+def read_config(path: Path | str, text: str | None = None) -> tuple[str, object]:
+    """Parse a model YAML into (family, config); unknown keys and bad values are UsageErrors."""
+    name = str(path)
+    data = _load_yaml(name, text, path)
+    return config_from_dict(name, data)
+
+
+def config_from_dict(name: str, data: object) -> tuple[str, object]:
+    """(family, config) from plain data (a YAML file's or a fuzz case's); every key and value is checked."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UsageError(f"model config {name} must be a mapping of keys to values")
+    data = dict(data)
+    family = data.pop("family", "gpt")
+    if not isinstance(family, str) or family not in FAMILIES:
+        raise UsageError(f"model config {name}: unknown family {shorten(family)}; known: {', '.join(sorted(FAMILIES))}")
+    config_cls, _ = FAMILIES[family]
+    fields = {f.name: getattr(f.type, "__name__", str(f.type)) for f in dataclasses.fields(config_cls)}
+    for key, value in data.items():
+        if key not in fields:
+            raise UsageError(f"model config {name}: unknown key {shorten(key)}; known keys: {', '.join(fields)}")
+        _check_value(name, key, fields[key], value)
+    try:
+        return family, config_cls(**data)
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"model config {name}: {clip(str(err), 300)}") from None
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from; cheap to pass to ranks (it is rebuilt there from the same seed)."""
+
+    spec: str
+    family: str | None = None
+    config: object | None = None  # for zoo/YAML models
+    factory: str | None = None  # "package.module:function"
+
+    @property
+    def name(self) -> str:
+        """The spec as the user wrote it."""
+        return self.spec
+
+
+def resolve(spec: str) -> ModelSource:
+    """Interpret a MODEL argument without building anything."""
+    if spec in zoo_names():
+        text = (importlib.resources.files("dtp.models") / "configs" / f"{spec}.yaml").read_text(encoding="utf-8")
+        family, config = read_config(f"{spec}.yaml", text)
+        return ModelSource(spec, family, config)
+    if spec.endswith((".yaml", ".yml")):
+        if not Path(spec).is_file():
+            raise UsageError(f"model config {spec} does not exist")
+        family, config = read_config(spec)
+        return ModelSource(spec, family, config)
+    if ":" in spec and not Path(spec).exists():
+        module, _, func = spec.partition(":")
+        if module and func and all(p.isidentifier() for p in module.split(".") + func.split(".")):
+            return ModelSource(spec, factory=spec)
+    raise UsageError(f"unknown model '{spec}': give a zoo name ({', '.join(zoo_names())}), "
+                     "a path to a model YAML file, or package.module:factory")
+
+
+def _factory(path: str) -> Callable[[], nn.Module]:
+    module_name, _, func_name = path.partition(":")
+    if os.getcwd() not in sys.path:  # like torchrun and uvicorn: factories in the working directory import
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: object = importlib.import_module(module_name)
+    except ImportError as err:
+        raise UsageError(f"cannot import '{module_name}' for model factory {path}: {clip(str(err), 300)}") from None
+    except SyntaxError as err:
+        raise UsageError(f"cannot import '{module_name}' for model factory {path}: SyntaxError in "
+                         f"{err.filename}:{err.lineno}: {clip(str(err.msg), 200)}") from None
+    except Exception as err:  # noqa: BLE001 - the user's module raised while importing: one paragraph
+        raise UsageError(f"importing '{module_name}' for model factory {path} raised {type(err).__name__}: "
+                         f"{clip(str(err), 300)}") from None
+    for part in func_name.split("."):
+        if not hasattr(obj, part):
+            raise UsageError(f"model factory {path}: module '{module_name}' has no attribute '{func_name}'")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise UsageError(f"model factory {path} is not callable")
+    return obj  # type: ignore[return-value]
+
+
+def build(source: ModelSource | str, device: str | torch.device = "meta",
+          dtype: torch.dtype | None = None) -> nn.Module:
+    """Instantiate the model on `device` (meta: shapes only, no memory)."""
+    if isinstance(source, str):
+        source = resolve(source)
+    with torch.device(device):
+        if source.factory is None:
+            _, model_cls = FAMILIES[source.family]
+            model = model_cls(source.config)
+        else:
+            factory = _factory(source.factory)
+            try:
+                model = factory()
+            except Exception as err:  # the user's code: one paragraph, not a traceback
+                raise UsageError(f"model factory {source.factory} raised {type(err).__name__}: "
+                                 f"{clip(str(err), 300)}") from None
+            if not isinstance(model, nn.Module):
+                raise UsageError(f"model factory {source.factory} returned {type(model).__name__}, not an nn.Module")
+    if dtype is not None:
+        model = model.to(dtype)
+    return model
+
+
+def vocab_size(model: nn.Module) -> int | None:
+    """V: `model.config.vocab_size` where present, else the largest nn.Embedding's rows."""
+    config = getattr(model, "config", None)
+    if isinstance(getattr(config, "vocab_size", None), int):
+        return config.vocab_size
+    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    return max(sizes) if sizes else None

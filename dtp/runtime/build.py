@@ -1,0 +1,139 @@
+"""The one way every command builds a sharded model: meta → shard → materialise.
+
+The model is built with its parameters on the meta device (buffers real), sharded in place by the plan,
+and then each rank allocates only its own shards and fills them from one of two sources:
+
+- keyed (`dtp train`): dtp.runtime.keyed_init's counter-based generator, a pure function of (seed, parameter,
+  element index), so no rank ever holds more than its shards;
+- rank 0's model (`dtp apply`, the fuzz pools, `dtp bench`): the model's own initialisation, built whole on
+  rank 0 only (which keeps unsharded references of it anyway), each rank's block scattered from it.
+
+Either way a parameter's full value does not depend on tp or dp. Both fillers see a parameter through the
+same index map (`row_order`, `ParamLayout.rows`): which rows of the model's own layout a rank holds, packed parts included.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from dtp import models
+from dtp.checks.checker import Checked
+from dtp.errors import UsageError
+from dtp.runtime.keyed_init import fill_keyed
+from dtp.runtime.rows import param_layouts
+from dtp.runtime.shard import Applied, apply, retie, tied_groups
+
+
+@contextlib.contextmanager
+def parameters_to_meta():
+    """Every parameter moves to meta as it is registered; buffers stay where __init__ built them. Non-persistent
+    buffers (HF rotary `inv_freq`) are computed in __init__ and restored by nothing else, so they must be real;
+    parameters are filled later (keyed, or from rank 0). A parameter exists on CPU only between its allocation
+    (torch.empty: untouched pages) and its registration."""
+    register = nn.Module.register_parameter
+
+    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = to_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def build_on_meta(source: models.ModelSource | Callable[[], nn.Module],
+                  dtype: torch.dtype | None = torch.float32) -> nn.Module:
+    """The model (from a ModelSource, or a factory called as is) with its parameters on meta and its
+    buffers real (on CPU), in `dtype` (None: as built)."""
+    with parameters_to_meta():
+        if not callable(source):
+            return models.build(source, device="cpu", dtype=dtype)
+        with torch.device("cpu"):
+            model = source()
+        return model.to(dtype) if dtype is not None else model
+
+
+def allocate(model: nn.Module, device: torch.device) -> None:
+    """Give the sharded meta model real, uninitialised storage on `device`, buffers kept as built."""
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    if any(b.is_meta for b in buffers.values()):
+        raise UsageError("the model's buffers were built on the meta device; build it with dtp.runtime.build."
+                         "build_on_meta, which keeps buffers (e.g. rotary frequencies) real")
+    groups = tied_groups(model)
+    model.to_empty(device=device)  # a new Parameter per owner: tied weights come apart, so tie them again
+    retie(model, groups)
+    for name, b in buffers.items():  # to_empty left them uninitialised: put back the values __init__ computed
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = b.to(device)
+
+
+@torch.no_grad()
+def scatter_from(full: nn.Module | None, applied: Applied, device: torch.device) -> None:
+    """Fill every rank's shards from rank 0's unsharded `full` (None on the other ranks): one scatter per
+    sharded parameter, one broadcast per replicated parameter and floating-point buffer."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tp_ranks: list = [None] * world
+    layouts = list(param_layouts(applied))
+    tp_rank = next((lay.param.device_mesh.get_local_rank() for lay in layouts if lay.dim is not None), 0)
+    dist.all_gather_object(tp_ranks, tp_rank)
+    sources = dict(full.named_parameters()) if rank == 0 else {}
+    for lay in layouts:
+        local = lay.local
+        if rank == 0:
+            value = sources.get(lay.name)
+            if value is None or tuple(value.shape) != lay.shape:
+                raise AssertionError(f"{lay.name}: rank 0's model has {None if value is None else tuple(value.shape)}, "
+                                     f"the sharded model {lay.shape}")
+        if lay.dim is None:
+            if rank == 0:
+                local.copy_(value)
+            dist.broadcast(local, src=0)
+            continue
+        longest = max(len(lay.rows(r)) for r in range(lay.tp)) * (local.numel() // max(local.shape[lay.dim], 1))
+        received = torch.empty(longest, dtype=local.dtype, device=device)
+        blocks = None
+        if rank == 0:  # uneven chunks (vocabulary 257 at tp 2) travel padded to the longest
+            padded = [torch.zeros(longest, dtype=local.dtype, device=device) for _ in range(lay.tp)]
+            for r, block in enumerate(padded):
+                piece = value.index_select(lay.dim, lay.rows(r)).reshape(-1)
+                block[:piece.numel()].copy_(piece)
+            blocks = [padded[tp_ranks[w]] for w in range(world)]
+        dist.scatter(received, blocks, src=0)
+        local.view(-1).copy_(received[:local.numel()])
+    full_buffers = dict(full.named_buffers()) if rank == 0 else {}
+    for name, buf in applied.model.named_buffers():  # random buffers would differ otherwise
+        if buf.is_floating_point() and not isinstance(buf, DTensor):
+            if rank == 0 and name in full_buffers and full_buffers[name].shape == buf.shape:
+                buf.copy_(full_buffers[name])
+            dist.broadcast(buf, src=0)
+
+
+def build_sharded(plan: Checked, source: models.ModelSource | Callable[[], nn.Module], mesh: DeviceMesh, *,
+                  seed: int, device: torch.device, dp: int = 1, dtype: torch.dtype | None = torch.float32,
+                  full: nn.Module | None = None, from_rank0: bool = False) -> Applied:
+    """The one way to build a sharded model: meta (buffers real) → shard on `mesh`'s tp dimension →
+    materialise this rank's shards (keyed init, or scattered from rank 0's `full` model when `from_rank0`)
+    → FSDP2 over dp (which shards the materialised tp-local tensors again)."""
+    from dtp.runtime.data_parallel import data_parallel
+
+    model = build_on_meta(source, dtype)
+    applied = apply(plan, model, mesh, seed)
+    allocate(model, device)
+    if from_rank0:
+        if (dist.get_rank() == 0) != (full is not None):
+            raise AssertionError("build_sharded(from_rank0=True) takes the full model on rank 0 only")
+        scatter_from(full, applied, device)
+    else:
+        fill_keyed(applied, seed)
+    if dp > 1:
+        data_parallel(model, mesh["dp"])
+    return applied

@@ -1,0 +1,323 @@
+"""Local ranks: start `world` processes on this machine, rendezvous on loopback only, collect what each returns.
+
+The one launcher behind `dtp apply`, `dtp train`, `dtp.runtime.ranks.on_ranks` (tests, benchmarks) and the fuzz pools.
+torch's TCPStore listens on every interface (`::`) whatever host it is given, so the parent binds a loopback
+socket itself and hands it to the store (`master_listen_fd`); gloo's and NCCL's own sockets are pinned to the
+loopback interface. Under torchrun none of this runs: the launcher's settings stand.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import NoReturn
+
+from dtp.errors import RunError, Terminated, UsageError
+
+GRACE_S = 3.0  # after a first failure, how long the other ranks get to report theirs before they are stopped
+RENDEZVOUS = "rendezvous"  # where a rank failed that never joined the process group
+
+
+def under_torchrun() -> bool:
+    """Whether this process is one rank of a torchrun-launched world."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def leave_rank(code: int) -> NoReturn:
+    """End a torchrun rank without finalising the interpreter (as local ranks end, with `os._exit`).
+
+    When a gloo collective completes, the waiting thread moves on while gloo's worker thread still holds the
+    work and its tensors. If the main thread reaches interpreter finalisation first, that worker cannot take
+    the GIL to release them and the rank aborts (SIGABRT, "terminate called without an active exception")
+    after a run that succeeded (6 times in 325 `torchrun … dtp apply` runs here). Every rank has flushed and
+    closed what it wrote by now; nothing is left for finalisation to do.
+    """
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
+def die_with_parent() -> None:
+    """Make this process receive SIGKILL when its parent dies (Linux), so no rank outlives its launcher."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def loopback_listener(world: int) -> socket.socket:
+    """A socket listening on 127.0.0.1 only (an ephemeral port), for `serve_store` once every rank is started."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(max(128, world))
+    return sock
+
+
+def serve_store(sock: socket.socket, world: int, timeout: float):
+    """The TCPStore server on `sock` (the store owns the descriptor from here on).
+
+    Call it only after the ranks are forked: the server runs a thread, and a rank forked while that thread
+    held a lock (it accepts and names the ranks already started) can block forever in its own store client.
+    Ranks that connect before the server runs wait in the socket's backlog."""
+    from torch.distributed import TCPStore
+
+    # detach: Python must not close the descriptor a second time.
+    return TCPStore("127.0.0.1", sock.getsockname()[1], world, is_master=True, wait_for_workers=False,
+                    timeout=timedelta(seconds=timeout), master_listen_fd=sock.detach())
+
+
+def init_rank(rank: int, world: int, port: int, device: str, timeout: float) -> None:
+    """In a started rank: die with the parent, leave signals to it, join the process group over loopback."""
+    import torch
+    import torch.distributed as dist
+
+    die_with_parent()  # a rank must not outlive its launcher, even one killed with SIGKILL
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops every rank, once
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout))
+
+
+def error_summary(err: BaseException, rank: int) -> dict:
+    """What a rank's exception becomes on the parent: rank, where (module or phase), error, source line."""
+    frames = traceback.extract_tb(err.__traceback__)
+    message = " ".join(str(err).split())
+    if len(message) > 400:
+        message = message[:400] + " …"
+    return {"rank": rank, "where": getattr(err, "__dtp_where__", None) or "start-up",
+            "error": f"{type(err).__name__}: {message}", "time": time.time(),
+            "at": f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""}
+
+
+def _child(rank: int, world: int, port: int, device: str, timeout: float, out: str, fn, args: tuple) -> None:
+    code = 1
+    try:
+        import faulthandler
+
+        import torch.distributed as dist
+
+        # On a timeout the parent sends SIGUSR1 before it kills: the rank writes where it is stuck.
+        stacks = open(Path(out, f"stack-{rank}.txt"), "w")  # noqa: SIM115 - open until os._exit
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        try:
+            init_rank(rank, world, port, device, timeout)
+        except Exception as err:
+            err.__dtp_where__ = RENDEZVOUS
+            raise
+        try:
+            result = fn(rank, world, *args)
+        finally:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        tmp = Path(out, f"{rank}.pkl.tmp")
+        tmp.write_bytes(pickle.dumps(result))
+        tmp.rename(Path(out, f"{rank}.pkl"))
+        code = 0
+    except BaseException as err:  # noqa: BLE001 - the parent reports it as one paragraph
+        with contextlib.suppress(Exception):
+            Path(out, f"error-{rank}.json").write_text(json.dumps(error_summary(err, rank)))
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)  # no destructors: the forked copy of the parent's store must not run its own
+
+
+def _death(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+    if exitcode == 0:
+        return "exited (status 0) without returning a result (does the model call sys.exit or os._exit?)"
+    return f"exited with status {exitcode} without reporting an error"
+
+
+def _failure(out: Path, rank: int, exitcode: int | None) -> RunError:
+    """A RunError for a rank that failed; `.time` is when it raised (0 for a rank that died silently)."""
+    path = out / f"error-{rank}.json"
+    with contextlib.suppress(ValueError, OSError, KeyError):
+        e = json.loads(path.read_text())
+        err = RunError(f"the run failed on rank {rank} in {e['where']}: {e['error']}", rank=rank,
+                       where=e["where"], error=e["error"])
+        err.time = e["time"]
+        return err
+    err = RunError(f"the run failed: rank {rank} {_death(exitcode)}", rank=rank, where=None, error=_death(exitcode))
+    err.time = 0.0
+    return err
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt():
+    """SIGTERM raises Terminated (a KeyboardInterrupt) in the main thread, so cleanup runs as for Ctrl-C."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def start_ranks(target, world: int, args: tuple, device: str = "cpu") -> list:
+    """Start `world` processes running target(rank, *args): forked on CPU (no re-import of torch), spawned
+    on CUDA (CUDA cannot be forked)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn" if device == "cuda" else "fork")
+    procs = [ctx.Process(target=target, args=(rank, *args), daemon=True) for rank in range(world)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def stop_ranks(procs: list) -> None:
+    """Kill and reap every rank still running."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=30)  # SIGKILL cannot be ignored; on a loaded machine it can take a moment to land
+
+
+def _stuck_at(procs: list, out: Path, done: set[int]) -> str:
+    """Where each live rank is (its innermost frames, from faulthandler), as a sentence; '' if none could tell."""
+    live = [r for r, p in enumerate(procs) if r not in done and p.is_alive()]
+    for r in live:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(procs[r].pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    lines = []
+    for r in live:
+        with contextlib.suppress(OSError):
+            text = Path(out, f"stack-{r}.txt").read_text()
+            # The rank's main thread is the block that runs _child (others are torch's or gloo's own).
+            block = next((b for b in text.split("\n\n") if " in _child" in b), text)
+            frames = [f.strip() for f in block.splitlines() if f.strip().startswith("File ")]
+            if frames:
+                lines.append(f"rank {r}: " + " <- ".join(_frame(f) for f in frames[:3]))
+    return "; where each rank was: " + "; ".join(lines) if lines else ""
+
+
+def _frame(line: str) -> str:
+    """'File "/x/y.py", line 3 in f' → 'y.py:3 f'."""
+    try:
+        path, rest = line[len('File "'):].split('", line ', 1)
+        number, _, func = rest.partition(" in ")
+        return f"{Path(path).name}:{number} {func}"
+    except ValueError:
+        return line
+
+
+def _wait(procs: list, out: Path, left: float, timeout: float) -> list[RunError]:
+    """Wait for every rank, at most `left` seconds; the failures, first one first ([] when all returned a
+    result). `timeout` is the user's, for the message."""
+    deadline = time.monotonic() + left
+    failures: list[tuple[int, float, int, RunError]] = []  # (round seen, time raised, rank, error)
+    seen: set[int] = set()
+    grace_end, rounds = None, 0
+    while len(seen) < len(procs):
+        now = time.monotonic()
+        if now >= deadline:
+            where = _stuck_at(procs, out, seen)
+            raise RunError(f"the run did not finish within --timeout {timeout:g} s; every rank was stopped "
+                           "(a rank may be stuck in a collective that another rank never joined)" + where)
+        if grace_end is not None and now >= grace_end:
+            break
+        live = [p.sentinel for r, p in enumerate(procs) if r not in seen]
+        multiprocessing.connection.wait(live, timeout=min(0.2, deadline - now))
+        rounds += 1
+        for r, p in enumerate(procs):
+            if r in seen or p.exitcode is None:
+                continue
+            seen.add(r)
+            if p.exitcode != 0 or not (out / f"{r}.pkl").exists():
+                # A rank that died silently (time 0) caused its peers' connection errors, not the reverse.
+                err = _failure(out, r, p.exitcode)
+                failures.append((rounds, err.time, r, err))
+                grace_end = grace_end or time.monotonic() + GRACE_S
+    return [err for _, _, _, err in sorted(failures, key=lambda f: f[:3])]
+
+
+def launch_local(fn, world: int, *args, timeout: float, device: str = "cpu", prefix: str = "dtp-") -> list:
+    """Start `world` local ranks (fork+gloo on CPU, spawn+NCCL on CUDA), rendezvous on loopback only,
+    init the process group on each, call fn(rank, world, *args), return the results in rank order.
+    Raises RunError (one paragraph naming the failing rank and what it raised, or the timeout) and
+    leaves no process, temp dir or port behind, also on Ctrl-C/SIGTERM.
+
+    A launch whose first failure is a rank that could not join the process group is started once more,
+    within what is left of `timeout`: gloo's loopback connect fails now and then (about once in a few
+    thousand starts here). The failed rank never ran `fn`; ranks that had begun it are stopped first."""
+    deadline = time.monotonic() + timeout
+    with terminate_as_interrupt():
+        for attempt in (1, 2):
+            failures, results = _launch_once(fn, world, args, timeout, deadline - time.monotonic(), device, prefix)
+            if not failures:
+                return results
+            first = failures[0]
+            if attempt == 1 and first.where == RENDEZVOUS and deadline - time.monotonic() > 1.0:
+                print(f"warning: {first}; the ranks were started again", file=sys.stderr)
+                continue
+            if len(failures) > 1:
+                first.args = (f"{first} ({len(failures) - 1} other rank(s) failed too)",)
+            raise first
+    raise AssertionError("unreachable")
+
+
+def _launch_once(fn, world: int, args: tuple, timeout: float, left: float, device: str,
+                 prefix: str) -> tuple[list[RunError], list]:
+    """One start of the ranks: (failures, results in rank order); `left` is the time this start may take."""
+    procs: list = []
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        sock, store = loopback_listener(world), None
+        try:
+            # Ranks' own process-group timeout is longer than ours: the parent always decides, with one message.
+            procs = start_ranks(_child, world, (world, sock.getsockname()[1], device, timeout + 30, tmp, fn, args),
+                                device)
+            store = serve_store(sock, world, timeout + 30)
+            failures = _wait(procs, Path(tmp), left, timeout)
+        finally:
+            stop_ranks(procs)
+            sock.close()  # a no-op once the store owns the descriptor
+            del store  # closes the listening socket
+        if failures:
+            return failures, []
+        return [], [pickle.loads(Path(tmp, f"{r}.pkl").read_bytes()) for r in range(world)]
+
+
+def pick_device(requested: str, world: int) -> str:
+    """`auto` is CUDA only when this machine has a GPU for every local rank, else CPU."""
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available on this machine")
+    return requested

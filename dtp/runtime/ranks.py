@@ -1,0 +1,15 @@
+"""Run a function on N local gloo ranks (forked, as `dtp apply` does on CPU) and collect what each returns.
+
+For tests and benchmarks: `on_ranks(fn, world, *args)` calls `fn(rank, world, *args)` on every rank, through
+the project's one launcher (`dtp.runtime.launcher`: loopback rendezvous, no process or temp dir left behind).
+"""
+from __future__ import annotations
+
+from dtp.runtime.launcher import die_with_parent, launch_local
+
+__all__ = ["die_with_parent", "on_ranks"]
+
+
+def on_ranks(fn, world: int, *args, timeout: float = 120) -> list:
+    """fn(rank, world, *args) on every rank; the list of return values in rank order (RunError on failure)."""
+    return launch_local(fn, world, *args, timeout=timeout, prefix="dtp-ranks-")

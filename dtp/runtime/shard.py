@@ -1,0 +1,75 @@
+"""Apply a compiled plan to a model in place: `parallelize_module`, re-tie shared weights, rewrite attributes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+from dtp.checks.checker import Checked, checked_for
+from dtp.compiler.compiler import Compiled, compile_plan, tp_mesh
+from dtp.compiler.placed import unpack_placed
+from dtp.compiler.styles import unpack_rows
+from dtp.lang import ir
+from dtp.runtime.rng import TensorParallelRNG, track
+
+
+def tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Parameters shared by several modules, as lists of (module path, parameter name), first owner first."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for path, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((path, name))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
+    """Point every owner in each of `groups` (from `tied_groups`) at its first owner's parameter."""
+    for (first_path, first_name), *others in groups:
+        shared = getattr(model.get_submodule(first_path), first_name)
+        for path, name in others:
+            setattr(model.get_submodule(path), name, shared)
+
+
+@dataclass(frozen=True)
+class Applied:
+    """A model sharded in place, with what is needed to read its parameters back in full."""
+
+    model: nn.Module
+    compiled: Compiled
+    tp: int
+    checked: Checked
+
+    def full(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (a parameter or its gradient) gathered to the model's unsharded layout (a collective)."""
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        placed = self.compiled.packed.get(param_name)  # dtp/compiler/placed.py: Conv1D, unequal parts, experts
+        if placed is not None:
+            return unpack_placed(full, placed, self.tp)
+        module_path = param_name.rpartition(".")[0]
+        parts = self.compiled.packed.get(module_path)
+        return unpack_rows(full, parts, self.tp) if parts else full
+
+
+def apply(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh, seed: int = 0) -> Applied:
+    """Shard `model` in place under `plan` on `mesh` (its `tp` dimension); returns how to read it back.
+
+    Dropout inside the sharded regions draws from a per-rank generator seeded from `seed` (see dtp.runtime.rng).
+    """
+    mesh = tp_mesh(mesh)
+    checked = checked_for(plan, model, mesh.size())
+    compiled = compile_plan(checked, model, mesh)
+    groups = tied_groups(model)
+    parallelize_module(model, mesh, compiled.styles)
+    # parallelize_module gives each owner of a tied weight its own DTensor; `check` guaranteed equal
+    # placements, so pointing every owner at the first one's keeps one parameter, one gradient, one update.
+    retie(model, groups)
+    for path, rewrite in compiled.rewrites.items():
+        rewrite._apply(model.get_submodule(path), mesh)
+    modules = compiled.lowered.modules
+    rng = TensorParallelRNG(seed, mesh.get_local_rank(), torch.device(mesh.device_type))
+    track(model, modules, rng)
+    return Applied(model, compiled, mesh.size(), checked)

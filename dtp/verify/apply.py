@@ -1,0 +1,109 @@
+"""`dtp apply`: check the plan and the machine, start the ranks (or join torchrun's), enforce the timeout, report.
+
+Not under torchrun, the ranks are started by `dtp.runtime.launcher.launch_local` (loopback rendezvous, timeout, one
+paragraph for a failed rank, nothing left behind); under torchrun this process is one rank of the launched world.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+from dtp.checks.checker import sequence_shape_problem
+from dtp.errors import RunError, UsageError
+from dtp.runtime.launcher import error_summary, launch_local, pick_device, under_torchrun
+from dtp.verify.rank import RunConfig
+
+
+def _apply_rank(rank: int, world: int, cfg: RunConfig) -> dict | None:
+    """One rank of `dtp apply` on an initialised process group; rank 0 returns the report."""
+    from dtp.verify import rank as run_mod
+
+    return run_mod.run(cfg, None)
+
+
+def launch(cfg: RunConfig) -> dict:
+    """Start tp×dp local ranks, wait at most cfg.timeout seconds, and return rank 0's report."""
+    try:
+        return launch_local(_apply_rank, cfg.tp * cfg.dp, cfg, timeout=cfg.timeout, device=cfg.device,
+                            prefix="dtp-apply-")[0]
+    except RunError as err:
+        raise RunError(str(err).replace("the run", "the sharded run", 1), err.rank, err.where, err.error) from None
+
+
+def _torchrun_rank(cfg: RunConfig) -> dict | None:
+    """This process as one rank of torchrun's world: torchrun's rendezvous settings stand."""
+    import torch
+    import torch.distributed as dist
+
+    from dtp.verify import rank as run_mod
+
+    rank = int(os.environ["RANK"])
+    if cfg.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo", timeout=timedelta(seconds=cfg.timeout))
+    try:
+        return run_mod.run(cfg, None)
+    except Exception as err:  # noqa: BLE001 - one paragraph per failing rank, as for local runs
+        e = error_summary(err, rank)
+        raise RunError(f"the sharded run failed on rank {rank} in {e['where']}: {e['error']}", rank, e["where"],
+                       e["error"]) from None
+    finally:
+        dist.destroy_process_group()
+
+
+def absolute_model_spec(spec: str) -> str:
+    """A YAML model path made absolute (a factory may change the working directory); other specs as given."""
+    return str(Path(spec).absolute()) if spec.endswith((".yaml", ".yml")) and Path(spec).is_file() else spec
+
+
+def apply_command(*, plan: str, model: str, tp: int | None, dp: int, batch: int, seq: int, steps: int, seed: int,
+                  lr: float, dtype: str, device: str, timeout: float) -> dict | None:
+    """`dtp apply`: check the plan and the machine (UsageError, exit 2, before any rank starts), run the ranks, and
+    return rank 0's report (None on another torchrun rank). `plan` and `model` as the user wrote them."""
+    from dtp import models
+    from dtp.checks.checker import check, render_warnings
+    from dtp.lang.parse import load
+    from dtp.runtime import preflight
+
+    # Every path is absolute before user code runs: a model factory may call os.chdir.
+    plan_path = str(Path(plan).absolute())
+    model_spec = absolute_model_spec(model)
+    torchrun = under_torchrun()
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else None
+    tp = tp or (world // dp if world else 2)
+    if batch % dp:
+        raise UsageError(f"--batch {batch} (the global batch) must divide by --dp {dp}")
+    if torchrun and tp * dp != world:
+        raise UsageError(f"--tp {tp} × --dp {dp} = {tp * dp} ranks, but torchrun started WORLD_SIZE={world}")
+    device = pick_device(device, 1 if torchrun else tp * dp)
+    if not torchrun:
+        preflight.check_world(tp * dp, device)
+        if device == "cuda" and tp * dp > preflight.cuda_device_count():
+            raise UsageError(f"tp={tp} × dp={dp} needs {tp * dp} GPUs; this machine has "
+                             f"{preflight.cuda_device_count()}. Use --device cpu, or torchrun across machines")
+
+    parsed = load(plan)  # messages name the plan as the user wrote it; ranks get the absolute path
+    cwd = os.getcwd()
+    meta = models.build(models.resolve(model_spec), device="meta")
+    os.chdir(cwd)  # ranks start where the user started dtp, whatever the factory did
+    vocab = models.vocab_size(meta)
+    if vocab is None:
+        raise UsageError(f"model {model} has no nn.Embedding and no config.vocab_size: dtp feeds it token "
+                         "ids, so it must know the vocabulary size")
+    checked = check(parsed, meta, tp, dp)  # exit 2 before any rank starts
+    sys.stderr.write(render_warnings(checked))
+    shape_problem = sequence_shape_problem(checked, tp, seq)
+    if shape_problem:
+        raise UsageError(shape_problem)
+    elem = {"float32": 4, "bfloat16": 2, "float64": 8}[dtype]
+    if not torchrun:
+        preflight.check_memory(preflight.estimate(meta, tp, dp, batch, seq, elem, vocab), device)
+    cfg = RunConfig(plan=plan_path, model=model_spec, tp=tp, dp=dp, batch=batch, seq=seq, steps=steps, seed=seed,
+                    dtype=dtype, device=device, timeout=timeout, lr=lr)
+
+    report = _torchrun_rank(cfg) if torchrun else launch(cfg)
+    if report is not None:
+        report["plan"]["file"], report["model"] = plan, model  # as the user wrote them (config: what ran)
+    return report

@@ -1,0 +1,163 @@
+"""Comparing a sharded run with unsharded references: the rule, and the per-quantity verdict.
+
+Rank 0 runs the same steps twice more, unsharded: in float64 (the *truth*) and in the run's own dtype
+(the *unsharded run*; for a float64 run the truth is that run). Both start from the sharded run's exact
+initial weights. For every tensor compared (logits, loss, each gradient, each parameter after a step):
+
+    err_sharded  = max|sharded − truth|        err_unsharded = max|unsharded − truth|
+    OK  ⇔  err_sharded ≤ C · err_unsharded + F · eps · max|truth|,   C = 6, F = 2
+
+with eps the unit step of the dtype the tensor is held in (2^-7 for bfloat16, 2^-23 for float32; float32
+for the master weights of a bfloat16 run). Correct sharding only reorders floating-point sums, so its
+error is of the size the dtype incurs anyway, which the unsharded run in the same dtype measures; C allows
+for the reordering and for partial sums rounded before they are reduced (measured on the shipped plans at
+tp 2 and 4, bfloat16 and float32, 2,964 tensors: err_sharded / err_unsharded ≤ 3.2, the largest
+err / bound 0.43), and the floor covers tensors the unsharded run happens to get exact (a loss). A wrong
+plan is off by O(1) of the tensor and fails in every dtype: bfloat16 no longer hides a missing reduction
+behind a fixed absolute tolerance. A float64 run has no coarser run to measure its rounding against; its
+bound stays fixed: 1e-10 · max|truth| + 1e-12.
+
+Any NaN or infinity, on any side, fails: a sharded run that diverges proves nothing, and neither does a
+reference that does. The report names the first tensor, in step order, that went non-finite and where.
+
+Low-precision runs train as Megatron's mixed precision does: bfloat16 parameters, activations and
+gradients, and an optimizer on float32 master copies (`dtp.verify.reference.MixedSGD`), so that small updates
+accumulate and "parameters after step k" compare weights that moved. The optimizer is SGD so that an
+update's error stays proportional to its gradient's (Adam's normalised update turns the rounding noise of
+a gradient that is mathematically zero, such as a key bias's, into a full-size step).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+
+C = 6.0  # allowed error relative to the unsharded run's own, in the same dtype
+F = 2.0  # the floor, in units of eps · max|truth|
+FLOAT64_BOUND = (1e-10, 1e-12)  # (relative, absolute) for float64 runs, whose truth is their unsharded run
+
+
+def eps(dtype: torch.dtype) -> float:
+    """The dtype's unit step at 1.0 (2^-7 for bfloat16, 2^-23 for float32)."""
+    return torch.finfo(dtype).eps
+
+
+@dataclass
+class Quantity:
+    """The worst error seen for one quantity (logits, loss, grads or params) over all steps."""
+
+    max_abs: float = 0.0
+    max_rel: float = 0.0  # err_sharded / max|truth| of the tensor it was seen on
+    worst: str = ""
+    margin: float = 0.0  # the largest err_sharded / bound seen (OK when ≤ 1)
+    ok: bool = True
+    compared: int = 0
+    problems: list[str] = field(default_factory=list)  # shape mismatches, non-finite values and the like
+
+
+def _finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all()) if t.numel() else True
+
+
+class ParityCheck:
+    """Accumulates comparisons in step order; `ok` when every tensor met the rule and all were finite."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.quantities: dict[str, Quantity] = {k: Quantity() for k in ("logits", "loss", "grads", "params")}
+        self.nonfinite: dict | None = None  # the first tensor that went NaN/inf: {tensor, quantity, side}
+        self.dropout: list[str] = []  # where the model has dropout on (said when parity fails)
+
+    def compare(self, quantity: str, name: str, got: torch.Tensor | None, truth: torch.Tensor | None,
+                unsharded: torch.Tensor | None = None, held_in: torch.dtype | None = None) -> None:
+        """Record how far `got` (sharded, gathered) is from `truth`, against `unsharded`'s own error.
+
+        `unsharded` None means the truth is the unsharded run (float64); `held_in` is the dtype the tensor
+        is kept in (default: the run's dtype)."""
+        q = self.quantities[quantity]
+        q.compared += 1
+        if got is None or truth is None:
+            if (got is None) != (truth is None):
+                q.ok = False
+                q.problems.append(f"{name}: {'no gradient' if got is None else 'unexpected gradient'} in the sharded run")
+            return
+        if got.shape != truth.shape:
+            q.ok = False
+            q.problems.append(f"{name}: shape {tuple(got.shape)} but the reference has {tuple(truth.shape)}")
+            if not q.worst:
+                q.worst, q.max_rel, q.max_abs, q.margin = name, math.inf, math.inf, math.inf
+            return
+        got, truth = got.detach().double().cpu(), truth.detach().double().cpu()
+        unsharded = unsharded.detach().double().cpu() if unsharded is not None else truth
+        sides = (("sharded run", got), ("reference", truth)) + ((("unsharded reference", unsharded),)
+                                                                 if unsharded is not truth else ())
+        bad = [side for side, t in sides if not _finite(t)]
+        if bad:
+            q.ok = False
+            q.problems.append(f"{name}: non-finite values (NaN or inf) in the {' and the '.join(bad)}")
+            if self.nonfinite is None:
+                self.nonfinite = {"tensor": name, "quantity": quantity, "side": " and the ".join(bad)}
+            q.worst, q.max_rel, q.max_abs, q.margin = name, math.inf, math.inf, math.inf
+            return
+        if not got.numel():
+            return
+        err = (got - truth).abs().max().item()
+        scale = truth.abs().max().item()
+        if unsharded is truth:
+            bound = FLOAT64_BOUND[0] * scale + FLOAT64_BOUND[1]
+        else:
+            bound = C * (unsharded - truth).abs().max().item() + F * eps(held_in or self.dtype) * scale
+        margin = err / bound if bound > 0 else (0.0 if err == 0 else math.inf)
+        rel = err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
+        if margin > 1:
+            q.ok = False
+        if margin > q.margin or not q.worst:
+            q.margin, q.max_rel, q.worst = margin, rel, name
+        q.max_abs = max(q.max_abs, err)
+
+    @property
+    def ok(self) -> bool:
+        """Whether everything matched."""
+        return all(q.ok for q in self.quantities.values())
+
+    def to_json(self) -> dict:
+        """The `parity` section of the report."""
+        rule = {"C": C, "F": F, "eps": eps(self.dtype)} if self.dtype != torch.float64 else \
+            {"rtol": FLOAT64_BOUND[0], "atol": FLOAT64_BOUND[1]}
+        out: dict = {"ok": self.ok, "rule": rule, "nonfinite": self.nonfinite,
+                     "dropout": self.dropout}
+        for name, q in self.quantities.items():
+            out[name] = asdict(q)
+        failing = [(n, q) for n, q in self.quantities.items() if not q.ok]
+        worst = max(failing or self.quantities.items(), key=lambda kv: kv[1].margin)
+        out["worst_tensor"] = worst[1].worst
+        out["worst_quantity"] = worst[0]
+        return out
+
+
+_DROPOUT_WORDS = ("dropout", "pdrop")
+
+
+def dropout_sources(model: nn.Module) -> list[str]:
+    """Where `model` has dropout on: config fields (`*dropout*`, `*pdrop*`), Dropout modules and modules'
+    dropout attributes with a probability > 0."""
+    found: list[str] = []
+    config = getattr(model, "config", None)
+    fields = config.to_dict() if hasattr(config, "to_dict") else (vars(config) if hasattr(config, "__dict__") else {})
+    for key, value in sorted(fields.items()):
+        if any(w in key.lower() for w in _DROPOUT_WORDS) and _positive(value):
+            found.append(f"config.{key}={value:g}")
+    for path, module in model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and _positive(module.p):
+            found.append(f"{path or '(the model)'} (p={module.p:g})")
+            continue
+        for key, value in vars(module).items():
+            if any(w in key.lower() for w in _DROPOUT_WORDS) and _positive(value):
+                found.append(f"{path or '(the model)'}.{key}={value:g}")
+    return found
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0

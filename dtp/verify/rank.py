@@ -1,0 +1,307 @@
+"""What every rank of `dtp apply` does: shard, train K steps beside an unsharded reference, compare, measure."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import resource
+import statistics
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from dtp import models
+from dtp.checks.checker import checked_for
+from dtp.cost.param_bytes import ideal_param_bytes, local_param_bytes
+from dtp.cost.schedule import NotModeled, schedule, summarize
+from dtp.lang import parse as syntax
+from dtp.runtime.build import build_sharded
+from dtp.runtime.comm import CommCounter, merge
+from dtp.runtime.shard import tied_groups
+from dtp.verify.parity import ParityCheck, dropout_sources
+from dtp.verify.reference import MixedSGD, cross_entropy, logits_of, own_rng, reference_step, references
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a rank needs; plain data so that it pickles to spawned ranks."""
+
+    plan: str
+    model: str
+    tp: int = 2
+    dp: int = 1
+    batch: int = 2
+    seq: int = 16
+    steps: int = 3
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+    timeout: float = 120.0
+    lr: float = 0.1
+
+
+class ModuleTrail:
+    """Forward hooks that remember which module is running, to say where a rank failed."""
+
+    def __init__(self):
+        self.stack: list[str] = []
+        self.phase = "setup"
+        self.handles = []
+
+    def attach(self, model: nn.Module) -> None:
+        """Follow `model`'s modules from now on."""
+        for path, module in model.named_modules():
+            self.handles.append(module.register_forward_pre_hook(lambda m, a, p=path: self._enter(p)))
+            self.handles.append(module.register_forward_hook(lambda m, a, o: self._leave()))
+
+    def _enter(self, path: str) -> None:
+        self.stack.append(path)
+
+    def _leave(self) -> None:  # returns None: a forward hook's return value would replace the output
+        if self.stack:
+            self.stack.pop()
+
+    def where(self) -> str:
+        """The innermost module running, or the phase."""
+        if self.phase == "forward" and self.stack:
+            return f"module {self.stack[-1] or '(the model)'} during forward"
+        return f"the {self.phase}"
+
+
+class ActivationMeter:
+    """Bytes of the activations a forward pass saves for backward on this rank (parameters excluded,
+    each storage counted once): the memory that sequence parallelism divides."""
+
+    def __init__(self, model: nn.Module):
+        self.params = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+                       for p in model.parameters()}
+        self.storages: dict[int, int] = {}
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        try:
+            storage = local.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+        except RuntimeError:  # a tensor without a real storage (e.g. a view DTensor builds): count its size
+            key, nbytes = id(t), local.numel() * local.element_size()
+        if key not in self.params:
+            self.storages[key] = nbytes
+        return t
+
+    def recording(self):
+        """A context that records what autograd saves."""
+        self.storages.clear()
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    @property
+    def nbytes(self) -> int:
+        """Total recorded bytes."""
+        return sum(self.storages.values())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def make_mesh(cfg: RunConfig) -> DeviceMesh:
+    """The (tp) or (dp, tp) mesh over the initialised world."""
+    device = "cuda" if cfg.device == "cuda" else "cpu"
+    if cfg.dp > 1:
+        return init_device_mesh(device, (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(device, (cfg.tp,), mesh_dim_names=("tp",))
+
+
+def _device(cfg: RunConfig) -> torch.device:
+    if cfg.device != "cuda":
+        return torch.device("cpu")
+    rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
+
+
+def run(cfg: RunConfig, out_dir: Path | None, mesh: DeviceMesh | None = None) -> dict | None:
+    """Run on an initialised process group; rank 0 returns (and writes) the report.
+
+    An exception leaves with `__dtp_where__` saying which module or phase it came from.
+    """
+    trails: list[ModuleTrail] = []
+    device = _device(cfg)
+    try:
+        # The run draws from the default generators (weights, shared dropout stream) seeded with the seed
+        # on every rank, and hands the caller's generator states back unchanged.
+        with own_rng(device):
+            torch.default_generator.manual_seed(cfg.seed)
+            if device.type == "cuda":
+                torch.cuda.manual_seed(cfg.seed)
+            return _run(cfg, out_dir, trails, mesh or make_mesh(cfg), device)
+    except Exception as err:
+        err.__dtp_where__ = trails[0].where() if trails else "set-up"
+        raise
+
+
+def _report(cfg: RunConfig, plan, parity: ParityCheck, collectives: dict, analytic: dict, model: nn.Module,
+            gathered: list[dict], step_times: list[float], device: torch.device, ideal_bytes: int) -> dict:
+    """The report dict (the JSON of `dtp apply --json`)."""
+    total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    median = statistics.median(step_times)
+    return {
+        "plan": {"name": plan.name, "version": plan.plan_version, "file": cfg.plan},
+        "model": cfg.model,
+        "mesh": {"tp": cfg.tp, "dp": cfg.dp},
+        "config": asdict(cfg),
+        "torch": torch.__version__,
+        "backend": dist.get_backend(),
+        "parity": parity.to_json(),
+        "collectives": collectives,
+        "comm_bytes": sum(collectives["sent_bytes"].values()),
+        "analytic_collectives": analytic,
+        "tied_parameters": [[f"{path}.{name}".lstrip(".") for path, name in group] for group in tied_groups(model)],
+        "param_bytes_unsharded": total_bytes,
+        "param_bytes_per_rank": [g["param_bytes"] for g in gathered],
+        "ideal_param_bytes_per_rank": ideal_bytes,
+        "activation_bytes_per_rank": [g["activations"] for g in gathered],
+        "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "rss",
+        "peak_memory_bytes": [g["peak"] for g in gathered],
+        "step_time_ms": median * 1e3,
+        "tokens_per_s": cfg.batch * cfg.seq / median,
+    }
+
+
+def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: DeviceMesh,
+         device: torch.device) -> dict | None:
+    warnings.filterwarnings("ignore", message=".*returned a view tensor")  # FSDP2 root: logits are not edited in place
+    # Gathering FSDP2 + TP parameters for the comparison warns that it takes two all-gathers; it may.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = DTYPES[cfg.dtype]
+    plan = syntax.load(cfg.plan)
+    source = models.resolve(cfg.model)
+    trail = ModuleTrail()
+    trails.append(trail)
+
+    # One build path (dtp.runtime.build): rank 0 alone builds the whole model, with the model's own initialisation,
+    # for its unsharded references; every rank builds on meta, shards, and receives its blocks from rank 0.
+    full = models.build(source, device="cpu", dtype=dtype).to(device) if rank == 0 else None
+    refs = references(full.train(), dtype, cfg.lr) if rank == 0 else []  # the float64 truth (+ same dtype)
+    trail.phase = "sharding (apply)"
+    meta = models.build(source, device="meta", dtype=dtype)  # shapes for check, schedule and bytes
+    checked = checked_for(plan, meta, cfg.tp)
+    applied = build_sharded(checked, source, mesh, seed=cfg.seed, device=device, dp=cfg.dp, dtype=dtype,
+                            full=full, from_rank0=True)
+    del full
+    model = applied.model
+    model.train()
+    # Only rank 0 drew the weights: every rank continues from its generator state, so the shared dropout
+    # stream (colwise(output=replicate) regions) is the same on every rank, as if each had built the model.
+    state = [torch.get_rng_state()]
+    dist.broadcast_object_list(state, src=0)
+    torch.set_rng_state(state[0])
+    dropout = dropout_sources(model)
+    trail.attach(model)
+
+    vocab = models.vocab_size(model)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    ids = torch.randint(0, vocab, (cfg.batch, cfg.seq + 1), generator=gen).to(device)  # the global batch
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    # Data parallelism splits the global batch over dp; logits and loss are compared on this rank's part.
+    per_dp = cfg.batch // cfg.dp
+    mine = slice(mesh["dp"].get_local_rank() * per_dp, (mesh["dp"].get_local_rank() + 1) * per_dp) \
+        if cfg.dp > 1 else slice(None)
+
+    opt = MixedSGD(model, cfg.lr)
+    parity = ParityCheck(dtype)
+    parity.dropout = dropout
+    loss_ctx = loss_parallel if applied.compiled.loss_parallel else contextlib.nullcontext
+    # One counter per phase (the comparisons run in between, uncounted).
+    counters = {"forward": CommCounter(), "backward": CommCounter(), "optimizer": CommCounter()}
+    step_times: list[float] = []
+    activations = ActivationMeter(model)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    for step in range(cfg.steps):
+        counting = step == 0
+        _sync(device)
+        t0 = time.perf_counter()
+        with loss_ctx():
+            with counters["forward"] if counting else contextlib.nullcontext(), \
+                    activations.recording() if counting else contextlib.nullcontext():
+                trail.phase = "forward"
+                logits = logits_of(model(inputs[mine]))
+                trail.phase = "loss"
+                loss = cross_entropy(logits, targets[mine])
+            with counters["backward"] if counting else contextlib.nullcontext():
+                trail.phase = "backward"
+                loss.backward()
+        # The optimizer step is applied after the gradients are compared, but timed as part of the step.
+        _sync(device)
+        t_fwd_bwd = time.perf_counter() - t0
+
+        trail.phase = "comparison with the reference"
+        full_logits, full_loss = _full(logits), _full(loss)
+        grads = {n: (applied.full(n, p.grad) if p.grad is not None else None) for n, p in model.named_parameters()}
+        if refs:
+            outs = [reference_step(r, inputs, targets, mine, cfg.dp > 1, device) for r in refs]
+            truth, unsharded = refs[0], (refs[1] if len(refs) > 1 else None)
+            lowp = outs[1] if unsharded else (None, None)
+            parity.compare("logits", f"logits (step {step + 1})", full_logits, outs[0][0], lowp[0])
+            parity.compare("loss", f"loss (step {step + 1})", full_loss, outs[0][1], lowp[1])
+            for n, g in grads.items():
+                parity.compare("grads", f"{n}.grad", g, truth.grad(n), unsharded.grad(n) if unsharded else None)
+            for r in refs:
+                r.opt.step()
+                r.opt.zero_grad()
+
+        trail.phase = "optimizer step"
+        _sync(device)
+        t1 = time.perf_counter()
+        with counters["optimizer"] if counting else contextlib.nullcontext():
+            opt.step()
+            opt.zero_grad()
+            _sync(device)
+        step_time = t_fwd_bwd + time.perf_counter() - t1
+        if not counting or cfg.steps == 1:
+            step_times.append(step_time)
+
+        trail.phase = "comparison with the reference"
+        params = {n: applied.full(n, m.detach()) for n, m in opt.masters.items()}
+        for n, p in params.items():
+            if refs:
+                parity.compare("params", f"{n} (after step {step + 1})", p, truth.param(n),
+                               unsharded.param(n) if unsharded else None, held_in=opt.master_dtype)
+
+    trail.phase = "report"
+    try:
+        steps = schedule(applied.checked, cfg.tp, cfg.batch // cfg.dp, cfg.seq, dtype, applied.compiled.lowered,
+                         cfg.dp, meta)
+        analytic = summarize(steps, cfg.tp, cfg.dp)
+    except NotModeled as err:
+        analytic = {"not_modeled": str(err)}
+    local_bytes = local_param_bytes(model)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, {"param_bytes": local_bytes, "peak": peak, "activations": activations.nbytes})
+    if rank != 0:
+        return None
+
+    report = _report(cfg, plan, parity, merge(counters), analytic, model, gathered, step_times, device,
+                     ideal_param_bytes(applied.checked, meta, cfg.tp, cfg.dp, next(model.parameters()).element_size()))
+    if out_dir is not None:
+        (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    return report

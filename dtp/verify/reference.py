@@ -1,0 +1,120 @@
+"""The optimizer every run uses, and rank 0's unsharded references (see dtp.verify.parity for the rule).
+
+`MixedSGD` is Megatron's mixed precision for SGD: parameters held in bfloat16 (or float16) are trained
+through float32 master copies (gradients cast up, the step taken on the masters, the result rounded back
+into the parameters), so updates far below a bfloat16 step still accumulate. Parameters in float32 or
+float64 are their own masters.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+MOMENTUM = 0.9
+
+
+class MixedSGD:
+    """SGD with momentum on master weights (float32 copies of low-precision parameters)."""
+
+    def __init__(self, model: nn.Module, lr: float):
+        self.params = dict(model.named_parameters())
+        self.masters = {n: (p.detach().float().requires_grad_(p.requires_grad) if p.dtype in LOW_PRECISION else p)
+                        for n, p in self.params.items()}
+        self.opt = torch.optim.SGD(list(self.masters.values()), lr=lr, momentum=MOMENTUM)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One step on the masters, then the parameters take their rounded values."""
+        for n, p in self.params.items():
+            m = self.masters[n]
+            if m is not p:
+                m.grad = p.grad.float() if p.grad is not None else None
+        self.opt.step()
+        for n, p in self.params.items():
+            m = self.masters[n]
+            if m is not p:
+                p.copy_(m)
+
+    def zero_grad(self) -> None:
+        """Drop every gradient (parameters' and masters')."""
+        for n, p in self.params.items():
+            p.grad = None
+            self.masters[n].grad = None
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """The dtype parameters are trained in."""
+        return next(iter(self.masters.values())).dtype if self.masters else torch.float32
+
+
+def copy_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """An unsharded copy of `model` in `dtype`; in float64, Hugging Face MoE experts run their eager loop
+    (torch's grouped matmul has no float64 kernel) and GPT-2's `reorder_and_upcast_attn` its plain path (the
+    same scores, which it insists on computing in float32)."""
+    out = copy.deepcopy(model).to(dtype)
+    if dtype == torch.float64:
+        for module in out.modules():
+            config = getattr(module, "config", None)
+            if getattr(config, "_experts_implementation", None) not in (None, "eager"):
+                config._experts_implementation = "eager"
+            if getattr(module, "reorder_and_upcast_attn", None) is True:
+                module.reorder_and_upcast_attn = False
+    return out
+
+
+class Reference:
+    """One unsharded copy of a model with its own optimizer, in a given dtype."""
+
+    def __init__(self, model: nn.Module, lr: float, dtype: torch.dtype | None = None):
+        self.model = copy_in(model, dtype) if dtype is not None else copy.deepcopy(model)
+        self.opt = MixedSGD(self.model, lr)
+
+    def param(self, name: str) -> torch.Tensor | None:
+        """A parameter as trained (its master copy)."""
+        return self.opt.masters.get(name)
+
+    def grad(self, name: str) -> torch.Tensor | None:
+        """A parameter's gradient."""
+        p = self.opt.params.get(name)
+        return p.grad if p is not None else None
+
+
+def logits_of(output: object) -> torch.Tensor:
+    """A model's logits (Hugging Face outputs carry `.logits`)."""
+    return output.logits if hasattr(output, "logits") else output
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The training loss over (B, T, V) logits."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def own_rng(device: torch.device):
+    """A context that puts back the CPU generator's state (and `device`'s, if CUDA) when it ends."""
+    return torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else [])
+
+
+def references(model: nn.Module, dtype: torch.dtype, lr: float) -> list[Reference]:
+    """The float64 truth and, for a lower dtype, the unsharded run in that dtype (dtp.verify.parity's rule)."""
+    truth = Reference(model, lr, torch.float64)
+    return [truth] if dtype == torch.float64 else [truth, Reference(model, lr)]
+
+
+def reference_step(ref: Reference, inputs: torch.Tensor, targets: torch.Tensor, mine: slice, split: bool,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward on the global batch; the logits and loss of this rank's part of it.
+
+    On its own copy of the generator state: the shared dropout stream stays in step with the other ranks."""
+    with own_rng(device):
+        logits = logits_of(ref.model(inputs))
+        loss = cross_entropy(logits, targets)
+        loss.backward()
+        if split:
+            with torch.no_grad():
+                logits = logits_of(ref.model(inputs[mine]))
+                loss = cross_entropy(logits, targets[mine])
+    return logits, loss

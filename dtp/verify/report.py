@@ -1,0 +1,77 @@
+"""The human-readable `dtp apply` report (the JSON report is the same dict)."""
+from __future__ import annotations
+
+from dtp.cost.explain import human_bytes
+
+
+def _ops(counts: dict) -> str:
+    return ", ".join(f"{n} {op}" for op, n in sorted(counts.items())) or "none"
+
+
+def _rule(rule: dict, dtype: str) -> str:
+    if "C" not in rule:
+        return f"each tensor: |sharded − unsharded| ≤ {rule['rtol']:g}·max|unsharded| + {rule['atol']:g}"
+    return (f"each tensor: |sharded − float64| ≤ {rule['C']:g}·|unsharded {dtype} − float64| + "
+            f"{rule['F']:g}·eps·max|float64|; margin = error / bound")
+
+
+def _why(par: dict) -> list[str]:
+    """What the user should know about a failure beyond the numbers."""
+    lines = []
+    bad = par.get("nonfinite")
+    if bad:
+        lines.append(f"  non-finite values: {bad['tensor']} was the first tensor with NaN or inf, in the {bad['side']}")
+    if par.get("dropout"):
+        where = ", ".join(par["dropout"][:4]) + (f" and {len(par['dropout']) - 4} more" if len(par["dropout"]) > 4 else "")
+        lines.append(f"  dropout is on ({where}): masks are random, so the sharded and unsharded runs cannot agree; "
+                     "turn it off for a parity run (dropout 0 in the model's config, e.g. `dropout: 0` in a YAML "
+                     "config or config.attention_dropout=0 in a factory, or nn.Dropout(p=0))")
+    return lines
+
+
+def render(report: dict) -> str:
+    """A few aligned sections: what ran, parity, communication, memory, speed."""
+    plan, mesh, par, coll = report["plan"], report["mesh"], report["parity"], report["collectives"]
+    name = plan["name"] or "(unnamed plan)"
+    version = f" version {plan['version']}" if plan["version"] is not None else ""
+    cfg = report["config"]
+    lines = [
+        f"dtp apply: {name}{version} ({plan['file']}) on {report['model']}",
+        f"  mesh tp={mesh['tp']} dp={mesh['dp']} · {report['backend']} · {cfg['dtype']} · batch {cfg['batch']} × "
+        f"seq {cfg['seq']} · {cfg['steps']} SGD steps · seed {cfg['seed']} · torch {report['torch']}",
+        "",
+        f"parity vs unsharded reference: {'OK' if par['ok'] else 'FAILED'}  ({_rule(par['rule'], cfg['dtype'])})",
+    ]
+    for q in ("logits", "loss", "grads", "params"):
+        d = par[q]
+        mark = "ok" if d["ok"] else "FAIL"
+        lines.append(f"  {q:<7} {mark:<4}  max abs {d['max_abs']:.3g}  max rel {d['max_rel']:.3g}  "
+                     f"margin {d['margin']:.2g}  ({d['compared']} tensors; worst {d['worst'] or '-'})")
+        lines += [f"          {p}" for p in d["problems"][:5]]
+    if not par["ok"]:
+        lines.append(f"  worst: {par['worst_tensor']} ({par['worst_quantity']})")
+        lines += _why(par)
+    lines += [
+        "",
+        f"collectives per training step: {coll['total']} ({_ops(coll['by_op'])})",
+        f"  forward {_ops(coll['forward'])} · backward {_ops(coll['backward'])}",
+        f"  bytes sent per rank (ring): {human_bytes(report['comm_bytes'])} ({report['comm_bytes']} B)",
+    ]
+    analytic = report.get("analytic_collectives", {})
+    if "not_modeled" in analytic:
+        lines.append(f"  analytic schedule: not modeled ({analytic['not_modeled']})")
+    elif analytic:
+        same = all(analytic[k] == coll[k] for k in ("by_op", "forward", "backward", "bytes"))
+        lines.append(f"  analytic schedule: {analytic['total']} ({_ops(analytic['by_op'])}) — "
+                     + ("matches the measurement" if same else "DIFFERS from the measurement"))
+    per_rank = report["param_bytes_per_rank"]
+    peaks = report["peak_memory_bytes"]
+    lines += [
+        "",
+        f"parameters: {human_bytes(report['param_bytes_unsharded'])} unsharded; per rank "
+        f"{', '.join(human_bytes(b) for b in per_rank)} (ideal {human_bytes(report['ideal_param_bytes_per_rank'])})",
+        f"activations saved for backward per rank: {', '.join(human_bytes(b) for b in report['activation_bytes_per_rank'])}",
+        f"peak memory ({report['peak_memory_kind']}) per rank: {', '.join(human_bytes(b) for b in peaks)}",
+        f"step time (median): {report['step_time_ms']:.1f} ms · {report['tokens_per_s']:.0f} tokens/s",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,200 @@
+"""`dtp bench`'s machinery: interval statistics, interleaving, parity enforcement, the Megatron-style
+baseline's own collective counts, results folders (timings are never asserted: they belong to the benchmark)."""
+from __future__ import annotations
+
+import datetime
+import json
+
+import pytest
+
+from dtp.bench.stats import Ratio, median_ratio, round_robin, verdict
+
+
+def test_median_ratio_interval_on_synthetic_samples():
+    a = [2.0 + 0.01 * (i % 7) for i in range(40)]  # median 2.03
+    b = [1.0 + 0.01 * (i % 5) for i in range(40)]  # median 1.02
+    r = median_ratio(a, b)
+    assert r.value == pytest.approx(2.03 / 1.02)
+    assert r.low <= r.value <= r.high
+    assert r.low > 1.9 and r.high < 2.1 and r.samples == 40
+    same = median_ratio([5.0] * 20, [5.0] * 20)
+    assert (same.value, same.low, same.high) == (1.0, 1.0, 1.0)
+    assert median_ratio(a, b) == median_ratio(a, b)  # seeded: the same samples give the same interval
+
+
+def test_interval_widens_with_noise_and_shrinks_with_samples():
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    noisy = median_ratio(list(1.0 + rng.exponential(0.5, 20)), list(1.0 + rng.exponential(0.5, 20)))
+    calm = median_ratio(list(1.0 + rng.exponential(0.01, 20)), list(1.0 + rng.exponential(0.01, 20)))
+    many = median_ratio(list(1.0 + rng.exponential(0.5, 2000)), list(1.0 + rng.exponential(0.5, 2000)))
+    width = lambda r: r.high - r.low  # noqa: E731
+    assert width(noisy) > 5 * width(calm)
+    assert width(many) < width(noisy) / 3
+
+
+def test_median_ratio_rejects_unpaired_samples():
+    with pytest.raises(ValueError, match="equally long"):
+        median_ratio([1.0, 2.0], [1.0])
+
+
+def test_verdicts():
+    assert verdict(Ratio(1.0, 0.99, 1.01, 20), high=1.05) == "met"
+    assert verdict(Ratio(1.04, 1.00, 1.06, 20), high=1.05) == "not significant"
+    assert verdict(Ratio(1.10, 1.06, 1.15, 20), high=1.05) == "not met"
+    assert verdict(Ratio(1.00, 0.985, 1.015, 20), 0.98, 1.02) == "met"
+    assert verdict(Ratio(1.00, 0.97, 1.01, 20), 0.98, 1.02) == "not significant"
+    assert verdict(Ratio(0.95, 0.94, 0.97, 20), 0.98, 1.02) == "not met"
+
+
+def test_round_robin_rotates_the_first_arm():
+    order = round_robin(("dtp", "hand", "megatron"), 4)
+    assert order == [("dtp", "hand", "megatron"), ("hand", "megatron", "dtp"), ("megatron", "dtp", "hand"),
+                     ("dtp", "hand", "megatron")]
+
+
+def test_interleaved_timing_runs_one_step_per_arm_per_round():
+    """time_interleaved on a world of one: the calls happen in the round-robin order, warm-up untimed."""
+    from dtp.bench.scaling import time_interleaved
+    from dtp.runtime.ranks import on_ranks
+
+    def run(rank, world):
+        calls = []
+        times = time_interleaved({n: (lambda n=n: calls.append(n)) for n in ("a", "b", "c")}, warmup=1, samples=2)
+        return calls, {k: len(v) for k, v in times.items()}
+
+    calls, counts = on_ranks(run, 1)[0]
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert counts == {"a": 2, "b": 2, "c": 2}
+
+
+def _broken_hand(base, mesh, x, y):
+    """A classic mistake: plain ColwiseParallel on the fused QKV without reordering its rows, so rank 0
+    gets all of q and half of k — wrong whenever tp > 1 (and nothing crashes)."""
+    import copy
+    from unittest import mock
+
+    from dtp.bench.arms import _dtensor_arm, handwritten
+
+    model = copy.deepcopy(base)
+    with mock.patch("dtp.bench.arms.pack_rows", lambda p, parts, tp: p):  # the hand-written plan, rows left as they are
+        handwritten(model, mesh)
+    return _dtensor_arm("hand", model, x, y)
+
+
+def test_arms_reach_parity_and_megatron_counts_match_dtp(repo):
+    from dtp.bench.arms import ARMS
+    from dtp.bench.scaling import Config, measure
+    from dtp.runtime.ranks import on_ranks
+
+    cfg = Config(n_layer=1, n_head=4, n_embd=32, vocab_size=64, seq=8, batch=2, tp=2, warmup=0, samples=1)
+    good = on_ranks(measure, 2, cfg)[0]
+    assert good["ok"], good.get("error")
+    assert all(err <= 1e-5 for arm in good["parity"].values() for err in arm.values())
+    # Megatron's own dist calls: 2 per block per pass + embedding + head's f + 3 loss = 9 at one layer
+    assert good["collectives"]["megatron"] == good["collectives"]["dtp"] == {"all_reduce": 4 + 1 + 1 + 3}
+    assert good["comm_bytes"]["dtp"] == good["comm_bytes"]["megatron"]
+    assert good["param_bytes_per_rank"]["dtp"] == good["param_bytes_per_rank"]["megatron"]
+    assert good["analytic_collectives"] == {"all_reduce": 9}
+    assert {len(v) for v in good["times_ms"].values()} == {1}
+
+    bad = on_ranks(measure, 2, cfg, dict(ARMS, hand=_broken_hand))[0]
+    assert not bad["ok"] and "times_ms" not in bad
+    assert bad["error"].startswith("arm 'hand' differs from the unsharded model: logits relative error")
+
+
+def test_megatron_sequence_parallel_counts(repo):
+    """Megatron-SP on a 2-layer GPT-2 at tp=2, counted from the baseline's own dist calls: per block 2
+    all-gathers and 2 reduce-scatters each way; the embedding all-reduces (learned positions are added
+    to the full sum, then split: all-gather backward); the head gathers its input; 3 for the loss; the
+    gradients of the 5 norms (weight and bias) and 4 row-parallel biases see a sequence shard and are
+    all-reduced."""
+    from dtp.runtime.ranks import on_ranks
+
+    def run(rank, world):
+        import torch
+
+        from dtp.bench.megatron import MegatronGPT, relative_error
+        from dtp.models.gpt import GPT, GPTConfig
+
+        cfg = GPTConfig(n_layer=2, n_head=4, n_embd=32, vocab_size=64, block_size=16)
+        torch.manual_seed(0)
+        base = GPT(cfg)
+        meg = MegatronGPT(cfg, rank, world, sequence_parallel=True)
+        meg.load_from(base)
+        x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+        local = meg(x)
+        fwd = dict(meg.calls.counts)
+        meg.loss(local, x).backward()
+        meg.finish_grads()
+        ref = base(x)
+        mine = ref.chunk(world, dim=-1)[rank]
+        return fwd, dict(meg.calls.counts), relative_error(local.detach(), mine.detach())
+
+    fwd, total, err = on_ranks(run, 2)[0]
+    assert fwd == {"all_reduce": 1, "reduce_scatter": 4, "all_gather": 5}
+    assert total == {"all_reduce": 1 + 3 + 10 + 4, "reduce_scatter": 4 + 4 + 1, "all_gather": 5 + 4 + 1}
+    assert sum(total.values()) == 37
+    assert err < 1e-5
+
+
+def test_shipped_plan_text_is_plans_gpt2(repo):
+    from dtp.bench.arms import PLAN
+
+    assert PLAN == (repo / "plans" / "gpt2.tp").read_text()
+
+
+def test_results_folders_never_overwrite(tmp_path):
+    from dtp.bench.report import results_folder
+
+    now = datetime.datetime(2026, 12, 2, 21, 5, 9, tzinfo=datetime.timezone.utc)
+    a, b = results_folder(tmp_path, "quick", now), results_folder(tmp_path, "full", now)
+    c = results_folder(tmp_path, "quick", now)
+    assert a.name.startswith("20261202-210509-quick-") and b.name.startswith("20261202-210509-full-")
+    assert c != a and c.name == a.name + ".1"
+
+
+def test_smoke_run_writes_results(repo, tmp_path):
+    from dtp.bench.run import main
+
+    out = tmp_path / "r.json"
+    assert main(["--smoke", "--no-fuzz", "--out", str(tmp_path / "results"), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["config"]["tp"] for r in result["strong"]] == [1, 2]
+    assert all(r["ok"] for r in result["strong"] + result["weak"])
+    at2 = result["ratios"]["strong"]["2"]
+    assert at2["collectives_equal_megatron"] and at2["param_bytes_vs_megatron"] == 1.0
+    assert at2["dtp_vs_megatron"]["verdict"] in {"met", "not met", "not significant"}
+    assert all(len(v) == 3 for v in result["strong"][1]["times_ms"].values())
+    (folder,) = (tmp_path / "results").iterdir()
+    assert "-smoke-" in folder.name
+    assert {"result.json", "results.md"} <= {p.name for p in folder.iterdir()}
+
+
+def test_gpu_check_dry_run_on_cpu(repo, tmp_path):
+    """`dtp bench --device cuda`'s logic with tiny sizes on gloo: apply parity through the command line, a
+    bf16 training step with its FLOP count, the interleaved dtp/Megatron ratio with parity enforced."""
+    from dtp.bench.run import main
+
+    assert main(["--dry-run", "--out", str(tmp_path)]) == 0
+    (folder,) = tmp_path.iterdir()
+    assert "-gpu-dry-run-" in folder.name
+    result = json.loads((folder / "result.json").read_text())
+    assert result["apply"]["ok"] and result["apply"]["tp"] == 2 and result["apply"]["backend"] == "gloo"
+    assert result["apply"]["parity"]["ok"] is True
+    assert result["train"]["finite"] and result["train"]["mfu"] is None  # no known peak for a CPU
+    assert result["ratio"]["ok"] and result["ratio"]["collectives_equal_megatron"]
+    assert "dtp/Megatron-style at tp=2" in (folder / "results.md").read_text()
+
+
+def test_gpu_check_without_gpu_is_a_usage_error(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    from dtp.bench.run import main
+
+    assert main(["--device", "cuda", "--out", str(tmp_path)]) == 2
+    assert "no CUDA device is visible" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())

@@ -1,0 +1,32 @@
+"""The grammar ships inside a non-editable wheel and is found there."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+
+from conftest import REPO
+
+
+def test_wheel_carries_and_loads_the_grammar(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path)], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("dtp-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        assert "dtp/grammar/tp.lark" in names
+        assert {"dtp/bench/run.py", "dtp/bench/megatron.py", "dtp/bench/gpu.py"} <= set(names)  # `dtp bench`
+        assert zf.read("dtp/grammar/tp.lark") == (REPO / "grammar" / "tp.lark").read_bytes()
+        assert "dtp/profiles/dgx2h-v100.yaml" in names  # dtp simulate's shipped profiles
+        site = tmp_path / "site"
+        zf.extractall(site)
+    code = ("import dtp, dtp.lang.parse as s; from pathlib import Path; "
+            "assert Path(dtp.__file__).is_relative_to(Path(r'%s')), dtp.__file__; "
+            "import dtp.simulate.profile as p; assert Path(str(p._shipped_dir())).is_relative_to(Path(r'%s')); "
+            "assert p.load('h200-sxm').name == 'h200-sxm'; "
+            "print(len(s.parse('dtp 1\\nlm_head: vocab_parallel\\n').body))" % (site, site))
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(site)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"
