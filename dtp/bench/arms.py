@@ -22,8 +22,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 from dtp.bench.megatron import MegatronGPT
-from dtp.compiler.styles import pack_rows
+from dtp.compiler.placed import pack_parts
 from dtp.cost.param_bytes import local_param_bytes
+from dtp.layout.parts import equal_parts
 from dtp.models.gpt import GPT, GPTConfig
 
 # plans/gpt2.tp, shipped inside the package so `dtp bench` runs from any install (a test keeps them equal).
@@ -144,7 +145,7 @@ def handwritten(model: GPT, mesh) -> None:
         for block in model.transformer.h:
             for name in ("weight", "bias"):
                 p = getattr(block.attn.c_attn, name)
-                p.copy_(pack_rows(p, 3, tp))
+                p.copy_(pack_parts(p, equal_parts(p.shape[0], 3), tp))
     plan = {"transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
             "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
     for i in range(len(model.transformer.h)):

@@ -28,7 +28,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtp.compiler.styles import pack_rows
+from dtp.compiler.placed import pack_parts
+from dtp.layout.parts import equal_parts
 from dtp.models.gpt import GPT, GPTConfig
 
 BASELINE_VERSION = "megatron-style-2"
@@ -191,9 +192,9 @@ class MegatronGPT(nn.Module):
         for b, h in zip(self.blocks, t.h):
             b.ln_1.load_state_dict(h.ln_1.state_dict())
             b.ln_2.load_state_dict(h.ln_2.state_dict())
-            b.qkv.weight.copy_(rows(pack_rows(h.attn.c_attn.weight, 3, tp)))
+            b.qkv.weight.copy_(rows(pack_parts(h.attn.c_attn.weight, equal_parts(3 * self.cfg.n_embd, 3), tp)))
             if self.cfg.bias:
-                b.qkv.bias.copy_(rows(pack_rows(h.attn.c_attn.bias, 3, tp)))
+                b.qkv.bias.copy_(rows(pack_parts(h.attn.c_attn.bias, equal_parts(3 * self.cfg.n_embd, 3), tp)))
                 b.proj_bias.copy_(h.attn.c_proj.bias)
                 b.fc.bias.copy_(rows(h.mlp.c_fc.bias))
                 b.fc2_bias.copy_(h.mlp.c_proj.bias)

@@ -46,11 +46,11 @@ def main(out: str) -> None:
                 work = prepared.workload(tp, BATCH, "fp32")
                 sim = simulate(work, Run(tp, 1, BATCH, BATCH, SEQ, "fp32", "none", "sgd"), prof)
                 acts = activation_bytes(work.shape, BATCH, SEQ, tp, elem=4, recompute="none", dropout=False, flash=True)
-                rows.append({"model": name, "tp": tp, "load": load, "measured_ms": report["step_time_ms"],
+                rows.append({"model": name, "tp": tp, "load": load, "measured_ms": report.step_time_ms,
                              "predicted_ms": sim.iteration_s * 1e3, "compute_ms": sim.compute_s * 1e3,
                              "tp_comm_ms": sim.tp_comm_s * 1e3, "cpu_share": share,
                              "adjusted_ms": sim.iteration_s * 1e3 / share, "measured_activation_bytes":
-                             report["activation_bytes_per_rank"][0], "predicted_activation_bytes": acts})
+                             report.activation_bytes_per_rank[0], "predicted_activation_bytes": acts})
                 print(rows[-1], flush=True)
     lines = ["| model | tp | load avg | measured ms | predicted ms (compute + TP comm) | error | CPU share | "
              "predicted ÷ share | error | activations measured → predicted |", "|---|---|---|---|---|---|---|---|---|---|"]

@@ -2,7 +2,7 @@
 
 DCP reshards by matching chunks at global offsets, which is right only if the global tensor means the
 same thing at every tp. Three things in a dtp model are not: a `colwise(packed=K)` weight holds its rows
-in a tp-dependent order (dtp.compiler.styles.pack_rows), FSDP2 shards the tp-local tensor again over dp, and
+in a tp-dependent order (dtp.compiler.placed.pack_parts), FSDP2 shards the tp-local tensor again over dp, and
 plain replicated tensors live on every rank. `view` turns each parameter or optimizer-state tensor into
 a DTensor on the tp mesh holding the model's own element order:
 

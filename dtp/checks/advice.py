@@ -1,5 +1,5 @@
 """Advice about a plan as a whole: how much of the model it leaves replicated, and whether its `mesh` header
-agrees with the data-parallel size it runs at."""
+agrees with the data-parallel size it runs at (`mesh dp, tp` needs --dp ≥ 2; `mesh tp` admits any --dp)."""
 from __future__ import annotations
 
 from dtp.errors import Diagnostic
@@ -43,13 +43,11 @@ def replication_warning(plan: ir.Plan, res: Resolution) -> list[Diagnostic]:
 
 
 def check_mesh(plan: ir.Plan, dp: int | None) -> list[Diagnostic]:
-    """An explicit `mesh` header must agree with --dp: `mesh dp, tp` means data parallelism, `mesh tp` none."""
+    """`mesh dp, tp` declares data parallelism, so --dp 1 contradicts it. `mesh tp` names the dimension the rules
+    shard over and forbids nothing: a tensor-parallel plan runs under any --dp (FSDP2 over the dp dimension)."""
     if dp is None or plan.mesh_pos == ir.NOWHERE:
         return []
     if plan.mesh == ("dp", "tp") and dp == 1:
         return [Diagnostic(plan.mesh_pos, "the plan declares `mesh dp, tp` (data × tensor parallel) but --dp is 1; "
                            "run it with --dp N (N ≥ 2), or write `mesh tp`", 4)]
-    if plan.mesh == ("tp",) and dp > 1:
-        return [Diagnostic(plan.mesh_pos, f"the plan declares `mesh tp` (tensor parallel only) but --dp is {dp}; "
-                           "write `mesh dp, tp` for data × tensor parallelism, or drop --dp", 4)]
     return []

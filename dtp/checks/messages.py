@@ -21,9 +21,11 @@ class Reporter:
         self.groups: dict[tuple, list] = {}
 
     def add(self, pos: ir.Pos, length: int, path: str, message: str) -> None:
+        """Record `message` for the module at `path`, reported at `pos`."""
         self.groups.setdefault((pos, length, message), []).append(path)
 
     def diagnostics(self) -> list[Diagnostic]:
+        """One diagnostic per (position, message), naming the first module and how many more."""
         out = []
         for (pos, length, message), paths in self.groups.items():
             more = f" (and {len(paths) - 1} more module{'s' if len(paths) > 2 else ''})" if len(paths) > 1 else ""

@@ -42,5 +42,5 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(render(report))
     if json_path:
-        Path(json_path).write_text(json.dumps(report, indent=2, default=str) + "\n")
-    return 0 if report["parity"]["ok"] else 1
+        Path(json_path).write_text(json.dumps(report.to_json(), indent=2, default=str) + "\n")
+    return 0 if report.ok else 1

@@ -5,7 +5,7 @@ checker and `explain` read the same decisions); `compile_plan` turns them into s
 
 | plan style                 | ParallelStyle                                                              |
 |----------------------------|----------------------------------------------------------------------------|
-| colwise                    | ColwiseParallel (PackedColwiseParallel with packed=K)                      |
+| colwise                    | ColwiseParallel (PlacedColwise with packed=K, each part sharded alone)     |
 | rowwise                    | RowwiseParallel                                                            |
 | vocab_parallel, Embedding  | RowwiseParallel: rows sharded, output all-reduced (VocabParallelEmbedding) |
 | vocab_parallel, Linear     | ColwiseParallel(output Shard(-1), DTensor output) + loss under loss_parallel |
@@ -34,7 +34,6 @@ from dtp.compiler.placed import ExpertsParallel, PlacedColwise, PlacedRowwise, R
 from dtp.compiler.sharded_norm import ShardedNorm
 from dtp.compiler.styles import (
     Chained,
-    PackedColwiseParallel,
     SequenceParallelFromReplicated,
     SetAttributes,
     SharedInput,
@@ -70,7 +69,7 @@ def _style(m: ModuleLayout) -> ParallelStyle:
         kw = dict(input_layouts=m.input, output_layouts=m.output, use_local_output=m.local)
         if m.placements:
             return PlacedColwise(dict(m.placements), **kw)
-        return PackedColwiseParallel(m.packed, **kw) if m.packed > 1 else ColwiseParallel(**kw)
+        return ColwiseParallel(**kw)
     if m.style == "rowwise":
         return PlacedRowwise(input_layouts=m.input, output_layouts=m.output, use_local_output=m.local)
     if m.style == "experts":
@@ -115,7 +114,6 @@ def compile_plan(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh) ->
     for parent in low.shared_inputs:
         shared = SharedInput(SEQUENCE if low.sequence_parallel else Replicate())
         styles[parent] = Chained(shared, styles[parent]) if parent in styles else shared
-    packed = {path: m.packed for path, m in low.modules.items() if m.packed > 1 and not m.placements}
-    packed.update(placed_params(low, model))
+    packed = placed_params(low, model)
     rewrites = {path: SetAttributes(v) for path, v in low.rewrites.items()}
     return Compiled(styles, rewrites, low, packed)

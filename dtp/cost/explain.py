@@ -104,7 +104,7 @@ def explain(checked: Checked, model: nn.Module, model_name: str, tp: int, *,
               for path, rule in res.claims.items() if rule.style.name == "slice_input"]
     plan = checked.plan
     try:
-        steps, not_modeled = tuple(schedule(checked, tp, batch, seq, dtype, dp=dp, model=model,
+        steps, not_modeled = tuple(schedule(checked, tp, batch, seq, dtype=dtype, dp=dp, model=model,
                                         checkpoint_activations=checkpoint_activations)), None
     except NotModeled as err:
         steps, not_modeled = None, str(err)

@@ -60,7 +60,7 @@ class NotModeled(Exception):
     """A layout the analytic model does not cover (e.g. a partial input); explain says so."""
 
 
-def schedule(checked: Checked, tp: int, batch: int, seq: int, dtype: torch.dtype = torch.float32,
+def schedule(checked: Checked, tp: int, batch: int, seq: int, *, dtype: torch.dtype = torch.float32,
              lowered: Lowered | None = None, dp: int = 1, model: nn.Module | None = None,
              checkpoint_activations: bool = False) -> list[Collective]:
     """Every collective of one forward + backward pass of the plan at `tp` on `batch` × `seq` tokens per

@@ -76,7 +76,7 @@ def evaluate(case: Case, pools: Pools, timeout: float = 120.0) -> Outcome:
         return Outcome("failed", f"accepted by check, but the run hung: {err}")
     except RuntimeError as err:
         return Outcome("run_failed" if mutated else "failed", f"accepted by check, but the run failed: {err}")
-    parity = report["parity"]
+    parity = report.parity
     if not parity["ok"]:
         q = parity[parity["worst_quantity"]]
         return Outcome("parity_failed" if mutated else "failed",
@@ -85,7 +85,7 @@ def evaluate(case: Case, pools: Pools, timeout: float = 120.0) -> Outcome:
     if case.meta.get("wrong") and case.tp > 1:
         return Outcome("failed", f"false pass: the mutation '{case.meta['mutation']}' cannot compute what the "
                                  "unsharded model does, yet parity passed")
-    measured, analytic = report["collectives"], report["analytic_collectives"]
+    measured, analytic = report.collectives, report.analytic_collectives
     keys = ("by_op", "forward", "backward", "bytes")
     if "not_modeled" in analytic:  # parity still decides; there is no schedule to compare with
         pass
@@ -95,8 +95,8 @@ def evaluate(case: Case, pools: Pools, timeout: float = 120.0) -> Outcome:
     if case.dp == 1:
         elem = torch.empty((), dtype=getattr(torch, case.dtype)).element_size()
         want = param_bytes_per_rank(checked, meta_model, case.tp, 1, elem)
-        if report["param_bytes_per_rank"] != want:
-            return Outcome("failed", f"parameter bytes per rank {report['param_bytes_per_rank']} but the placement "
+        if report.param_bytes_per_rank != want:
+            return Outcome("failed", f"parameter bytes per rank {report.param_bytes_per_rank} but the placement "
                                      f"table says {want}")
     return Outcome("passed")
 

@@ -109,7 +109,7 @@ def lower(res: Resolution, tp: int) -> Lowered:
         if layout is not None and layout.style == "colwise":
             placed = res.placements(path)
             packed = layout.packed if isinstance(layout.packed, int) else 1
-            special = is_conv1d(res.modules[path]) or any(p.parts for p in placed.values())
+            special = is_conv1d(res.modules[path]) or packed > 1 or any(p.parts for p in placed.values())
             layout = replace(layout, packed=packed, placements=tuple(placed.items()) if special else ())
         if layout is not None:
             modules[path] = layout

@@ -22,6 +22,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Causal self-attention over (B, T, C), the local head count read from the tensor."""
         B, T, _ = x.shape
         q, k, v = (w(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, n_heads, T, head_dim)
@@ -37,6 +38,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The two-matrix MLP: (B, T, C) → (B, T, C)."""
         return self.w2(F.relu(self.w1(x)))
 
 
@@ -51,6 +53,7 @@ class Layer(nn.Module):
         self.feed_forward = FeedForward(dim, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Pre-norm residual block: attention, then the MLP."""
         x = x + self.attention(self.attention_norm(x))
         return x + self.feed_forward(self.ffn_norm(x))
 
@@ -67,6 +70,7 @@ class TinyLM(nn.Module):
         self.output = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, V) for token ids (B, T)."""
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)
         h = self.tok_embeddings(input_ids) + self.pos_embeddings(pos)
         for layer in self.layers:

@@ -49,6 +49,7 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Causal self-attention over (B, T, C); heads per rank from the tensor, not the config."""
         B, T, _ = x.shape
         q, k, v = self.c_attn(x).chunk(3, dim=-1)  # each (B, T, local width)
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
@@ -69,6 +70,7 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """c_fc, GELU, c_proj (and dropout): (B, T, C) → (B, T, C)."""
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
@@ -83,6 +85,7 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -116,6 +119,7 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, V) for token ids (B, T)."""
         B, T = input_ids.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")

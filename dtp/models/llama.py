@@ -66,6 +66,7 @@ class RotaryEmbedding(nn.Module):
         self.theta = theta
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of the rotary angles at positions `pos`, in `x`'s dtype."""
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float, device=pos.device) / self.head_dim
         inv_freq = 1.0 / (self.theta ** exponents)  # (head_dim / 2,)
         freqs = pos[..., None].float() * inv_freq  # (T, head_dim / 2)
@@ -92,6 +93,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_head * self.head_dim, cfg.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Grouped-query causal attention with rotary embeddings; local heads from the tensor."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, local nh, T, hs)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, local n_kv, T, hs)
@@ -118,6 +120,7 @@ class MLP(nn.Module):
         self.act_fn = nn.SiLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU: down(silu(gate(x)) · up(x)), gate and up packed or apart."""
         if self.packed:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each (B, T, local intermediate)
         else:
@@ -136,6 +139,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x + attention(norm(x)), then x + mlp(norm(x))."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -158,6 +162,7 @@ class Llama(nn.Module):
         self.apply(GPT._init_weights)  # normal(0, 0.02) weights, as GPT-2 (Llama has no biases)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, V) for token ids (B, T)."""
         B, T = input_ids.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")

@@ -39,16 +39,13 @@ class ParamLayout:
         return self.param.to_local() if isinstance(self.param, DTensor) else self.param
 
 
-def row_order(entry: ParamPlacement | int | None, n: int, tp: int) -> tuple[int, torch.Tensor]:
+def row_order(entry: ParamPlacement | None, n: int, tp: int) -> tuple[int, torch.Tensor]:
     """(model size of the sharded dim, model row of each global row) for a `Compiled.packed` entry and a
     global dim of `n` rows: packed parts are interleaved per rank (dtp.compiler.placed.pack_parts), a replicated
     part is held by every rank."""
-    if isinstance(entry, ParamPlacement):
-        parts = entry.parts or equal_parts(n, entry.packed)
-    elif isinstance(entry, int) and entry > 1:
-        parts = equal_parts(n, entry)
-    else:
+    if entry is None or not (entry.parts or entry.packed > 1):
         return n, torch.arange(n)
+    parts = entry.parts or equal_parts(n, entry.packed)
     size = sum(s for s, _ in parts)
     return size, pack_parts(torch.arange(size), parts, tp)
 
@@ -68,7 +65,7 @@ def param_layouts(applied: Applied) -> Iterator[ParamLayout]:
                 tp = p.device_mesh.size()
                 dim = placement.dim % p.dim()
                 packed = applied.compiled.packed
-                size, order = row_order(packed.get(name, packed.get(path)), shape[dim], tp)
+                size, order = row_order(packed.get(name), shape[dim], tp)
                 shape = shape[:dim] + (size,) + shape[dim + 1:]
             layout = ParamLayout(name, module, pname, p, shape, dim, order, tp)
             if dim is not None:

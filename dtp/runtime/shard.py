@@ -12,7 +12,6 @@ from torch.distributed.tensor.parallel import parallelize_module
 from dtp.checks.checker import Checked, checked_for
 from dtp.compiler.compiler import Compiled, compile_plan, tp_mesh
 from dtp.compiler.placed import unpack_placed
-from dtp.compiler.styles import unpack_rows
 from dtp.lang import ir
 from dtp.runtime.rng import TensorParallelRNG, track
 
@@ -46,12 +45,8 @@ class Applied:
     def full(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (a parameter or its gradient) gathered to the model's unsharded layout (a collective)."""
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        placed = self.compiled.packed.get(param_name)  # dtp/compiler/placed.py: Conv1D, unequal parts, experts
-        if placed is not None:
-            return unpack_placed(full, placed, self.tp)
-        module_path = param_name.rpartition(".")[0]
-        parts = self.compiled.packed.get(module_path)
-        return unpack_rows(full, parts, self.tp) if parts else full
+        placed = self.compiled.packed.get(param_name)  # dtp/compiler/placed.py: packed parts, Conv1D, experts
+        return unpack_placed(full, placed, self.tp) if placed is not None else full
 
 
 def apply(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh, seed: int = 0) -> Applied:

@@ -206,7 +206,7 @@ def workload(checked, model, tp: int, seq: int, micro_batch: int, precision: str
     from dtp.layout.lower import lower
 
     low = lower(checked.resolution, tp)
-    colls = schedule(checked, tp, micro_batch, seq, DTYPE[precision], low)
+    colls = schedule(checked, tp, micro_batch, seq, dtype=DTYPE[precision], lowered=low)
     total = float(sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()))
     return Workload(flops, params_per_rank, total, shape, low.sequence_parallel, tuple(colls),
                     tuple(block_paths(model)))

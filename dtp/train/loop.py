@@ -183,9 +183,9 @@ class Trainer:
         sequence-parallel plans the schedule's norm-gradient all-reduces are not seen by the count."""
         try:
             dtype = torch.bfloat16 if self.cfg.dtype == "bfloat16" else torch.float32
-            steps = schedule(self.checked, self.cfg.tp, self.cfg.batch // self.cfg.dp, self.cfg.seq, dtype,
-                             self.applied.compiled.lowered, self.cfg.dp, models.build(self.source, device="meta"),
-                             checkpoint_activations=self.cfg.checkpoint_activations)
+            steps = schedule(self.checked, self.cfg.tp, self.cfg.batch // self.cfg.dp, self.cfg.seq, dtype=dtype,
+                             lowered=self.applied.compiled.lowered, dp=self.cfg.dp,
+                             model=models.build(self.source, device="meta"), checkpoint_activations=self.cfg.checkpoint_activations)
             return summarize(steps, self.cfg.tp, self.cfg.dp)
         except NotModeled as err:
             return {"not_modeled": str(err)}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,16 +15,17 @@ from dtp.checks.checker import sequence_shape_problem
 from dtp.errors import RunError, UsageError
 from dtp.runtime.launcher import error_summary, launch_local, pick_device, under_torchrun
 from dtp.verify.rank import RunConfig
+from dtp.verify.report import ApplyReport
 
 
-def _apply_rank(rank: int, world: int, cfg: RunConfig) -> dict | None:
+def _apply_rank(rank: int, world: int, cfg: RunConfig) -> ApplyReport | None:
     """One rank of `dtp apply` on an initialised process group; rank 0 returns the report."""
     from dtp.verify import rank as run_mod
 
     return run_mod.run(cfg, None)
 
 
-def launch(cfg: RunConfig) -> dict:
+def launch(cfg: RunConfig) -> ApplyReport:
     """Start tp×dp local ranks, wait at most cfg.timeout seconds, and return rank 0's report."""
     try:
         return launch_local(_apply_rank, cfg.tp * cfg.dp, cfg, timeout=cfg.timeout, device=cfg.device,
@@ -32,7 +34,7 @@ def launch(cfg: RunConfig) -> dict:
         raise RunError(str(err).replace("the run", "the sharded run", 1), err.rank, err.where, err.error) from None
 
 
-def _torchrun_rank(cfg: RunConfig) -> dict | None:
+def _torchrun_rank(cfg: RunConfig) -> ApplyReport | None:
     """This process as one rank of torchrun's world: torchrun's rendezvous settings stand."""
     import torch
     import torch.distributed as dist
@@ -59,7 +61,7 @@ def absolute_model_spec(spec: str) -> str:
 
 
 def apply_command(*, plan: str, model: str, tp: int | None, dp: int, batch: int, seq: int, steps: int, seed: int,
-                  lr: float, dtype: str, device: str, timeout: float) -> dict | None:
+                  lr: float, dtype: str, device: str, timeout: float) -> ApplyReport | None:
     """`dtp apply`: check the plan and the machine (UsageError, exit 2, before any rank starts), run the ranks, and
     return rank 0's report (None on another torchrun rank). `plan` and `model` as the user wrote them."""
     from dtp import models
@@ -104,6 +106,6 @@ def apply_command(*, plan: str, model: str, tp: int | None, dp: int, batch: int,
                     dtype=dtype, device=device, timeout=timeout, lr=lr)
 
     report = _torchrun_rank(cfg) if torchrun else launch(cfg)
-    if report is not None:
-        report["plan"]["file"], report["model"] = plan, model  # as the user wrote them (config: what ran)
-    return report
+    if report is None:
+        return None
+    return replace(report, plan={**report.plan, "file": plan}, model=model)  # as the user wrote them (config: what ran)

@@ -29,6 +29,7 @@ from dtp.runtime.comm import CommCounter, merge
 from dtp.runtime.shard import tied_groups
 from dtp.verify.parity import ParityCheck, dropout_sources
 from dtp.verify.reference import MixedSGD, cross_entropy, logits_of, own_rng, reference_step, references
+from dtp.verify.report import ApplyReport
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -134,7 +135,7 @@ def _device(cfg: RunConfig) -> torch.device:
     return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
 
 
-def run(cfg: RunConfig, out_dir: Path | None, mesh: DeviceMesh | None = None) -> dict | None:
+def run(cfg: RunConfig, out_dir: Path | None, mesh: DeviceMesh | None = None) -> ApplyReport | None:
     """Run on an initialised process group; rank 0 returns (and writes) the report.
 
     An exception leaves with `__dtp_where__` saying which module or phase it came from.
@@ -155,35 +156,35 @@ def run(cfg: RunConfig, out_dir: Path | None, mesh: DeviceMesh | None = None) ->
 
 
 def _report(cfg: RunConfig, plan, parity: ParityCheck, collectives: dict, analytic: dict, model: nn.Module,
-            gathered: list[dict], step_times: list[float], device: torch.device, ideal_bytes: int) -> dict:
-    """The report dict (the JSON of `dtp apply --json`)."""
+            gathered: list[dict], step_times: list[float], device: torch.device, ideal_bytes: int) -> ApplyReport:
+    """Rank 0's report of the run."""
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     median = statistics.median(step_times)
-    return {
-        "plan": {"name": plan.name, "version": plan.plan_version, "file": cfg.plan},
-        "model": cfg.model,
-        "mesh": {"tp": cfg.tp, "dp": cfg.dp},
-        "config": asdict(cfg),
-        "torch": torch.__version__,
-        "backend": dist.get_backend(),
-        "parity": parity.to_json(),
-        "collectives": collectives,
-        "comm_bytes": sum(collectives["sent_bytes"].values()),
-        "analytic_collectives": analytic,
-        "tied_parameters": [[f"{path}.{name}".lstrip(".") for path, name in group] for group in tied_groups(model)],
-        "param_bytes_unsharded": total_bytes,
-        "param_bytes_per_rank": [g["param_bytes"] for g in gathered],
-        "ideal_param_bytes_per_rank": ideal_bytes,
-        "activation_bytes_per_rank": [g["activations"] for g in gathered],
-        "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "rss",
-        "peak_memory_bytes": [g["peak"] for g in gathered],
-        "step_time_ms": median * 1e3,
-        "tokens_per_s": cfg.batch * cfg.seq / median,
-    }
+    return ApplyReport(
+        plan={"name": plan.name, "version": plan.plan_version, "file": cfg.plan},
+        model=cfg.model,
+        mesh={"tp": cfg.tp, "dp": cfg.dp},
+        config=asdict(cfg),
+        torch=torch.__version__,
+        backend=dist.get_backend(),
+        parity=parity.to_json(),
+        collectives=collectives,
+        comm_bytes=sum(collectives["sent_bytes"].values()),
+        analytic_collectives=analytic,
+        tied_parameters=[[f"{path}.{name}".lstrip(".") for path, name in group] for group in tied_groups(model)],
+        param_bytes_unsharded=total_bytes,
+        param_bytes_per_rank=[g["param_bytes"] for g in gathered],
+        ideal_param_bytes_per_rank=ideal_bytes,
+        activation_bytes_per_rank=[g["activations"] for g in gathered],
+        peak_memory_kind="cuda_max_allocated" if device.type == "cuda" else "rss",
+        peak_memory_bytes=[g["peak"] for g in gathered],
+        step_time_ms=median * 1e3,
+        tokens_per_s=cfg.batch * cfg.seq / median,
+    )
 
 
 def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: DeviceMesh,
-         device: torch.device) -> dict | None:
+         device: torch.device) -> ApplyReport | None:
     warnings.filterwarnings("ignore", message=".*returned a view tensor")  # FSDP2 root: logits are not edited in place
     # Gathering FSDP2 + TP parameters for the comparison warns that it takes two all-gathers; it may.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -287,8 +288,8 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: 
 
     trail.phase = "report"
     try:
-        steps = schedule(applied.checked, cfg.tp, cfg.batch // cfg.dp, cfg.seq, dtype, applied.compiled.lowered,
-                         cfg.dp, meta)
+        steps = schedule(applied.checked, cfg.tp, cfg.batch // cfg.dp, cfg.seq, dtype=dtype,
+                         lowered=applied.compiled.lowered, dp=cfg.dp, model=meta)
         analytic = summarize(steps, cfg.tp, cfg.dp)
     except NotModeled as err:
         analytic = {"not_modeled": str(err)}
@@ -303,5 +304,5 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: 
     report = _report(cfg, plan, parity, merge(counters), analytic, model, gathered, step_times, device,
                      ideal_param_bytes(applied.checked, meta, cfg.tp, cfg.dp, next(model.parameters()).element_size()))
     if out_dir is not None:
-        (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
+        (out_dir / "report.json").write_text(json.dumps(report.to_json(), indent=2, default=str))
     return report

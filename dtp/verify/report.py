@@ -1,7 +1,44 @@
-"""The human-readable `dtp apply` report (the JSON report is the same dict)."""
+"""The `dtp apply` report: one typed record of what ran and what it found (`ApplyReport`, whose `to_json()` is
+`dtp apply --json`), and its human rendering."""
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
 from dtp.cost.explain import human_bytes
+
+
+@dataclass(frozen=True)
+class ApplyReport:
+    """What one `dtp apply` run did and found; the fields are the keys of its JSON."""
+
+    plan: dict  # {name, version, file}
+    model: str
+    mesh: dict  # {tp, dp}
+    config: dict  # the RunConfig that ran
+    torch: str
+    backend: str
+    parity: dict  # ParityCheck.to_json(): ok, the rule, the worst tensor, margins
+    collectives: dict  # measured per step: total, by_op, forward, backward, sent_bytes
+    comm_bytes: int
+    analytic_collectives: dict  # dtp.cost.schedule's prediction, same keys
+    tied_parameters: list[list[str]]
+    param_bytes_unsharded: int
+    param_bytes_per_rank: list[int]
+    ideal_param_bytes_per_rank: int
+    activation_bytes_per_rank: list[int]
+    peak_memory_kind: str  # "rss" or "cuda_max_allocated"
+    peak_memory_bytes: list[int]
+    step_time_ms: float  # median
+    tokens_per_s: float
+
+    @property
+    def ok(self) -> bool:
+        """Whether parity held."""
+        return bool(self.parity["ok"])
+
+    def to_json(self) -> dict:
+        """The report as `dtp apply --json` writes it."""
+        return asdict(self)
 
 
 def _ops(counts: dict) -> str:
@@ -29,16 +66,16 @@ def _why(par: dict) -> list[str]:
     return lines
 
 
-def render(report: dict) -> str:
+def render(report: ApplyReport) -> str:
     """A few aligned sections: what ran, parity, communication, memory, speed."""
-    plan, mesh, par, coll = report["plan"], report["mesh"], report["parity"], report["collectives"]
+    plan, mesh, par, coll = report.plan, report.mesh, report.parity, report.collectives
     name = plan["name"] or "(unnamed plan)"
     version = f" version {plan['version']}" if plan["version"] is not None else ""
-    cfg = report["config"]
+    cfg = report.config
     lines = [
-        f"dtp apply: {name}{version} ({plan['file']}) on {report['model']}",
-        f"  mesh tp={mesh['tp']} dp={mesh['dp']} · {report['backend']} · {cfg['dtype']} · batch {cfg['batch']} × "
-        f"seq {cfg['seq']} · {cfg['steps']} SGD steps · seed {cfg['seed']} · torch {report['torch']}",
+        f"dtp apply: {name}{version} ({plan['file']}) on {report.model}",
+        f"  mesh tp={mesh['tp']} dp={mesh['dp']} · {report.backend} · {cfg['dtype']} · batch {cfg['batch']} × "
+        f"seq {cfg['seq']} · {cfg['steps']} SGD steps · seed {cfg['seed']} · torch {report.torch}",
         "",
         f"parity vs unsharded reference: {'OK' if par['ok'] else 'FAILED'}  ({_rule(par['rule'], cfg['dtype'])})",
     ]
@@ -55,23 +92,23 @@ def render(report: dict) -> str:
         "",
         f"collectives per training step: {coll['total']} ({_ops(coll['by_op'])})",
         f"  forward {_ops(coll['forward'])} · backward {_ops(coll['backward'])}",
-        f"  bytes sent per rank (ring): {human_bytes(report['comm_bytes'])} ({report['comm_bytes']} B)",
+        f"  bytes sent per rank (ring): {human_bytes(report.comm_bytes)} ({report.comm_bytes} B)",
     ]
-    analytic = report.get("analytic_collectives", {})
+    analytic = report.analytic_collectives
     if "not_modeled" in analytic:
         lines.append(f"  analytic schedule: not modeled ({analytic['not_modeled']})")
     elif analytic:
         same = all(analytic[k] == coll[k] for k in ("by_op", "forward", "backward", "bytes"))
         lines.append(f"  analytic schedule: {analytic['total']} ({_ops(analytic['by_op'])}) — "
                      + ("matches the measurement" if same else "DIFFERS from the measurement"))
-    per_rank = report["param_bytes_per_rank"]
-    peaks = report["peak_memory_bytes"]
+    per_rank = report.param_bytes_per_rank
+    peaks = report.peak_memory_bytes
     lines += [
         "",
-        f"parameters: {human_bytes(report['param_bytes_unsharded'])} unsharded; per rank "
-        f"{', '.join(human_bytes(b) for b in per_rank)} (ideal {human_bytes(report['ideal_param_bytes_per_rank'])})",
-        f"activations saved for backward per rank: {', '.join(human_bytes(b) for b in report['activation_bytes_per_rank'])}",
-        f"peak memory ({report['peak_memory_kind']}) per rank: {', '.join(human_bytes(b) for b in peaks)}",
-        f"step time (median): {report['step_time_ms']:.1f} ms · {report['tokens_per_s']:.0f} tokens/s",
+        f"parameters: {human_bytes(report.param_bytes_unsharded)} unsharded; per rank "
+        f"{', '.join(human_bytes(b) for b in per_rank)} (ideal {human_bytes(report.ideal_param_bytes_per_rank)})",
+        f"activations saved for backward per rank: {', '.join(human_bytes(b) for b in report.activation_bytes_per_rank)}",
+        f"peak memory ({report.peak_memory_kind}) per rank: {', '.join(human_bytes(b) for b in peaks)}",
+        f"step time (median): {report.step_time_ms:.1f} ms · {report.tokens_per_s:.0f} tokens/s",
     ]
     return "\n".join(lines)

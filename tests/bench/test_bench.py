@@ -78,7 +78,7 @@ def _broken_hand(base, mesh, x, y):
     from dtp.bench.arms import _dtensor_arm, handwritten
 
     model = copy.deepcopy(base)
-    with mock.patch("dtp.bench.arms.pack_rows", lambda p, parts, tp: p):  # the hand-written plan, rows left as they are
+    with mock.patch("dtp.bench.arms.pack_parts", lambda p, parts, tp: p):  # the hand-written plan, rows left as they are
         handwritten(model, mesh)
     return _dtensor_arm("hand", model, x, y)
 

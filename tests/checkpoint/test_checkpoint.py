@@ -15,8 +15,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from dtp.checkpoint.dcp import CheckpointError, load_checkpoint, save_checkpoint
 from dtp.checkpoint.files import SafeReader, seal
-from dtp.compiler.styles import pack_rows
+from dtp.compiler.placed import pack_parts
 from dtp.lang.parse import parser
+from dtp.layout.parts import equal_parts
 from dtp.runtime.ranks import on_ranks
 
 RTOL = 1e-4  # float32 parity tolerance (README): resuming at another tp reorders sums
@@ -147,7 +148,7 @@ def _scramble(src, dst) -> None:
     dcp.load(state, storage_reader=reader, no_dist=True)
     key = "model/transformer.h.0.attn.c_attn.weight"
     w = state[key]
-    state[key] = pack_rows(w.flatten(0, 1), 3, 4).view_as(w).clone()
+    state[key] = pack_parts(w.flatten(0, 1), equal_parts(w.shape[0] * w.shape[1], 3), 4).view_as(w).clone()
     dst.mkdir()
     dcp.save(state, storage_writer=FileSystemWriter(dst), no_dist=True)
     shutil.copy(src / "dtp.json", dst / "dtp.json")

@@ -7,8 +7,11 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import dtp
-from dtp.compiler.placed import PlacedRowwise  # RowwiseParallel whose local output may be updated in place
-from dtp.compiler.styles import PackedColwiseParallel, SharedInput
+from dtp.compiler.placed import (
+    PlacedColwise,
+    PlacedRowwise,  # RowwiseParallel whose local output may be updated in place
+)
+from dtp.compiler.styles import SharedInput
 from dtp.models.gpt import GPT, GPTConfig
 from dtp.runtime.ranks import on_ranks
 
@@ -32,7 +35,7 @@ def test_compile_uses_torch_styles_and_apply_shards_in_place(repo):
     r0, r1 = on_ranks(_compile_and_apply, 2)
     assert r0 == r1
     assert r0["styles"] == {
-        "transformer.wte": RowwiseParallel.__name__, "transformer.h.0.attn.c_attn": PackedColwiseParallel.__name__,
+        "transformer.wte": RowwiseParallel.__name__, "transformer.h.0.attn.c_attn": PlacedColwise.__name__,
         "transformer.h.0.attn.c_proj": PlacedRowwise.__name__, "transformer.h.0.mlp.c_fc": ColwiseParallel.__name__,
         "transformer.h.0.mlp.c_proj": PlacedRowwise.__name__, "lm_head": ColwiseParallel.__name__}
     assert SharedInput.__name__ not in r0["styles"].values()  # c_attn is alone under attn: nothing to share

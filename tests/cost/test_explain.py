@@ -89,7 +89,7 @@ def test_gpt2_tiny_rows_at_tp2(monkeypatch):
 
 def test_bfloat16_halves_the_bytes():
     plan, model = load(ROOT / "plans" / "gpt2.tp"), models.build("gpt2-tiny")
-    ex = explain(check(plan, model, 2), model, "gpt2-tiny", 2, torch.bfloat16)
+    ex = explain(check(plan, model, 2), model, "gpt2-tiny", 2, dtype=torch.bfloat16)
     assert (ex.dtype, ex.bytes_unsharded, ex.bytes_per_rank) == ("bfloat16", 482304 // 2, 251136 // 2)
 
 

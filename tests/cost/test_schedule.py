@@ -31,8 +31,8 @@ def test_every_shipped_plan_is_covered():
 @pytest.mark.parametrize("plan", SHIPPED)
 def test_measured_collectives_equal_analytic(repo, plan):
     report = launch(RunConfig(plan=f"plans/{plan}", model=PLAN_MODELS[plan], tp=2, batch=2, seq=8, steps=1))
-    assert report["parity"]["ok"], report["parity"]
-    measured, analytic = report["collectives"], report["analytic_collectives"]
+    assert report.parity["ok"], report.parity
+    measured, analytic = report.collectives, report.analytic_collectives
     for key in ("total", "by_op", "forward", "backward", "bytes", "sent_bytes"):
         assert measured[key] == analytic[key], key
 
@@ -70,10 +70,10 @@ def test_sequence_parallel_saves_activation_memory(repo):
     kw = dict(model="gpt2-tiny", tp=2, batch=2, seq=32, steps=1)
     plain = launch(RunConfig(plan="plans/gpt2.tp", **kw))
     sp = launch(RunConfig(plan="plans/gpt2-sp.tp", **kw))
-    assert plain["parity"]["ok"] and sp["parity"]["ok"]
+    assert plain.parity["ok"] and sp.parity["ok"]
     # the LayerNorm inputs (5 of B×T×C floats) are halved; everything else is the same
     saved = 5 * 2 * 32 * 64 * 4 // 2
-    for a, b in zip(plain["activation_bytes_per_rank"], sp["activation_bytes_per_rank"]):
+    for a, b in zip(plain.activation_bytes_per_rank, sp.activation_bytes_per_rank):
         assert a - b >= saved * 0.9, (a, b)
 
 
@@ -81,8 +81,8 @@ def test_model_and_data_parallel_2x2(repo):
     # FSDP2 over dp on top of the tp plan: per block unit one parameter all-gather forward, one again in
     # backward and one gradient reduce-scatter; the root unit (wte = lm_head, wpe, ln_f) is not re-gathered.
     report = launch(RunConfig(plan="plans/gpt2.tp", model="gpt2-tiny", tp=2, dp=2, batch=4, seq=16, steps=2))
-    assert report["parity"]["ok"], report["parity"]
-    measured, analytic = report["collectives"], report["analytic_collectives"]
+    assert report.parity["ok"], report.parity
+    measured, analytic = report.collectives, report.analytic_collectives
     for key in ("total", "by_op", "forward", "backward", "bytes", "sent_bytes"):
         assert measured[key] == analytic[key], key
     assert measured["by_op"] == {"all_reduce": 13, "all_gather": 2 * 2 + 1, "reduce_scatter": 2 + 1}
@@ -92,22 +92,22 @@ def test_model_and_data_parallel_2x2(repo):
     assert measured["bytes"]["reduce_scatter"] == 2 * block + root
     assert measured["bytes"]["all_gather"] == 2 * (2 * block) + root
     # every rank holds a quarter of the tp-local parameters
-    assert report["param_bytes_per_rank"] == [(2 * block + root) // 2] * 4
-    assert report["ideal_param_bytes_per_rank"] == (2 * block + root) // 2
+    assert report.param_bytes_per_rank == [(2 * block + root) // 2] * 4
+    assert report.ideal_param_bytes_per_rank == (2 * block + root) // 2
 
 
 def test_sequence_parallel_at_tp_4(repo):
     report = launch(RunConfig(plan="plans/gpt2-sp.tp", model="gpt2-tiny", tp=4, batch=2, seq=8, steps=2))
-    assert report["parity"]["ok"], report["parity"]
+    assert report.parity["ok"], report.parity
     for key in ("by_op", "forward", "backward", "bytes", "sent_bytes"):
-        assert report["collectives"][key] == report["analytic_collectives"][key], key
+        assert report.collectives[key] == report.analytic_collectives[key], key
 
 
 def test_bfloat16_run_matches_its_schedule(repo):
     # in bfloat16 the cross-entropy's max and sum of exponentials travel as float32, the target logit as bf16
     report = launch(RunConfig(plan="plans/gpt2.tp", model="gpt2-tiny", tp=2, batch=2, seq=8, steps=1,
                               dtype="bfloat16"))
-    assert report["parity"]["ok"], report["parity"]
+    assert report.parity["ok"], report.parity
     activation = 2 * 8 * 64 * 2
-    assert report["collectives"]["bytes"] == {"all_reduce": 10 * activation + 2 * (16 * 4) + 16 * 2}
-    assert report["collectives"]["bytes"] == report["analytic_collectives"]["bytes"]
+    assert report.collectives["bytes"] == {"all_reduce": 10 * activation + 2 * (16 * 4) + 16 * 2}
+    assert report.collectives["bytes"] == report.analytic_collectives["bytes"]

@@ -9,8 +9,7 @@ from torch.distributed.tensor import Partial
 from torch.distributed.tensor.parallel import RowwiseParallel
 
 import dtp.compiler.compiler
-import dtp.compiler.styles
-import dtp.runtime.shard
+import dtp.compiler.placed
 from dtp.fuzz.cases import Case, mutated_texts, user_cases, zoo_cases
 from dtp.fuzz.pool import Pools
 from dtp.fuzz.runner import evaluate, fuzz, fuzz_parser, load_case, save
@@ -89,8 +88,8 @@ def test_finds_compiler_that_drops_a_reduction(pools, monkeypatch):
 
 def test_finds_compiler_that_mispacks_qkv(pools, monkeypatch):
     # contiguous rows instead of one slice of each of q, k and v: consistent gathering, wrong attention
-    monkeypatch.setattr(dtp.compiler.styles, "pack_rows", lambda t, parts, tp: t)
-    monkeypatch.setattr(dtp.runtime.shard, "unpack_rows", lambda t, parts, tp: t)
+    monkeypatch.setattr(dtp.compiler.placed, "pack_parts", lambda t, parts, tp, dim=0: t)
+    monkeypatch.setattr(dtp.compiler.placed, "unpack_parts", lambda t, parts, tp, dim=0: t)
     assert _finds(pools, zoo_cases(max_world=2), 30).startswith("parity failed")
 
 

@@ -130,11 +130,11 @@ def test_check_names_key_value_heads(repo, capsys):
                                          ("plans/llama-packed.tp", "llama-tiny-packed")])
 def test_parity_on_two_ranks(repo, plan, model):
     report = launch(RunConfig(plan=plan, model=model, tp=2, steps=2))
-    parity = report["parity"]
+    parity = report.parity
     assert parity["ok"], parity
     for q in ("logits", "loss", "grads", "params"):
         assert parity[q]["max_rel"] < 1e-5, (q, parity[q])
     # Megatron, as for GPT: forward embedding 1 + o_proj and down_proj per layer + 3 vocab-parallel loss;
     # backward one input gradient per attention and per MLP (q/k/v and gate/up share it) + lm_head's.
-    assert report["collectives"]["forward"] == {"all_reduce": 1 + 2 * 2 + 3}
-    assert report["collectives"]["backward"] == {"all_reduce": 2 * 2 + 1}
+    assert report.collectives["forward"] == {"all_reduce": 1 + 2 * 2 + 3}
+    assert report.collectives["backward"] == {"all_reduce": 2 * 2 + 1}

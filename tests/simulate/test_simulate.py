@@ -50,10 +50,10 @@ def applied():
 def test_simulated_collectives_are_the_ones_apply_measures(repo, applied):
     report, work = applied
     run = Run(2, 1, 2, 2, 16, "fp32", "none", "sgd")
-    assert summarize(tp_collectives(work, run), 2) == report["collectives"]
+    assert summarize(tp_collectives(work, run), 2) == report.collectives
     # full recompute re-runs the 2 forward all-reduces (g) of each of the 2 blocks, in backward
     full = summarize(tp_collectives(work, Run(2, 1, 2, 2, 16, "fp32", "full", "sgd")), 2)
-    measured = report["collectives"]
+    measured = report.collectives
     assert full["forward"] == measured["forward"]
     assert full["backward"]["all_reduce"] == measured["backward"]["all_reduce"] + 2 * 2
     assert full["sent_bytes"]["all_reduce"] == measured["sent_bytes"]["all_reduce"] + 4 * (2 * 16 * 64 * 4)  # 2 ranks: each sends the buffer once
@@ -65,7 +65,7 @@ def test_simulated_collectives_are_the_ones_apply_measures(repo, applied):
 def test_activation_formula_against_apply_measurement(repo, applied):
     report, work = applied
     predicted = activation_bytes(work.shape, 2, 16, 2, elem=4, recompute="none", dropout=False, flash=True)
-    measured = report["activation_bytes_per_rank"][0]
+    measured = report.activation_bytes_per_rank[0]
     assert predicted == pytest.approx(measured, rel=0.02), (predicted, measured)  # 0.3 % off on larger models
 
 

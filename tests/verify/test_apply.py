@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 
 import pytest
 from conftest import dtp_cli, processes_with_mark
@@ -25,49 +26,49 @@ def _run(tp: int, model: str = "gpt2-tiny", plan: str = "plans/gpt2.tp", **kw) -
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_gpt2_plan_reaches_parity_with_megatron_collectives(repo, tp):
     report = _run(tp)
-    parity = report["parity"]
+    parity = report.parity
     assert parity["ok"], parity
     for q in ("logits", "loss", "grads", "params"):
         assert parity[q]["max_rel"] < 1e-5, (q, parity[q])
     # one gradient for the tied wte/lm_head weight: 28 unique parameters, compared after each of 2 steps
     assert parity["grads"]["compared"] == UNIQUE_PARAMS * 2
-    assert report["tied_parameters"] == [["transformer.wte.weight", "lm_head.weight"]]
+    assert report.tied_parameters == [["transformer.wte.weight", "lm_head.weight"]]
     # Megatron: per block 2 forward + 2 backward all-reduces; embedding 1 forward; head input-gradient 1
     # backward; vocab-parallel cross-entropy 3 forward (max, sum of exponentials, target logit).
     # At tp=1 DTensor skips redistributions over a one-rank mesh; loss_parallel's 3 reductions remain.
-    coll = report["collectives"]
+    coll = report.collectives
     layers = (2 * L * 2 + 1 + 1) if tp > 1 else 0
     assert coll["by_op"] == {"all_reduce": layers + 3} == {"all_reduce": 13 if tp > 1 else 3}
     assert coll["forward"] == {"all_reduce": (2 * L + 1 if tp > 1 else 0) + 3}
     assert coll["backward"] == ({"all_reduce": 2 * L + 1} if tp > 1 else {})
     activation = B * T * C * 4
     buffers = layers * activation + 3 * B * T * 4
-    assert report["collectives"]["bytes"] == {"all_reduce": buffers}
-    assert report["comm_bytes"] == 2 * (tp - 1) * buffers // tp  # ring all-reduce: each rank sends 2(n-1)/n
-    assert report["param_bytes_unsharded"] == 4 * (SHARDED + REPLICATED)
-    assert report["param_bytes_per_rank"] == [4 * (REPLICATED + SHARDED // tp)] * tp
-    assert report["ideal_param_bytes_per_rank"] == 4 * (REPLICATED + SHARDED // tp)
-    assert len(report["peak_memory_bytes"]) == tp and min(report["peak_memory_bytes"]) > 0
-    assert report["step_time_ms"] > 0 and report["tokens_per_s"] > 0
+    assert report.collectives["bytes"] == {"all_reduce": buffers}
+    assert report.comm_bytes == 2 * (tp - 1) * buffers // tp  # ring all-reduce: each rank sends 2(n-1)/n
+    assert report.param_bytes_unsharded == 4 * (SHARDED + REPLICATED)
+    assert report.param_bytes_per_rank == [4 * (REPLICATED + SHARDED // tp)] * tp
+    assert report.ideal_param_bytes_per_rank == 4 * (REPLICATED + SHARDED // tp)
+    assert len(report.peak_memory_bytes) == tp and min(report.peak_memory_bytes) > 0
+    assert report.step_time_ms > 0 and report.tokens_per_s > 0
 
 
 def test_world_size_three(repo):
     report = _run(3, model="tests/fixtures/gpt-tp3.yaml")
-    assert report["parity"]["ok"], report["parity"]
-    assert report["collectives"]["by_op"] == {"all_reduce": 4 * 1 + 1 + 1 + 3}
+    assert report.parity["ok"], report.parity
+    assert report.collectives["by_op"] == {"all_reduce": 4 * 1 + 1 + 1 + 3}
 
 
 def test_bring_your_own_model_with_set_rewrite(repo):
     report = _run(2, model="dtp.models.examples:tiny_lm", plan="plans/tinylm.tp")
-    assert report["parity"]["ok"], report["parity"]
+    assert report.parity["ok"], report.parity
     # separate q/k/v projections share one input redistribution: Megatron's 13 for two layers, not 17
-    assert report["collectives"]["by_op"] == {"all_reduce": 13}
-    assert report["tied_parameters"] == []
+    assert report.collectives["by_op"] == {"all_reduce": 13}
+    assert report.tied_parameters == []
 
 
 def test_hugging_face_llama(repo):
     report = _run(2, model="dtp.models.examples:tiny_llama", plan="plans/hf-llama.tp", steps=1)
-    assert report["parity"]["ok"], report["parity"]
+    assert report.parity["ok"], report.parity
 
 
 def test_cli_main_job_prints_report_and_json(repo, tmp_path):
@@ -88,9 +89,9 @@ def test_gradient_reducing_layouts_under_fsdp2(repo):
     pytest.importorskip("transformers")
     report = launch(RunConfig(plan="plans/hf/qwen3.tp", model="dtp.models.hf:qwen3", tp=2, dp=2, batch=4,
                               seq=8, steps=1))
-    assert report["parity"]["ok"], report["parity"]
-    assert report["collectives"]["by_op"] == report["analytic_collectives"]["by_op"]
-    assert report["collectives"]["backward"]["all_reduce"] == 4 + 1 + 2 * 2  # Megatron's, the loss's, 2 × (q, k) norms
+    assert report.parity["ok"], report.parity
+    assert report.collectives["by_op"] == report.analytic_collectives["by_op"]
+    assert report.collectives["backward"]["all_reduce"] == 4 + 1 + 2 * 2  # Megatron's, the loss's, 2 × (q, k) norms
 
 
 def test_mispacked_qkv_fails_parity(repo):
@@ -126,7 +127,7 @@ def test_crashing_rank_exits_1_naming_rank_and_module(repo):
 
 
 def test_hanging_rank_times_out_and_leaves_no_process(repo):
-    mark = "hang-test-mark"
+    mark = f"hang-test-{uuid.uuid4().hex}"  # this run's processes only, not a leftover of an earlier run
     start = time.monotonic()
     proc = dtp_cli("apply", "plans/gpt2.tp", "tests.fixtures.broken_models:hang_on_rank1", "--tp", "2",
                    "--timeout", "8", env={"DTP_TEST_MARK": mark}, timeout=60)
@@ -169,12 +170,12 @@ def test_vocabulary_that_does_not_divide_shards_unevenly(repo, tp):
     # 257 rows: torch.chunk gives ceil(257/tp) rows to each rank but the last, which holds the rest.
     vocab = 257
     report = _run(tp, model="tests/fixtures/gpt-odd-vocab.yaml")
-    assert report["parity"]["ok"], report["parity"]
+    assert report.parity["ok"], report.parity
     chunk = -(-vocab // tp)
     rows = [chunk] * (tp - 1) + [vocab - chunk * (tp - 1)]
     others = SHARDED - V * C  # the even shards
-    assert report["param_bytes_per_rank"] == [4 * (REPLICATED + others // tp + r * C) for r in rows]
-    assert report["collectives"]["by_op"] == {"all_reduce": 13}
+    assert report.param_bytes_per_rank == [4 * (REPLICATED + others // tp + r * C) for r in rows]
+    assert report.collectives["by_op"] == {"all_reduce": 13}
 
 
 def test_ctrl_c_stops_every_rank(repo):
@@ -183,7 +184,7 @@ def test_ctrl_c_stops_every_rank(repo):
     import subprocess
     import sys
 
-    mark = "ctrl-c-test-mark"
+    mark = f"ctrl-c-test-{uuid.uuid4().hex}"  # this run's processes only, not a leftover of an earlier run
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DTP_TEST_MARK": mark}
     proc = subprocess.Popen([sys.executable, "-m", "dtp", "apply", "plans/gpt2.tp",
                              "tests.fixtures.broken_models:hang_on_rank1", "--tp", "2", "--timeout", "120"],

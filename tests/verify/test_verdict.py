@@ -14,7 +14,7 @@ from dtp.verify.report import render
 ALL_SIDES = "sharded run and the reference and the unsharded reference"
 
 
-def _run(model: str, plan: str = "plans/gpt2.tp", **kw) -> dict:
+def _run(model: str, plan: str = "plans/gpt2.tp", **kw):
     return launch(RunConfig(plan=plan, model=model, tp=2, batch=2, seq=8, steps=kw.pop("steps", 1), **kw))
 
 
@@ -31,7 +31,7 @@ def test_nan_logits_exit_1_naming_the_first_tensor(repo):
     ("nan_unless_sharded", "reference and the unsharded reference"),  # a reference that proves nothing fails
 ])
 def test_nan_on_one_side_names_that_side(repo, factory, side):
-    parity = _run(f"tests.fixtures.verdict_models:{factory}")["parity"]
+    parity = _run(f"tests.fixtures.verdict_models:{factory}").parity
     assert not parity["ok"]
     assert parity["nonfinite"] == {"tensor": "logits (step 1)", "quantity": "logits", "side": side}
 
@@ -39,7 +39,7 @@ def test_nan_on_one_side_names_that_side(repo, factory, side):
 @pytest.mark.parametrize("lr", [math.nan, math.inf])
 def test_non_finite_learning_rate_fails_at_the_first_parameter(repo, lr):
     # RunConfig takes the value as given (the CLI refuses it earlier): the first update poisons every weight
-    parity = _run("gpt2-tiny", lr=lr)["parity"]
+    parity = _run("gpt2-tiny", lr=lr).parity
     assert not parity["ok"] and not parity["params"]["ok"]
     assert parity["logits"]["ok"] and parity["grads"]["ok"]  # all was well before the step
     assert parity["nonfinite"] == {"tensor": "transformer.wte.weight (after step 1)", "quantity": "params",
@@ -48,7 +48,7 @@ def test_non_finite_learning_rate_fails_at_the_first_parameter(repo, lr):
 
 def test_dropout_failure_says_dropout_is_on_and_how_to_turn_it_off(repo):
     report = _run("tests/fixtures/gpt-dropout.yaml")
-    parity = report["parity"]
+    parity = report.parity
     assert not parity["ok"]
     assert parity["dropout"][0] == "config.dropout=0.1"
     assert "transformer.drop (p=0.1)" in parity["dropout"]
@@ -62,15 +62,15 @@ def test_in_place_add_on_a_rowwise_output(repo):
     # parallelism): torch's CommDebugMode wrapped module outputs in backward-hook views and this failed;
     # a dispatch-level counter changes nothing.
     report = _run("tests.fixtures.verdict_models:inplace_rowwise", plan="plans/gpt2-sp.tp", steps=2)
-    assert report["parity"]["ok"], report["parity"]
+    assert report.parity["ok"], report.parity
     # gpt2-sp's 14 all-reduces less the 4 of ln_2's weight and bias gradients: a parallel block leaves ln_2 unused
-    assert report["collectives"]["by_op"] == {"all_gather": 10, "reduce_scatter": 9, "all_reduce": 10}
+    assert report.collectives["by_op"] == {"all_gather": 10, "reduce_scatter": 9, "all_reduce": 10}
 
 
 def test_hugging_face_phi(repo):
     pytest.importorskip("transformers")
     report = _run("tests.fixtures.verdict_models:tiny_phi", plan="tests/fixtures/hf-phi.tp", steps=2)
-    assert report["parity"]["ok"], report["parity"]
+    assert report.parity["ok"], report.parity
     # per layer: attention and MLP each 1 forward all-reduce; one shared backward all-reduce of the layer
     # input would be Megatron's, but q/k/v and fc1 are separate modules here: 2 backward ones
-    assert report["collectives"]["total"] > 0
+    assert report.collectives["total"] > 0

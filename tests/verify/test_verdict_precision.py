@@ -62,7 +62,7 @@ def _verdicts(rank: int, world: int, plan: str, defect: str) -> dict:
                 cfg = run_mod.RunConfig(plan=plan, model="gpt2-tiny", tp=world, batch=2, seq=8, steps=1, dtype=dtype)
                 report = run_mod.run(cfg, None)
             if report is not None:
-                p = report["parity"]
+                p = report.parity
                 out[(dtype, planted)] = (p["ok"], p["grads"]["ok"], p["grads"]["margin"], p["worst_tensor"])
     out["rng untouched"] = torch.equal(before, torch.get_rng_state())  # dtp.verify.rank seeds only its own copy
     return out
