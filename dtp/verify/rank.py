@@ -26,7 +26,7 @@ from dtp.cost.schedule import NotModeled, schedule, summarize
 from dtp.lang import parse as syntax
 from dtp.runtime.build import build_sharded
 from dtp.runtime.comm import CommCounter, merge
-from dtp.runtime.shard import tied_groups
+from dtp.runtime.shard import Applied, tied_groups
 from dtp.verify.parity import ParityCheck, dropout_sources
 from dtp.verify.reference import MixedSGD, cross_entropy, logits_of, own_rng, reference_step, references
 from dtp.verify.report import ApplyReport
@@ -183,20 +183,22 @@ def _report(cfg: RunConfig, plan, parity: ParityCheck, collectives: dict, analyt
     )
 
 
-def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: DeviceMesh,
-         device: torch.device) -> ApplyReport | None:
-    warnings.filterwarnings("ignore", message=".*returned a view tensor")  # FSDP2 root: logits are not edited in place
-    # Gathering FSDP2 + TP parameters for the comparison warns that it takes two all-gathers; it may.
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dtype = DTYPES[cfg.dtype]
-    plan = syntax.load(cfg.plan)
-    source = models.resolve(cfg.model)
-    trail = ModuleTrail()
-    trails.append(trail)
+@dataclass
+class _Built:
+    """The sharded model on this rank and, on rank 0, its unsharded references."""
 
-    # One build path (dtp.runtime.build): rank 0 alone builds the whole model, with the model's own initialisation,
-    # for its unsharded references; every rank builds on meta, shards, and receives its blocks from rank 0.
+    applied: Applied
+    meta: nn.Module  # the model on the meta device: shapes for the schedule and the bytes
+    refs: list  # rank 0: the float64 truth, then the run's dtype when it is lower; elsewhere empty
+    dropout: list[str]
+
+
+def _build(cfg: RunConfig, plan, mesh: DeviceMesh, device: torch.device, dtype: torch.dtype,
+           trail: ModuleTrail) -> _Built:
+    """One build path (dtp.runtime.build): rank 0 alone builds the whole model, with the model's own initialisation,
+    for its unsharded references; every rank builds on meta, shards, and receives its blocks from rank 0."""
+    rank = dist.get_rank()
+    source = models.resolve(cfg.model)
     full = models.build(source, device="cpu", dtype=dtype).to(device) if rank == 0 else None
     refs = references(full.train(), dtype, cfg.lr) if rank == 0 else []  # the float64 truth (+ same dtype)
     trail.phase = "sharding (apply)"
@@ -205,29 +207,90 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: 
     applied = build_sharded(checked, source, mesh, seed=cfg.seed, device=device, dp=cfg.dp, dtype=dtype,
                             full=full, from_rank0=True)
     del full
-    model = applied.model
-    model.train()
+    applied.model.train()
     # Only rank 0 drew the weights: every rank continues from its generator state, so the shared dropout
     # stream (colwise(output=replicate) regions) is the same on every rank, as if each had built the model.
     state = [torch.get_rng_state()]
     dist.broadcast_object_list(state, src=0)
     torch.set_rng_state(state[0])
-    dropout = dropout_sources(model)
-    trail.attach(model)
+    dropout = dropout_sources(applied.model)
+    trail.attach(applied.model)
+    return _Built(applied, meta, refs, dropout)
 
-    vocab = models.vocab_size(model)
+
+def _batch(cfg: RunConfig, mesh: DeviceMesh, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                        slice]:
+    """(inputs, targets) of the global batch, and this rank's part of it: dp splits the batch; logits and loss
+    are compared on that part."""
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     ids = torch.randint(0, vocab, (cfg.batch, cfg.seq + 1), generator=gen).to(device)  # the global batch
-    inputs, targets = ids[:, :-1], ids[:, 1:]
-    # Data parallelism splits the global batch over dp; logits and loss are compared on this rank's part.
     per_dp = cfg.batch // cfg.dp
     mine = slice(mesh["dp"].get_local_rank() * per_dp, (mesh["dp"].get_local_rank() + 1) * per_dp) \
         if cfg.dp > 1 else slice(None)
+    return ids[:, :-1], ids[:, 1:], mine
+
+
+def _compare_step(parity: ParityCheck, built: _Built, step: int, logits: torch.Tensor, loss: torch.Tensor,
+                  batch: tuple[torch.Tensor, torch.Tensor, slice], cfg: RunConfig, device: torch.device) -> None:
+    """Logits, loss and every gradient of this step against the references (rank 0), then the references step."""
+    full_logits, full_loss = _full(logits), _full(loss)
+    grads = {n: (built.applied.full(n, p.grad) if p.grad is not None else None)
+             for n, p in built.applied.model.named_parameters()}
+    if not built.refs:
+        return
+    inputs, targets, mine = batch
+    outs = [reference_step(r, inputs, targets, mine, cfg.dp > 1, device) for r in built.refs]
+    truth, unsharded = built.refs[0], (built.refs[1] if len(built.refs) > 1 else None)
+    lowp = outs[1] if unsharded else (None, None)
+    parity.compare("logits", f"logits (step {step + 1})", full_logits, outs[0][0], lowp[0])
+    parity.compare("loss", f"loss (step {step + 1})", full_loss, outs[0][1], lowp[1])
+    for n, g in grads.items():
+        parity.compare("grads", f"{n}.grad", g, truth.grad(n), unsharded.grad(n) if unsharded else None)
+    for r in built.refs:
+        r.opt.step()
+        r.opt.zero_grad()
+
+
+def _compare_params(parity: ParityCheck, built: _Built, opt: MixedSGD, step: int) -> None:
+    """Every parameter after the step (its master copy) against the references' (rank 0)."""
+    params = {n: built.applied.full(n, m.detach()) for n, m in opt.masters.items()}  # a collective: every rank
+    if not built.refs:
+        return
+    truth, unsharded = built.refs[0], (built.refs[1] if len(built.refs) > 1 else None)
+    for n, p in params.items():
+        parity.compare("params", f"{n} (after step {step + 1})", p, truth.param(n),
+                       unsharded.param(n) if unsharded else None, held_in=opt.master_dtype)
+
+
+def _analytic(cfg: RunConfig, built: _Built, dtype: torch.dtype) -> dict:
+    """dtp.cost.schedule's prediction of one step's collectives, to set beside the measurement."""
+    try:
+        steps = schedule(built.applied.checked, cfg.tp, cfg.batch // cfg.dp, cfg.seq, dtype=dtype,
+                         lowered=built.applied.compiled.lowered, dp=cfg.dp, model=built.meta)
+        return summarize(steps, cfg.tp, cfg.dp)
+    except NotModeled as err:
+        return {"not_modeled": str(err)}
+
+
+def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: DeviceMesh,
+         device: torch.device) -> ApplyReport | None:
+    """Build, train K steps comparing each with the references, measure; rank 0's report."""
+    warnings.filterwarnings("ignore", message=".*returned a view tensor")  # FSDP2 root: logits are not edited in place
+    # Gathering FSDP2 + TP parameters for the comparison warns that it takes two all-gathers; it may.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    dtype = DTYPES[cfg.dtype]
+    plan = syntax.load(cfg.plan)
+    trail = ModuleTrail()
+    trails.append(trail)
+    built = _build(cfg, plan, mesh, device, dtype, trail)
+    model = built.applied.model
+    batch = _batch(cfg, mesh, models.vocab_size(model), device)
+    inputs, targets, mine = batch
 
     opt = MixedSGD(model, cfg.lr)
     parity = ParityCheck(dtype)
-    parity.dropout = dropout
-    loss_ctx = loss_parallel if applied.compiled.loss_parallel else contextlib.nullcontext
+    parity.dropout = built.dropout
+    loss_ctx = loss_parallel if built.applied.compiled.loss_parallel else contextlib.nullcontext
     # One counter per phase (the comparisons run in between, uncounted).
     counters = {"forward": CommCounter(), "backward": CommCounter(), "optimizer": CommCounter()}
     step_times: list[float] = []
@@ -254,19 +317,7 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: 
         t_fwd_bwd = time.perf_counter() - t0
 
         trail.phase = "comparison with the reference"
-        full_logits, full_loss = _full(logits), _full(loss)
-        grads = {n: (applied.full(n, p.grad) if p.grad is not None else None) for n, p in model.named_parameters()}
-        if refs:
-            outs = [reference_step(r, inputs, targets, mine, cfg.dp > 1, device) for r in refs]
-            truth, unsharded = refs[0], (refs[1] if len(refs) > 1 else None)
-            lowp = outs[1] if unsharded else (None, None)
-            parity.compare("logits", f"logits (step {step + 1})", full_logits, outs[0][0], lowp[0])
-            parity.compare("loss", f"loss (step {step + 1})", full_loss, outs[0][1], lowp[1])
-            for n, g in grads.items():
-                parity.compare("grads", f"{n}.grad", g, truth.grad(n), unsharded.grad(n) if unsharded else None)
-            for r in refs:
-                r.opt.step()
-                r.opt.zero_grad()
+        _compare_step(parity, built, step, logits, loss, batch, cfg, device)
 
         trail.phase = "optimizer step"
         _sync(device)
@@ -280,29 +331,20 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: 
             step_times.append(step_time)
 
         trail.phase = "comparison with the reference"
-        params = {n: applied.full(n, m.detach()) for n, m in opt.masters.items()}
-        for n, p in params.items():
-            if refs:
-                parity.compare("params", f"{n} (after step {step + 1})", p, truth.param(n),
-                               unsharded.param(n) if unsharded else None, held_in=opt.master_dtype)
+        _compare_params(parity, built, opt, step)
 
     trail.phase = "report"
-    try:
-        steps = schedule(applied.checked, cfg.tp, cfg.batch // cfg.dp, cfg.seq, dtype=dtype,
-                         lowered=applied.compiled.lowered, dp=cfg.dp, model=meta)
-        analytic = summarize(steps, cfg.tp, cfg.dp)
-    except NotModeled as err:
-        analytic = {"not_modeled": str(err)}
-    local_bytes = local_param_bytes(model)
+    analytic = _analytic(cfg, built, dtype)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, {"param_bytes": local_bytes, "peak": peak, "activations": activations.nbytes})
-    if rank != 0:
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {"param_bytes": local_param_bytes(model), "peak": peak,
+                                      "activations": activations.nbytes})
+    if dist.get_rank() != 0:
         return None
 
-    report = _report(cfg, plan, parity, merge(counters), analytic, model, gathered, step_times, device,
-                     ideal_param_bytes(applied.checked, meta, cfg.tp, cfg.dp, next(model.parameters()).element_size()))
+    ideal = ideal_param_bytes(built.applied.checked, built.meta, cfg.tp, cfg.dp, next(model.parameters()).element_size())
+    report = _report(cfg, plan, parity, merge(counters), analytic, model, gathered, step_times, device, ideal)
     if out_dir is not None:
         (out_dir / "report.json").write_text(json.dumps(report.to_json(), indent=2, default=str))
     return report

@@ -25,7 +25,9 @@ def test_wheel_carries_and_loads_the_grammar(tmp_path):
             "assert Path(dtp.__file__).is_relative_to(Path(r'%s')), dtp.__file__; "
             "import dtp.simulate.profile as p; assert Path(str(p._shipped_dir())).is_relative_to(Path(r'%s')); "
             "assert p.load('h200-sxm').name == 'h200-sxm'; "
-            "print(len(s.parse('dtp 1\\nlm_head: vocab_parallel\\n').body))" % (site, site))
+            "from dtp.files import shipped; assert shipped('plans/hf').is_relative_to(Path(r'%s')); "
+            "assert (shipped('plans/hf') / 'llama.tp').is_file(); "
+            "print(len(s.parse('dtp 1\\nlm_head: vocab_parallel\\n').body))" % (site, site, site))
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(site)})
     assert out.returncode == 0, out.stderr

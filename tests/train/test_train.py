@@ -17,6 +17,7 @@ from dtp.checks.checker import check
 from dtp.cli import main
 from dtp.cost.param_bytes import param_bytes_per_rank
 from dtp.lang.parse import load
+from dtp.layout.placement import ParamPlacement
 from dtp.runtime.build import build_sharded
 from dtp.runtime.keyed_init import normal_at
 from dtp.runtime.launcher import launch_local
@@ -71,10 +72,9 @@ def test_full_init_is_identical_at_every_tp_and_ranks_hold_the_table(repo, plan,
 
 def test_packed_indices_and_keyed_draws():
     # Megatron's packed QKV: rank 0 of tp 2 holds rows 0-1 of each of 3 parts of 4 rows each
-    size, order = row_order(3, 12, tp=2)
+    size, order = row_order(ParamPlacement(0, packed=3), 12, tp=2)
     assert size == 12 and order.chunk(2)[0].tolist() == [0, 1, 4, 5, 8, 9]
     # multi-query [q, k, v] with k and v whole on every rank: the global dim holds them twice
-    from dtp.layout.placement import ParamPlacement
     size, order = row_order(ParamPlacement(0, parts=((4, True), (2, False), (2, False))), 12, tp=2)
     assert size == 8 and order.chunk(2)[0].tolist() == [0, 1, 4, 5, 6, 7] and order.chunk(2)[1].tolist() == [2, 3, 4, 5, 6, 7]
     full = normal_at(7, "w", np.arange(100), 1.0)
