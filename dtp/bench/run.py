@@ -73,7 +73,7 @@ def _run(cfgs: list[Config], progress) -> list[dict]:
 
 def _profile(strong: list[Config], root: Path, kind: str, tps: tuple[int, ...]) -> int:
     """`--profile`: profile.json and profile.md in a new results folder."""
-    from dtp.bench.profile import profile, table
+    from dtp.bench.breakdown import profile, table
     from dtp.runtime.ranks import on_ranks
 
     out = results_folder(root, f"{kind}-profile", datetime.datetime.now(datetime.timezone.utc))

@@ -1,7 +1,7 @@
 """Check rules for the layouts of Hugging Face families: packed part lists (`colwise(packed=[…])`).
 
-Called from `check._check_modules` for a rule whose `packed` is a part list; reports through the same
-reporter, at the option's value.
+A rule whose `packed` is a part list is checked here instead of by the equal-parts rules; problems are reported
+at the option's value.
 """
 from __future__ import annotations
 

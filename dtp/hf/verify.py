@@ -1,7 +1,7 @@
 """Parity of a shipped `plans/hf/*.tp` plan on a tiny Hugging Face model, in this process's rank (no
 CommDebugMode): one forward + backward of the sharded model next to an unsharded copy, every gradient
 gathered and compared, and the collectives counted by dtp.runtime.comm's dispatch counter, set against the analytic
-schedule. Used by tests/hf/test_families.py, several families per rank launch.
+schedule; several families can run in one rank launch.
 """
 from __future__ import annotations
 

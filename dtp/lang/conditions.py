@@ -30,9 +30,12 @@ class ConditionError(ValueError):
         self.diagnostic = diagnostic
 
 
+CONFIG_ATTRS = ("config", "model_args", "args")  # where models keep their config (HF, Meta's Llama, nanoGPT-likes)
+
+
 def model_config(model: nn.Module) -> object | None:
-    """The model's config object, where the head counts are read from too."""
-    for attr in ("config", "model_args", "args"):
+    """The model's config object: the first of CONFIG_ATTRS it has."""
+    for attr in CONFIG_ATTRS:
         config = getattr(model, attr, None)
         if config is not None:
             return config
@@ -76,7 +79,7 @@ def _read(operand: ir.Operand, config: object | None, tp: int | None = None) -> 
     return found
 
 
-def evaluate(cond: ir.Condition, config: object | None, tp: int | None = None) -> bool:
+def holds(cond: ir.Condition, config: object | None, tp: int | None = None) -> bool:
     """Whether `cond` holds for `config` at `tp`; ConditionError (with a position) when it cannot be read."""
     left = _read(cond.left, config, tp)
     if cond.op is None:
@@ -96,7 +99,7 @@ def chooser(model: nn.Module, diags: list[Diagnostic], tp: int | None = None) ->
 
     def choose(when: ir.When) -> bool | None:
         try:
-            return evaluate(when.condition, config, tp)
+            return holds(when.condition, config, tp)
         except ConditionError as err:
             key = (err.diagnostic.pos, err.diagnostic.message)
             if key not in seen:
@@ -137,7 +140,7 @@ def branches(plan: ir.Plan, config: object | None, tp: int) -> tuple:
     out = []
     for when in _whens(plan.body):
         try:
-            out.append(evaluate(when.condition, config, tp))
+            out.append(holds(when.condition, config, tp))
         except ConditionError:
             out.append(None)
     return tuple(out)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from dtp.lang.conditions import CONFIG_ATTRS
 from dtp.layout.modules import features
 
 # Names of query/key/value projections across common codebases (Hugging Face, nanoGPT, Meta's Llama, MPT).
@@ -95,7 +96,7 @@ def fused_parts(attention: nn.Module, linear: nn.Linear, info: Heads) -> tuple[i
 
 def config_heads(model: nn.Module) -> Heads | None:
     """Head counts from the model's config object (`config`, `model_args` or `args`), if it has one."""
-    for attr in ("config", "model_args", "args"):
+    for attr in CONFIG_ATTRS:  # the first config that gives a head count (a model may hold several objects)
         config = getattr(model, attr, None)
         if config is None:
             continue

@@ -410,7 +410,7 @@ def test_when_blocks_parse_format_and_pick_a_branch():
     assert "    when config.multi_query {  # mq\n" in out and "    } else {\n" in out
 
     def styles(config) -> list[tuple[str, str]]:
-        rules, sets, _ = ir.flatten(plan, lambda w: conditions.evaluate(w.condition, config))
+        rules, sets, _ = ir.flatten(plan, lambda w: conditions.holds(w.condition, config))
         return [(str(r.pattern), r.style.name) for r in rules] + [(str(s.pattern), s.attr) for s in sets]
 
     assert styles(SimpleNamespace(multi_query=True, n_kv=2)) == [("a.b", "colwise")]
@@ -436,9 +436,9 @@ def test_when_reads_tp_and_set_reads_config():
     assert when.body[0].expr == ir.BinOp("/", ir.Var("config.heads"), ir.Var("tp"))
     assert fmt.format_plan(plan, text) == text and parse(fmt.format_plan(plan, text)) == plan
     config = SimpleNamespace(kv=2, heads=8)
-    assert [conditions.evaluate(when.condition, config, tp) for tp in (1, 2, 4)] == [False, False, True]
+    assert [conditions.holds(when.condition, config, tp) for tp in (1, 2, 4)] == [False, False, True]
     assert conditions.reads_tp(plan) and conditions.branches(plan, config, 4) == (True,)
     with pytest.raises(conditions.ConditionError, match=r"reads `tp`: give the tp the plan runs at \(--tp N\)"):
-        conditions.evaluate(when.condition, config)
+        conditions.holds(when.condition, config)
     with pytest.raises(conditions.ConditionError, match=r"`config.kv < tp` orders None and 2"):
-        conditions.evaluate(when.condition, SimpleNamespace(kv=None), 2)
+        conditions.holds(when.condition, SimpleNamespace(kv=None), 2)
