@@ -97,7 +97,7 @@ def markdown(result: dict) -> str:
                 continue
             c = result["ratios"][part][cfg["tp"]]
             col = r["collectives"]
-            n = lambda arm: sum(col.get(arm, {}).values())  # noqa: E731
+            n = lambda arm: sum(col.get(arm, {}).values())
             pb = r["param_bytes_per_rank"]
             worst = max(v for errs in r["parity"].values() for v in errs.values())
             lines.append(

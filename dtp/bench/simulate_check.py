@@ -18,7 +18,7 @@ from dtp.simulate.memory import activation_bytes
 from dtp.simulate.model import Run, simulate
 from dtp.simulate.prepare import Prepared
 from dtp.simulate.profile import parse
-from dtp.verify.apply import launch
+from dtp.verify.apply import launch_apply
 from dtp.verify.rank import RunConfig
 
 MODELS = {"gpt-4x256": dict(n_layer=4, n_head=4, n_embd=256, vocab_size=4096),
@@ -41,7 +41,7 @@ def main(out: str) -> None:
             for tp in (1, 2, 4):
                 load = os.getloadavg()[0]
                 before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-                report = launch(RunConfig("plans/gpt2.tp", str(spec), tp=tp, batch=BATCH, seq=SEQ, steps=5, timeout=900))
+                report = launch_apply(RunConfig("plans/gpt2.tp", str(spec), tp=tp, batch=BATCH, seq=SEQ, steps=5, timeout=900))
                 share = _cpu_share(before, time.perf_counter() - t0, min(tp, os.cpu_count() or 1))
                 work = prepared.workload(tp, BATCH, "fp32")
                 sim = simulate(work, Run(tp, 1, BATCH, BATCH, SEQ, "fp32", "none", "sgd"), prof)

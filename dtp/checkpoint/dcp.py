@@ -42,7 +42,7 @@ from dtp.errors import DtpError
 from dtp.lang.parse import parse
 from dtp.runtime.shard import tied_groups
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint"]
 
 
 def _meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh | None]:
@@ -162,7 +162,7 @@ def save_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimize
         # Replicated chunks are written by the lowest rank holding them: the one `_fingerprints` hashes.
         dcp.save(state, storage_writer=FileSystemWriter(tmp),
                  planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
-    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
         raise CheckpointError(f"cannot save checkpoint {directory}: {_reason(err)}") from None
     tp, dp = _meshes(mesh)
     plan = parse(plan_text)
@@ -269,7 +269,7 @@ def load_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimize
         state[key] = torch.empty(meta["objects"][key], dtype=torch.uint8)
     try:
         dcp.load(state, storage_reader=SafeReader(directory))
-    except (Exception, CheckpointException) as err:
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - any failure of DCP is one CheckpointError
         raise CheckpointError(f"checkpoint {directory} is corrupt or unreadable: {_reason(err)}") from None
     for key in recut:
         _recut(state[key], views[key])

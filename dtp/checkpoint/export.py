@@ -5,9 +5,7 @@ into the model's own row order and tied weights get every name the model gives t
 """
 from __future__ import annotations
 
-import argparse
 import json
-import time
 import warnings
 from pathlib import Path
 
@@ -43,7 +41,7 @@ def read_model(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, storage_reader=SafeReader(directory), no_dist=True)
-    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
         reason = str(err).strip().splitlines()[-1][:400] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"checkpoint {directory} is corrupt or unreadable: {reason}") from None
     bad = sorted(k for k, t in state.items() if fingerprint(t) != tensors[k]["fingerprint"])
@@ -99,11 +97,3 @@ def export(checkpoint: str, fmt: str | None, output: str | None, hf_dir: str | N
         path = Path(output) if output else Path(f"{str(checkpoint).rstrip('/')}.{suffix}")
     _save(state, path, fmt)
     return (path if hf_dir is None else Path(hf_dir)), len(state)
-
-
-def export_command(args: argparse.Namespace) -> int:
-    """`dtp export CHECKPOINT [--format torch|safetensors] [-o PATH | --hf-dir DIR]`."""
-    t0 = time.perf_counter()
-    where, count = export(args.checkpoint, args.format, args.output, args.hf_dir)
-    print(f"{args.checkpoint}: {count} tensors written to {where} in {time.perf_counter() - t0:.2f} s")
-    return 0

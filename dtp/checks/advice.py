@@ -2,7 +2,7 @@
 agrees with the data-parallel size it runs at (`mesh dp, tp` needs --dp ≥ 2; `mesh tp` admits any --dp)."""
 from __future__ import annotations
 
-from dtp.errors import Diagnostic
+from dtp.errors import NOWHERE, Diagnostic, Pos
 from dtp.lang import ir
 from dtp.layout.resolve import Resolution
 
@@ -36,7 +36,7 @@ def replication_warning(plan: ir.Plan, res: Resolution) -> list[Diagnostic]:
     total = sum(by_module.values()) / share
     top = sorted(by_module.items(), key=lambda kv: -kv[1])[:3]
     largest = ", ".join(f"{path} {nbytes / total:.0%}" for path, nbytes in top)
-    where = ir.Pos(plan.version_pos.file, plan.version_pos.line, 1)  # the `dtp 1` line: the plan as a whole
+    where = Pos(plan.version_pos.file, plan.version_pos.line, 1)  # the `dtp 1` line: the plan as a whole
     return [Diagnostic(where, f"this plan leaves {share:.0%} of the parameter bytes replicated on every "
                        f"rank (largest unsharded: {largest}); shard those with colwise/rowwise pairs to save memory",
                        5, "warning")]
@@ -45,7 +45,7 @@ def replication_warning(plan: ir.Plan, res: Resolution) -> list[Diagnostic]:
 def check_mesh(plan: ir.Plan, dp: int | None) -> list[Diagnostic]:
     """`mesh dp, tp` declares data parallelism, so --dp 1 contradicts it. `mesh tp` names the dimension the rules
     shard over and forbids nothing: a tensor-parallel plan runs under any --dp (FSDP2 over the dp dimension)."""
-    if dp is None or plan.mesh_pos == ir.NOWHERE:
+    if dp is None or plan.mesh_pos == NOWHERE:
         return []
     if plan.mesh == ("dp", "tp") and dp == 1:
         return [Diagnostic(plan.mesh_pos, "the plan declares `mesh dp, tp` (data × tensor parallel) but --dp is 1; "

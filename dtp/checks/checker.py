@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from dtp.checks.advice import check_mesh, replication_warning
 from dtp.checks.messages import MAX_TP_SHOWN, Reporter
 from dtp.checks.options import check_syntax_level
-from dtp.errors import Diagnostic, PlanError, did_you_mean
+from dtp.errors import NOWHERE, Diagnostic, PlanError, did_you_mean
 from dtp.lang import conditions, ir
 from dtp.lang.expr import ExprError, evaluate
 from dtp.lang.vocabulary import STYLES
@@ -56,7 +56,7 @@ def _check_ties(res: Resolution, model: nn.Module, diags: list[Diagnostic]) -> N
         def why(rule):
             return f"{rule.style.name}, line {rule.pos.line}" if rule else "no rule"
         fix = "give both the same style (e.g. vocab_parallel on both) or untie them in the model"
-        diags.append(Diagnostic(where.pos if where else ir.NOWHERE,
+        diags.append(Diagnostic(where.pos if where else NOWHERE,
                                 f"{path_a}.{name_a} and {path_b}.{name_b} are one tied parameter but get different "
                                 f"placements: {pl_a} ({why(rule_a)}) vs {pl_b} ({why(rule_b)}); {fix}",
                                 len(str(where.pattern)) if where else 1))

@@ -23,12 +23,12 @@ from typing import Callable, Mapping
 import torch.nn as nn
 from torch.distributed.tensor import Partial, Placement, Shard
 
-from dtp.lang import ir
+from dtp.errors import NOWHERE, Pos
 from dtp.layout.attention import attention_like
 from dtp.layout.norms import is_norm
 from dtp.layout.resolve import Resolution
 
-Report = Callable[[ir.Pos, int, str, str], None]  # (position, length, module path, message)
+Report = Callable[[Pos, int, str, str], None]  # (position, length, module path, message)
 
 _WHAT = {"replicate": "the full activation", "shard(-1)": "each rank's slice of the features",
          "shard(1)": "each rank's slice of the sequence", "partial": "partial sums"}
@@ -113,7 +113,7 @@ class _Walk:
         rule = next((self.res.claims[c] for c in candidates if c and c in self.res.claims), None) or self.sp_rule
         if rule is None:
             rule = min(self.res.claims.values(), key=lambda r: (r.pos.line, r.pos.column), default=None)
-        pos, length = (rule.style.pos, len(rule.style.name)) if rule else (ir.NOWHERE, 1)
+        pos, length = (rule.style.pos, len(rule.style.name)) if rule else (NOWHERE, 1)
         self.report(pos, length, subject, message)
 
     def _style(self, path: str) -> str | None:

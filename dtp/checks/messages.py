@@ -2,8 +2,7 @@
 would work."""
 from __future__ import annotations
 
-from dtp.errors import Diagnostic
-from dtp.lang import ir
+from dtp.errors import Diagnostic, Pos
 
 MAX_TP_SHOWN = 64  # "tp values that work" lists divisors up to this
 
@@ -20,7 +19,7 @@ class Reporter:
     def __init__(self) -> None:
         self.groups: dict[tuple, list] = {}
 
-    def add(self, pos: ir.Pos, length: int, path: str, message: str) -> None:
+    def add(self, pos: Pos, length: int, path: str, message: str) -> None:
         """Record `message` for the module at `path`, reported at `pos`."""
         self.groups.setdefault((pos, length, message), []).append(path)
 

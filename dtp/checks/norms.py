@@ -30,7 +30,7 @@ def _probe_error(module: nn.Module) -> str | None:
     x = torch.randn(2, 3, weight.shape[0], generator=gen, device="cpu").to(device)
     try:
         got = torch.func.functional_call(module, {"weight": w}, (x,))
-    except Exception as err:  # a module whose forward cannot run on the probe (needs other inputs)
+    except Exception as err:  # noqa: BLE001 - a module whose forward cannot run on the probe (needs other inputs)
         return f"its forward could not run on a probe input ({type(err).__name__})"
     want = rms_norm(x, w, epsilon(module), x.shape[-1], lambda t: t)
     if not isinstance(got, torch.Tensor) or got.shape != want.shape or not torch.allclose(got, want, 1e-5, 1e-6):

@@ -1,4 +1,4 @@
-"""The command line's argument types and path checks: argparse only. Nothing in the library imports this module,
+"""The command line's argument types: argparse only. Nothing in the library imports this module,
 and it never imports torch."""
 from __future__ import annotations
 

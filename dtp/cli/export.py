@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 
 
 def add_parser(sub) -> None:
@@ -17,7 +18,10 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Write the checkpoint's unsharded state dict."""
-    from dtp.checkpoint.export import export_command
+    """Write the checkpoint's unsharded state dict and say where, how many tensors, how long."""
+    from dtp.checkpoint.export import export
 
-    return export_command(args)
+    t0 = time.perf_counter()
+    where, count = export(args.checkpoint, args.format, args.output, args.hf_dir)
+    print(f"{args.checkpoint}: {count} tensors written to {where} in {time.perf_counter() - t0:.2f} s")
+    return 0

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
 
 from dtp.cli.args import positive_int
+from dtp.errors import UsageError
 
 
 def add_parser(sub) -> None:
@@ -22,7 +26,38 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Write a plan for a Hugging Face model, or a plan as an HF tp_plan."""
-    from dtp.hf.plan import plan_command
+    """Print or write the plan for a Hugging Face model, or print a plan as an HF tp_plan (JSON)."""
+    from dtp import models
+    from dtp.hf.plan import export_for, export_plan, from_hf
+    from dtp.lang import conditions
+    from dtp.lang.parse import load
 
-    return plan_command(args)
+    if args.from_hf:
+        text, warnings = from_hf(args.from_hf)
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        if args.output:
+            try:
+                Path(args.output).write_text(text, encoding="utf-8")
+            except OSError as err:
+                raise UsageError(f"cannot write {args.output}: {err.strerror}") from None
+            print(f"wrote {args.output}")
+        else:
+            sys.stdout.write(text)
+        return 0
+
+    plan = load(args.to_hf)
+    if args.model is None:
+        out, warnings = export_plan(plan)
+        warnings.append("not checked against a model: give MODEL (and --tp) to check that Hugging Face would "
+                        "compute what this plan does")
+    else:
+        model = models.build(models.resolve(args.model), device="meta")
+        if args.lossy:
+            out, warnings = export_plan(plan, model, conditions.chooser(model, [], args.tp))
+        else:
+            out, warnings = export_for(plan, model, args.tp)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    print(json.dumps(out, indent=2))
+    return 0

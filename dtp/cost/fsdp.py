@@ -1,5 +1,5 @@
 """FSDP2's units over the dp dimension and the bytes each all-gathers, counted statically: each block of the
-model's top-level ModuleLists is one unit and the model itself the root (dtp/runtime/data_parallel.py wraps them)."""
+model's top-level ModuleLists is one unit and the model itself the root."""
 from __future__ import annotations
 
 import torch

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 from dtp.runtime.launcher import init_rank, loopback_listener, serve_store, start_ranks, stop_ranks
-from dtp.verify.rank import RunConfig
+from dtp.runtime.mesh import make_mesh
+from dtp.verify.rank import RunConfig, run
 
 RANK_TIMEOUT_S = 120.0  # a collective that waits longer than this on a pool rank fails it
 READY = "ready"  # what a rank answers once it has joined the process group and built the mesh
@@ -22,17 +23,15 @@ READY = "ready"  # what a rank answers once it has joined the process group and 
 def _worker(rank: int, world: int, port: int, jobs: list, results, tp: int, dp: int) -> None:
     import torch.distributed as dist
 
-    from dtp.verify import rank as run_mod
-
     init_rank(rank, world, port, "cpu", RANK_TIMEOUT_S)  # loopback rendezvous; Ctrl-C is the parent's
-    mesh = run_mod.make_mesh(RunConfig(plan="", model="", tp=tp, dp=dp))
+    mesh = make_mesh(tp, dp)
     results.put((rank, READY, None))
     while True:
         cfg = jobs[rank].get()
         if cfg is None:
             break
         try:
-            report = run_mod.run(cfg, None, mesh)
+            report = run(cfg, mesh)
             results.put((rank, report, None))
         except Exception as err:  # noqa: BLE001 - the fuzzer reports it
             where = getattr(err, "__dtp_where__", "")

@@ -8,15 +8,16 @@ in the plan and a warning on stderr).
 """
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import torch.nn as nn
 
-from dtp.errors import UsageError
+from dtp import models
+from dtp.checks.checker import check
+from dtp.errors import PlanError, UsageError
 from dtp.files import shipped
-from dtp.lang import ir
+from dtp.lang import conditions, ir
+from dtp.lang.parse import parse
+from dtp.layout.experts import experts_layout
+from dtp.layout.resolve import matches
 
 PLANS = shipped("plans/hf")  # plans/hf in a checkout; dtp/plans/hf inside a wheel
 
@@ -52,7 +53,6 @@ def import_plan(plan: dict[str, str], name: str = "imported",
                 model: nn.Module | None = None) -> tuple[str, list[str]]:
     """(.tp text, warnings) for an HF tp_plan dict; with `model`, keys that match none of its modules are
     comments (HF skips them: Qwen3-MoE's plan names the dense MLP of `mlp_only_layers` a model may lack)."""
-    from dtp.layout.resolve import matches
 
     warnings: list[str] = []
     experts = {k for k, v in plan.items() if v == "moe_tp_experts"}
@@ -129,10 +129,6 @@ def export_for(plan: ir.Plan, model: nn.Module, tp: int) -> tuple[dict[str, str]
     export leaves out would make HF run the model with the wrong shapes or the wrong maths. So the
     `when` branches are taken for this model and tp, nothing they select may be left out, and the
     exported plan, read back, must pass dtp's own check at tp."""
-    from dtp.checks.checker import check
-    from dtp.errors import PlanError
-    from dtp.lang import conditions
-    from dtp.lang.parse import parse
 
     try:  # a plan that does not hold at tp says so first, whatever HF could express of it
         check(plan, model, tp)
@@ -181,7 +177,6 @@ def _export_style(style: ir.Style, key: str, module: nn.Module | None, warnings:
     if name == "sequence_parallel":
         return "sequence_parallel"
     if name == "experts":
-        from dtp.layout.experts import experts_layout
 
         layout = experts_layout(module) if module is not None else None
         if layout is not None and (layout.transposed or not layout.concatenated or hasattr(module, "down_proj_bias")):
@@ -196,8 +191,6 @@ def _export_style(style: ir.Style, key: str, module: nn.Module | None, warnings:
 
 def _module(model: nn.Module | None, pattern: ir.Pattern) -> nn.Module | None:
     """The first module `pattern` matches (to tell an embedding from an output projection)."""
-    from dtp.layout.resolve import matches
-
     if model is None:
         return None
     return next((m for path, m in model.named_modules() if path and matches(pattern, path)), None)
@@ -205,53 +198,14 @@ def _module(model: nn.Module | None, pattern: ir.Pattern) -> nn.Module | None:
 
 def from_hf(spec: str) -> tuple[str, list[str]]:
     """The .tp text for MODEL: the shipped plan of its model type, else its imported tp_plan."""
-    from dtp import models
-
     model = models.build(models.resolve(spec), device="meta")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if not model_type:
         raise UsageError(f"{spec} is not a Hugging Face model (no config.model_type)")
-    shipped = PLANS / f"{model_type}.tp"
-    if shipped.is_file():
-        return shipped.read_text(encoding="utf-8"), []
+    own = PLANS / f"{model_type}.tp"
+    if own.is_file():
+        return own.read_text(encoding="utf-8"), []
     plan = hf_plan_of(model)
     if not plan:
         raise UsageError(f"no shipped plan for model type '{model_type}' and the model has no tp_plan")
     return import_plan(plan, f"hf-{model_type}-imported", model)
-
-
-def plan_command(args) -> int:
-    """`dtp plan --from-hf MODEL [-o FILE]` / `dtp plan --to-hf PLAN [MODEL]`."""
-    if args.from_hf:
-        text, warnings = from_hf(args.from_hf)
-        for w in warnings:
-            print(f"warning: {w}", file=sys.stderr)
-        if args.output:
-            try:
-                Path(args.output).write_text(text, encoding="utf-8")
-            except OSError as err:
-                raise UsageError(f"cannot write {args.output}: {err.strerror}") from None
-            print(f"wrote {args.output}")
-        else:
-            sys.stdout.write(text)
-        return 0
-    from dtp import models
-    from dtp.lang.parse import load
-
-    plan = load(args.to_hf)
-    if args.model is None:
-        out, warnings = export_plan(plan)
-        warnings.append("not checked against a model: give MODEL (and --tp) to check that Hugging Face would "
-                        "compute what this plan does")
-    else:
-        model = models.build(models.resolve(args.model), device="meta")
-        if args.lossy:
-            from dtp.lang import conditions
-
-            out, warnings = export_plan(plan, model, conditions.chooser(model, [], args.tp))
-        else:
-            out, warnings = export_for(plan, model, args.tp)
-    for w in warnings:
-        print(f"warning: {w}", file=sys.stderr)
-    print(json.dumps(out, indent=2))
-    return 0

@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from dtp.cost.schedule import schedule, summarize
 from dtp.hf.plan import PLANS
-from dtp.lang import parse as syntax
+from dtp.lang.parse import load as load_plan
 from dtp.runtime.comm import CommCounter
 from dtp.verify.parity import ParityCheck
 from dtp.verify.reference import copy_in
@@ -38,7 +38,7 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
     torch.manual_seed(seed)
     reference = hf.build(family, **(overrides or {})).train()  # unsharded, float32: the error sharding may add is measured against its own
     truth = copy_in(reference, torch.float64)  # the parity rule's ground truth (dtp/verify/parity.py)
-    plan = syntax.load(str(plan_path or PLANS / f"{hf.FAMILIES[family][0]}.tp"))
+    plan = load_plan(str(plan_path or PLANS / f"{hf.FAMILIES[family][0]}.tp"))
     # The sharded model comes from the build path `dtp apply` uses: meta → shard → blocks scattered from rank 0.
     def source() -> torch.nn.Module:
         return hf.build(family, **(overrides or {}))
@@ -86,7 +86,7 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
 
 
 def verify_on_rank(rank: int, world: int, families: list) -> list[dict]:
-    """For `dtp.runtime.ranks.on_ranks`: verify every family (or (family, plan path)) in turn on one tp mesh."""
+    """Verify every family (or (family, plan path)) in turn on one tp mesh of an initialised world."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
@@ -95,6 +95,6 @@ def verify_on_rank(rank: int, world: int, families: list) -> list[dict]:
         family, plan = item if isinstance(item, tuple) else (item, None)
         try:
             out.append(verify(family, mesh, plan))
-        except Exception as err:  # one family's failure is reported with the others
+        except Exception as err:  # noqa: BLE001 - one family's failure is reported with the others
             out.append({"family": family, "rank": rank, "ok": False, "error": f"{type(err).__name__}: {err}"})
     return out

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from typing import Callable
 
+from dtp.errors import Pos
 from dtp.lang import ir
 
 
 class ExprError(Exception):
     """A set expression that has no integer value (division by zero, an inexact division, an unknown name)."""
 
-    def __init__(self, pos: ir.Pos, message: str, length: int = 1):
+    def __init__(self, pos: Pos, message: str, length: int = 1):
         super().__init__(message)
         self.pos, self.message, self.length = pos, message, length
 

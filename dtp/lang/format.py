@@ -1,6 +1,7 @@
 """Plan IR → canonical .tp text (`dtp fmt`): four-space blocks, one blank line kept, comments kept."""
 from __future__ import annotations
 
+from dtp.errors import Pos
 from dtp.lang import ir
 
 INDENT = "    "
@@ -72,7 +73,7 @@ class _Writer:
             self.last_line = comment.pos.line
         return blank
 
-    def emit(self, text: str, pos: ir.Pos, indent: str, blank_before: bool = False) -> None:
+    def emit(self, text: str, pos: Pos, indent: str, blank_before: bool = False) -> None:
         """A line of code for the statement that started at `pos`."""
         if pos.line > 0:
             blank_before = self.comments_before(pos.line, indent, blank_before) or self._gap_has_blank(pos.line)
@@ -93,7 +94,7 @@ def format_plan(plan: ir.Plan, source: str | None = None) -> str:
     if plan.mesh != ("tp",) or plan.mesh_pos.line > 0:
         w.emit(f"mesh {', '.join(plan.mesh)}", plan.mesh_pos, "")
 
-    def close(end: ir.Pos, indent: str, text: str) -> None:
+    def close(end: Pos, indent: str, text: str) -> None:
         # the comments inside a body before its closing brace, then the brace line
         if end.line > 0:
             w.comments_before(end.line, indent + INDENT)

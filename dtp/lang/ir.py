@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Union
 
-from dtp.errors import NOWHERE, Pos  # noqa: F401 (the IR's positions: ir.Pos, ir.NOWHERE)
+from dtp.errors import NOWHERE, Pos
 
 
 def _pos() -> Pos:

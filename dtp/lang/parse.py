@@ -21,7 +21,7 @@ from lark import (
 )
 from lark.exceptions import VisitError
 
-from dtp.errors import Diagnostic, PlanError, UsageError
+from dtp.errors import NOWHERE, Diagnostic, PlanError, Pos, UsageError
 from dtp.files import shipped
 from dtp.lang import ir
 
@@ -132,14 +132,14 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str, file: str) -> Diagnostic
     if isinstance(err, UnexpectedCharacters):
         char = text[err.pos_in_stream]
         shown = repr(char) if char.isprintable() else f"byte {ord(char):#04x}"
-        return Diagnostic(ir.Pos(file, line, column), f"unexpected character {shown}")
+        return Diagnostic(Pos(file, line, column), f"unexpected character {shown}")
     label = _label(err)
     found = "end of file" if isinstance(err, UnexpectedEOF) else _found(err.token)
     expected = getattr(err, "accepts", None) or getattr(err, "expected", set())
     msg = f"unexpected {found}"
     msg += f": {label}" if label else f"; expected {_describe_expected(set(expected))}"
     length = len(err.token) if isinstance(err, UnexpectedToken) and err.token.type != "$END" else 1
-    return Diagnostic(ir.Pos(file, line, column), msg, max(1, min(length, 80)))
+    return Diagnostic(Pos(file, line, column), msg, max(1, min(length, 80)))
 
 
 def _found(token: Token) -> str:
@@ -164,9 +164,9 @@ class _ToIR(Transformer):
         self.file = file
         self.errors: list[Diagnostic] = []
 
-    def _pos(self, item: Token | Tree | object) -> ir.Pos:
+    def _pos(self, item: Token | Tree | object) -> Pos:
         meta = item.meta if isinstance(item, Tree) else item
-        return ir.Pos(self.file, getattr(meta, "line", 0) or 0, getattr(meta, "column", 0) or 0)
+        return Pos(self.file, getattr(meta, "line", 0) or 0, getattr(meta, "column", 0) or 0)
 
     def _int(self, token: Token) -> int:
         value = int(token) if len(token) < 30 else MAX_INT + 1
@@ -197,8 +197,8 @@ class _ToIR(Transformer):
         version, *items = children
         name = plan_version = None
         mesh: tuple[str, ...] = ("tp",)
-        mesh_pos = plan_pos = ir.NOWHERE
-        seen: dict[str, ir.Pos] = {}
+        mesh_pos = plan_pos = NOWHERE
+        seen: dict[str, Pos] = {}
         body: list[ir.Statement] = []
         for item in items:
             if isinstance(item, tuple):  # ("plan" | "mesh", pos, payload)
@@ -255,17 +255,17 @@ class _ToIR(Transformer):
         if str(pattern) == "else":
             self.errors.append(Diagnostic(self._pos(pattern), "`else` must follow the `}` of a `when` block on "
                                           "the same line: `} else {`", 4))
-        end = ir.Pos(self.file, meta.end_line, meta.end_column - 1)
+        end = Pos(self.file, meta.end_line, meta.end_column - 1)
         return ir.Block(self._pattern(pattern), tuple(body), self._pos(meta), end)
 
     @v_args(meta=True)
     def body(self, meta, children):
-        return tuple(children), ir.Pos(self.file, meta.end_line, meta.end_column - 1)
+        return tuple(children), Pos(self.file, meta.end_line, meta.end_column - 1)
 
     @v_args(meta=True)
     def when_block(self, meta, children):
         condition, (body, end), *rest = children
-        orelse, else_end = rest[0] if rest else (None, ir.NOWHERE)
+        orelse, else_end = rest[0] if rest else (None, NOWHERE)
         return ir.When(condition, body, orelse, self._pos(meta), end, else_end)
 
     @v_args(meta=True)
@@ -358,7 +358,7 @@ def _comments(text: str, file: str) -> tuple[ir.Comment, ...]:
     for n, line in enumerate(text.split("\n"), 1):  # the grammar breaks lines at \n only
         idx = line.find("#")
         if idx >= 0:
-            out.append(ir.Comment(line[idx:].rstrip(), ir.Pos(file, n, idx + 1), bool(line[:idx].strip())))
+            out.append(ir.Comment(line[idx:].rstrip(), Pos(file, n, idx + 1), bool(line[:idx].strip())))
     return tuple(out)
 
 
@@ -369,12 +369,12 @@ def _nesting_error(tree: Tree, file: str) -> Diagnostic | None:
         if node.data in ("block", "when_block"):
             depth += 1
             if depth > MAX_NESTING:
-                return Diagnostic(ir.Pos(file, node.meta.line, node.meta.column),
+                return Diagnostic(Pos(file, node.meta.line, node.meta.column),
                                   f"blocks nested more than {MAX_NESTING} deep")
         elif node.data == "binop":
             expr += 1
             if expr > MAX_EXPR_DEPTH:
-                return Diagnostic(ir.Pos(file, node.meta.line, node.meta.column),
+                return Diagnostic(Pos(file, node.meta.line, node.meta.column),
                                   f"expression nested more than {MAX_EXPR_DEPTH} operators deep; "
                                   "a `set` expression is a short formula such as `n_heads / tp`")
         stack.extend((c, depth, expr) for c in node.children if isinstance(c, Tree))
@@ -385,9 +385,9 @@ def parse(text: str, file: str = "<plan>") -> ir.Plan:
     """Parse .tp source text into a Plan; raises PlanError with positions on any mistake."""
     if "\x00" in text:
         line = text.count("\n", 0, text.index("\x00")) + 1
-        raise PlanError([Diagnostic(ir.Pos(file, line, 1), "this is a binary file, not a .tp plan (it contains NUL bytes)")], None)
+        raise PlanError([Diagnostic(Pos(file, line, 1), "this is a binary file, not a .tp plan (it contains NUL bytes)")], None)
     if not text.strip():
-        raise PlanError([Diagnostic(ir.Pos(file, 1, 1), "empty plan; a plan starts with `dtp 1`")], text)
+        raise PlanError([Diagnostic(Pos(file, 1, 1), "empty plan; a plan starts with `dtp 1`")], text)
     try:
         tree = parser().parse(text)
     except UnexpectedInput as err:
@@ -429,7 +429,7 @@ def read_plan_text(path: str | Path) -> str:
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
         column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
-        raise PlanError([Diagnostic(ir.Pos(str(path), line, column),
+        raise PlanError([Diagnostic(Pos(str(path), line, column),
                                     f"not UTF-8 text (byte {data[err.start]:#04x}); a .tp plan is a text file")]) from None
 
 

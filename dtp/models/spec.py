@@ -35,7 +35,7 @@ MAX_CONFIG_INT = 2**31  # larger sizes are typos (or attacks); nothing real come
 class _NoAliasLoader(yaml.SafeLoader):
     """SafeLoader without anchors/aliases: a 441-byte 'billion laughs' file must not expand to gigabytes."""
 
-    def compose_node(self, parent, index):  # noqa: D102 - PyYAML's hook
+    def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in a model config",
@@ -56,7 +56,7 @@ def _load_yaml(name: str, text: str | None, path: Path | str) -> object:
         except (OSError, UnicodeDecodeError) as err:
             raise UsageError(f"cannot read model config {name}: {clip(str(err), 200)}") from None
     try:
-        return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
+        return yaml.load(text, Loader=_NoAliasLoader)
     except yaml.YAMLError as err:
         raise UsageError(f"model config {name} is not valid YAML: {clip(' '.join(str(err).split()), 300)}") from None
     except RecursionError:
@@ -184,7 +184,7 @@ def build(source: ModelSource | str, device: str | torch.device = "meta",
             factory = _factory(source.factory)
             try:
                 model = factory()
-            except Exception as err:  # the user's code: one paragraph, not a traceback
+            except Exception as err:  # noqa: BLE001 - the user's code: one paragraph, not a traceback
                 raise UsageError(f"model factory {source.factory} raised {type(err).__name__}: "
                                  f"{clip(str(err), 300)}") from None
             if not isinstance(model, nn.Module):

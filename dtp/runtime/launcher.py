@@ -1,6 +1,6 @@
 """Local ranks: start `world` processes on this machine, rendezvous on loopback only, collect what each returns.
 
-The one launcher behind `dtp apply`, `dtp train`, `dtp.runtime.ranks.on_ranks` (tests, benchmarks) and the fuzz pools.
+The one launcher: every command that starts ranks on this machine goes through it.
 torch's TCPStore listens on every interface (`::`) whatever host it is given, so the parent binds a loopback
 socket itself and hands it to the store (`master_listen_fd`); gloo's and NCCL's own sockets are pinned to the
 loopback interface. Under torchrun none of this runs: the launcher's settings stand.
@@ -21,7 +21,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn
+from typing import Iterator, NoReturn
 
 from dtp.errors import RunError, Terminated, UsageError
 
@@ -32,6 +32,23 @@ RENDEZVOUS = "rendezvous"  # where a rank failed that never joined the process g
 def under_torchrun() -> bool:
     """Whether this process is one rank of a torchrun-launched world."""
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ and "LOCAL_RANK" in os.environ
+
+
+@contextlib.contextmanager
+def torchrun_group(device: str, timeout: float | None = None) -> Iterator[int]:
+    """This process as one rank of torchrun's world, torchrun's rendezvous settings standing: the process group
+    joined (NCCL on CUDA, each rank on its LOCAL_RANK's GPU; gloo on CPU) and left again; yields the rank."""
+    import torch
+    import torch.distributed as dist
+
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    kwargs = {"timeout": timedelta(seconds=timeout)} if timeout else {}
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", **kwargs)
+    try:
+        yield dist.get_rank()
+    finally:
+        dist.destroy_process_group()
 
 
 def leave_rank(code: int) -> NoReturn:
@@ -115,7 +132,7 @@ def _child(rank: int, world: int, port: int, device: str, timeout: float, out: s
         import torch.distributed as dist
 
         # On a timeout the parent sends SIGUSR1 before it kills: the rank writes where it is stuck.
-        stacks = open(Path(out, f"stack-{rank}.txt"), "w")  # noqa: SIM115 - open until os._exit
+        stacks = open(Path(out, f"stack-{rank}.txt"), "w")
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
         try:
             init_rank(rank, world, port, device, timeout)

@@ -1,13 +1,11 @@
 """Run a function on N local gloo ranks (forked, as `dtp apply` does on CPU) and collect what each returns.
 
-For tests and benchmarks: `on_ranks(fn, world, *args)` calls `fn(rank, world, *args)` on every rank, through
+`on_ranks(fn, world, *args)` calls `fn(rank, world, *args)` on every rank, through
 the project's one launcher (`dtp.runtime.launcher`: loopback rendezvous, no process or temp dir left behind).
 """
 from __future__ import annotations
 
-from dtp.runtime.launcher import die_with_parent, launch_local
-
-__all__ = ["die_with_parent", "on_ranks"]
+from dtp.runtime.launcher import launch_local
 
 
 def on_ranks(fn, world: int, *args, timeout: float = 120) -> list:

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from dtp.cost.schedule import Collective, recomputed, schedule, sent_bytes
+from dtp.layout.lower import lower
 from dtp.simulate.flops import Flops, block_paths
 from dtp.simulate.memory import Memory, Shape, activation_bytes, memory
 from dtp.simulate.profile import Link, Profile
@@ -200,11 +201,9 @@ def _dp_allreduce(nbytes: float, run: Run, prof: Profile) -> float:
     return max(intra, inter)
 
 
-def workload(checked, model, tp: int, seq: int, micro_batch: int, precision: str, flops: Flops,
+def workload(checked, model, tp: int, *, seq: int, micro_batch: int, precision: str, flops: Flops,
              params_per_rank: float, shape: Shape) -> Workload:
     """The model side for one tp: the analytic schedule of one micro-batch and what memory needs."""
-    from dtp.layout.lower import lower
-
     low = lower(checked.resolution, tp)
     colls = schedule(checked, tp, micro_batch, seq, dtype=DTYPE[precision], lowered=low)
     total = float(sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()))

@@ -53,7 +53,7 @@ class Prepared:
             raise UsageError(f"--seq {self.seq} exceeds {self.model_spec}'s block size {block}")
         try:
             self.flops = fl.count(self.model, self.seq, checked.resolution)
-        except Exception as err:  # a user's model that cannot run on meta tensors: say so, no traceback
+        except Exception as err:  # noqa: BLE001 - a user's model that cannot run on meta tensors: say so, no traceback
             raise UsageError(f"{self.model_spec}: its forward pass failed on the meta device "
                              f"({type(err).__name__}: {err}); dtp simulate counts FLOPs there") from None
 
@@ -65,6 +65,7 @@ class Prepared:
         if key not in self._cache:
             checked = check(self.plan, self.model, tp)
             per_rank = params_per_rank(self.model, checked.resolution, tp)
-            self._cache[key] = workload(checked, self.model, tp, self.seq, micro_batch, precision, self.flops,
-                                        per_rank, self.shape)
+            self._cache[key] = workload(checked, self.model, tp, seq=self.seq, micro_batch=micro_batch,
+                                        precision=precision, flops=self.flops, params_per_rank=per_rank,
+                                        shape=self.shape)
         return self._cache[key]

@@ -98,25 +98,21 @@ _REQUIRED = {"name", "gpu", "gpu.name", "gpu.peak_tflops", "gpu.achieved_fractio
              "node.intra.latency_us", "node.inter.busbw_GBps", "node.inter.latency_us"}
 
 
-def shipped() -> list[str]:
-    """Names of the profiles that ship with dtp."""
-    return sorted(p.name[:-5] for p in _shipped_dir().iterdir() if p.name.endswith(".yaml"))
-
-
-def _shipped_dir() -> Path:
-    return files.shipped("profiles")
+def profile_names() -> list[str]:
+    """Names of the profiles that ship with dtp (dtp/profiles in a wheel, profiles/ in a checkout)."""
+    return sorted(p.name[:-5] for p in files.shipped("profiles").iterdir() if p.name.endswith(".yaml"))
 
 
 def load(spec: str) -> Profile:
     """A shipped profile by name, or a YAML file by path; every problem is a UsageError (exit 2)."""
-    folder = _shipped_dir()
+    folder = files.shipped("profiles")
     candidate = folder / f"{spec}.yaml"
     if "/" not in spec and not spec.endswith((".yaml", ".yml")) and candidate.is_file():
         return parse(candidate.read_text(encoding="utf-8"), spec)
     path = Path(spec)
     if not path.is_file():
         raise UsageError(f"profile '{spec}' is neither a file nor a shipped profile "
-                         f"(shipped: {', '.join(shipped())})")
+                         f"(shipped: {', '.join(profile_names())})")
     if path.stat().st_size > MAX_BYTES:
         raise UsageError(f"{spec}: a profile is at most {MAX_BYTES // 1024} KiB")
     try:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from dtp.errors import UsageError
 
-if TYPE_CHECKING:  # torch stays lazy: the pre-flight reads this before any rank starts
+if TYPE_CHECKING:
     import torch.nn as nn
 
     from dtp.checks.checker import Checked

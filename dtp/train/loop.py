@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
@@ -28,9 +28,10 @@ from dtp.checks.checker import check
 from dtp.cost.fsdp import units
 from dtp.cost.param_bytes import local_param_bytes
 from dtp.cost.schedule import NotModeled, schedule, summarize
-from dtp.lang import parse as syntax
+from dtp.lang.parse import load as load_plan
 from dtp.runtime.build import build_sharded
 from dtp.runtime.comm import CommCounter, merge
+from dtp.runtime.mesh import make_mesh
 from dtp.runtime.rows import shared_rows
 from dtp.train import data, resume
 from dtp.train.meter import CommTimer, peak_memory, sync
@@ -68,14 +69,6 @@ class TrainConfig:
     convert: bool = False  # resume from a checkpoint of another plan (dtp.checkpoint.dcp's convert=True)
 
 
-def make_mesh(cfg: TrainConfig) -> DeviceMesh:
-    """The (tp) or (dp, tp) mesh over the initialised world."""
-    device = "cuda" if cfg.device == "cuda" else "cpu"
-    if cfg.dp > 1:
-        return init_device_mesh(device, (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
-    return init_device_mesh(device, (cfg.tp,), mesh_dim_names=("tp",))
-
-
 def _checkpoint_blocks(model: torch.nn.Module) -> list[str]:
     """Recompute each block's forward in backward (torch.utils.checkpoint), keeping parameter names.
 
@@ -99,7 +92,7 @@ class Trainer:
         self.cfg, self.corpus, self.mesh = cfg, corpus, mesh
         self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
         self.source = models.resolve(cfg.model)
-        self.checked = check(syntax.load(cfg.plan), models.build(self.source, device="meta"), cfg.tp)
+        self.checked = check(load_plan(cfg.plan), models.build(self.source, device="meta"), cfg.tp)
         self.applied = build_sharded(self.checked, self.source, mesh, seed=cfg.seed, device=self.device, dp=cfg.dp)
         self.model = self.applied.model
         rows = shared_rows(self.applied)  # k/v rows every rank holds: counted once in the clip norm
@@ -205,7 +198,7 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
     warnings.filterwarnings("ignore", message=".*(backward hook|returned a view tensor).*")
     # The clip norm of FSDP2 + tp gradients reduces over dp then tp, which torch calls suboptimal; it is one scalar.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    trainer = Trainer(cfg, corpus, make_mesh(cfg))
+    trainer = Trainer(cfg, corpus, make_mesh(cfg.tp, cfg.dp, cfg.device))
     resumed = resume.restore(trainer, cfg) if cfg.resume else None
     start, saves = trainer.step, []
     metrics = Path(cfg.out, "metrics.jsonl") if rank == 0 else None

@@ -50,7 +50,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 def grad_norm(parameters, shared: dict[int, tuple[int, torch.Tensor]] | None = None) -> torch.Tensor:
     """The global L2 norm of all gradients, equal to the unsharded model's: each DTensor contributes its
     norm over the whole mesh (one collective per mesh), each plain tensor (replicated) its local norm. A
-    parameter in `shared` (id → dtp.runtime.build.shared_rows' dim and row weights) holds some rows on several
+    parameter in `shared` (id → dtp.runtime.rows.shared_rows' dim and row weights) holds some rows on several
     ranks: its gradient is gathered and each row weighted so that every model row counts once."""
     shared = shared or {}
     by_mesh: dict[object, list[torch.Tensor]] = {}

@@ -42,7 +42,7 @@ def saved_state(directory: Path) -> tuple[dict, dict]:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, storage_reader=SafeReader(directory), no_dist=True)
-    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {directory} is corrupt or unreadable: {type(err).__name__}") from None
     extra = unpack(state["extra/rank0"], f"{directory}: extra/rank0")
     if not isinstance(extra, dict) or not isinstance(extra.get("step"), int) or "rng_cpu" not in extra:

@@ -13,7 +13,20 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from dtp import models
+from dtp.checks.checker import check, sequence_shape_problem
+from dtp.cost.explain import human_bytes
+from dtp.cost.param_bytes import param_bytes_per_rank
 from dtp.errors import RunError, UsageError
+from dtp.lang.parse import load
+from dtp.runtime.keyed_init import init_rule
+from dtp.runtime.launcher import launch_local, pick_device, torchrun_group, under_torchrun
+from dtp.train import data, resume
+from dtp.train.budget import check_budget
+from dtp.train.loop import TrainConfig, train
+from dtp.train.parity import compare, markdown
+from dtp.train.plot import loss_png
+from dtp.train.resume import resumed_line, saved_line
 
 
 def _finite(name: str, value: float, low: float = 0.0, strict: bool = False) -> None:
@@ -40,23 +53,8 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--batch {args.batch} (the global batch) must divide by --dp {args.dp}")
 
 
-def _device(name: str) -> str:
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available on this machine")
-    return name
-
-
 def _preflight(args, tps: list[int]):
     """Check the plan at every tp and prepare the data, before any process starts."""
-    from dtp import models
-    from dtp.checks.checker import check, sequence_shape_problem
-    from dtp.lang.parse import load
-    from dtp.train import data
-
     plan = load(args.plan)
     model = models.build(models.resolve(args.model), device="meta")
     block = getattr(getattr(model, "config", None), "block_size", None)
@@ -66,18 +64,16 @@ def _preflight(args, tps: list[int]):
                                            if type(m).__name__ == "Dropout"):
         raise UsageError("--checkpoint-activations with dropout > 0 would redraw different masks when the "
                          "forward is recomputed; use a model with dropout 0")
-    from dtp.runtime.keyed_init import init_rule
 
     for path, module in model.named_modules():  # a parameter the keyed initialisation cannot draw: exit 2 here
         for pname, param in module.named_parameters(recurse=False):
             init_rule(model, module, pname, f"{path}.{pname}".lstrip("."), param.dim())
     for tp in tps:
-        checked = check(plan, model, tp)  # every tp, so a plan error is exit 2 before any rank starts
+        checked = check(plan, model, tp, args.dp)  # every tp, so a plan error is exit 2 before any rank starts
         shape_problem = sequence_shape_problem(checked, tp, args.seq)
         if shape_problem:
             raise UsageError(shape_problem)
     if args.max_rank_memory is not None:
-        from dtp.train.budget import check_budget
 
         for tp in tps:
             check_budget(check(plan, model, tp), model, tp, args.dp, args.max_rank_memory)
@@ -90,7 +86,6 @@ def _preflight(args, tps: list[int]):
 
 
 def _config(args, tp: int, out: Path, device: str):
-    from dtp.train.loop import TrainConfig
 
     return TrainConfig(plan=args.plan, model=args.model, tp=tp, dp=args.dp, batch=args.batch, seq=args.seq,
                        steps=args.steps, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup,
@@ -103,9 +98,6 @@ def _config(args, tp: int, out: Path, device: str):
 
 def run_training(cfg, corpus) -> list[dict]:
     """Train once (local ranks or this torchrun rank); every rank's summary, rank 0 first."""
-    from dtp.runtime.launcher import launch_local, under_torchrun
-    from dtp.train.loop import train
-
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     Path(cfg.out, "metrics.jsonl").write_text("")  # a fresh run starts a fresh log
     if under_torchrun():
@@ -114,26 +106,17 @@ def run_training(cfg, corpus) -> list[dict]:
         world = int(os.environ["WORLD_SIZE"])
         if cfg.tp * cfg.dp != world:
             raise UsageError(f"--tp {cfg.tp} × --dp {cfg.dp} = {cfg.tp * cfg.dp} ranks, but torchrun started {world}")
-        dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
-        try:
-            mine = train(dist.get_rank(), world, cfg, corpus)
+        with torchrun_group(cfg.device) as rank:  # each rank on its own GPU under CUDA (it was cuda:0 for all)
+            mine = train(rank, world, cfg, corpus)
             gathered: list = [None] * world
             dist.all_gather_object(gathered, mine)
             return gathered
-        finally:
-            dist.destroy_process_group()
     return launch_local(train, cfg.tp * cfg.dp, cfg, corpus, timeout=cfg.timeout, device=cfg.device,
                         prefix="dtp-train-")
 
 
 def summary(cfg, corpus, results: list[dict]) -> dict:
     """The final summary (also written as OUT/summary.json)."""
-    from dtp import models
-    from dtp.checks.checker import check
-    from dtp.cost.param_bytes import param_bytes_per_rank
-    from dtp.lang.parse import load
-    from dtp.train import data
-
     first = results[0]
     model = models.build(models.resolve(cfg.model), device="meta")
     table = param_bytes_per_rank(check(load(cfg.plan), model, cfg.tp), model, cfg.tp, cfg.dp)
@@ -153,9 +136,6 @@ def summary(cfg, corpus, results: list[dict]) -> dict:
 
 def render(s: dict) -> str:
     """The human summary."""
-    from dtp.cost.explain import human_bytes
-    from dtp.train.resume import resumed_line, saved_line
-
     cfg, corpus = s["config"], s["corpus"]
     coll, analytic = s["collectives"], s["analytic_collectives"]
     agree = "not modeled" if "not_modeled" in analytic else (
@@ -182,13 +162,9 @@ def render(s: dict) -> str:
 
 def train_command(args: argparse.Namespace) -> int:
     """`dtp train PLAN MODEL ...`: validate, pre-flight, train (or compare tps), summarise; the exit status."""
-    from dtp.runtime.launcher import under_torchrun
-    from dtp.train import resume
-    from dtp.train.plot import loss_png
-
     validate(args)
     resume.validate(args)
-    device = _device(args.device)
+    device = pick_device(args.device, 1)  # CUDA when this machine has one (torchrun gives each rank its own)
     tps = args.compare_tp or [args.tp]
     corpus = _preflight(args, tps)
     out = Path(args.out)
@@ -218,9 +194,6 @@ def train_command(args: argparse.Namespace) -> int:
 
 def _compare(args, corpus, out: Path, device: str) -> int:
     """Train at each tp from the same initial weights on the same batches; overlay and tabulate."""
-    from dtp.train.parity import compare, markdown
-    from dtp.train.plot import loss_png
-
     runs: dict[int, dict] = {}
     for tp in args.compare_tp:
         cfg = _config(args, tp, out / f"tp{tp}", device)

@@ -8,24 +8,21 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 
 from dtp.checks.checker import sequence_shape_problem
 from dtp.errors import RunError, UsageError
-from dtp.runtime.launcher import error_summary, launch_local, pick_device, under_torchrun
-from dtp.verify.rank import RunConfig
+from dtp.runtime.launcher import error_summary, launch_local, pick_device, torchrun_group, under_torchrun
+from dtp.verify.rank import RunConfig, run
 from dtp.verify.report import ApplyReport
 
 
 def _apply_rank(rank: int, world: int, cfg: RunConfig) -> ApplyReport | None:
     """One rank of `dtp apply` on an initialised process group; rank 0 returns the report."""
-    from dtp.verify import rank as run_mod
-
-    return run_mod.run(cfg, None)
+    return run(cfg)
 
 
-def launch(cfg: RunConfig) -> ApplyReport:
+def launch_apply(cfg: RunConfig) -> ApplyReport:
     """Start tp×dp local ranks, wait at most cfg.timeout seconds, and return rank 0's report."""
     try:
         return launch_local(_apply_rank, cfg.tp * cfg.dp, cfg, timeout=cfg.timeout, device=cfg.device,
@@ -36,23 +33,13 @@ def launch(cfg: RunConfig) -> ApplyReport:
 
 def _torchrun_rank(cfg: RunConfig) -> ApplyReport | None:
     """This process as one rank of torchrun's world: torchrun's rendezvous settings stand."""
-    import torch
-    import torch.distributed as dist
-
-    from dtp.verify import rank as run_mod
-
-    rank = int(os.environ["RANK"])
-    if cfg.device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo", timeout=timedelta(seconds=cfg.timeout))
-    try:
-        return run_mod.run(cfg, None)
-    except Exception as err:  # noqa: BLE001 - one paragraph per failing rank, as for local runs
-        e = error_summary(err, rank)
-        raise RunError(f"the sharded run failed on rank {rank} in {e['where']}: {e['error']}", rank, e["where"],
-                       e["error"]) from None
-    finally:
-        dist.destroy_process_group()
+    with torchrun_group(cfg.device, cfg.timeout) as rank:
+        try:
+            return run(cfg)
+        except Exception as err:  # noqa: BLE001 - one paragraph per failing rank, as for local runs
+            e = error_summary(err, rank)
+            raise RunError(f"the sharded run failed on rank {rank} in {e['where']}: {e['error']}", rank, e["where"],
+                           e["error"]) from None
 
 
 def absolute_model_spec(spec: str) -> str:
@@ -105,7 +92,7 @@ def apply_command(*, plan: str, model: str, tp: int | None, dp: int, batch: int,
     cfg = RunConfig(plan=plan_path, model=model_spec, tp=tp, dp=dp, batch=batch, seq=seq, steps=steps, seed=seed,
                     dtype=dtype, device=device, timeout=timeout, lr=lr)
 
-    report = _torchrun_rank(cfg) if torchrun else launch(cfg)
+    report = _torchrun_rank(cfg) if torchrun else launch_apply(cfg)
     if report is None:
         return None
     return replace(report, plan={**report.plan, "file": plan}, model=model)  # as the user wrote them (config: what ran)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import resource
@@ -10,12 +9,11 @@ import statistics
 import time
 import warnings
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -23,9 +21,10 @@ from dtp import models
 from dtp.checks.checker import checked_for
 from dtp.cost.param_bytes import ideal_param_bytes, local_param_bytes
 from dtp.cost.schedule import NotModeled, schedule, summarize
-from dtp.lang import parse as syntax
+from dtp.lang.parse import load
 from dtp.runtime.build import build_sharded
 from dtp.runtime.comm import CommCounter, merge
+from dtp.runtime.mesh import make_mesh
 from dtp.runtime.shard import Applied, tied_groups
 from dtp.verify.parity import ParityCheck, dropout_sources
 from dtp.verify.reference import MixedSGD, cross_entropy, logits_of, own_rng, reference_step, references
@@ -120,14 +119,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def make_mesh(cfg: RunConfig) -> DeviceMesh:
-    """The (tp) or (dp, tp) mesh over the initialised world."""
-    device = "cuda" if cfg.device == "cuda" else "cpu"
-    if cfg.dp > 1:
-        return init_device_mesh(device, (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
-    return init_device_mesh(device, (cfg.tp,), mesh_dim_names=("tp",))
-
-
 def _device(cfg: RunConfig) -> torch.device:
     if cfg.device != "cuda":
         return torch.device("cpu")
@@ -135,8 +126,8 @@ def _device(cfg: RunConfig) -> torch.device:
     return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
 
 
-def run(cfg: RunConfig, out_dir: Path | None, mesh: DeviceMesh | None = None) -> ApplyReport | None:
-    """Run on an initialised process group; rank 0 returns (and writes) the report.
+def run(cfg: RunConfig, mesh: DeviceMesh | None = None) -> ApplyReport | None:
+    """Run on an initialised process group; rank 0 returns the report.
 
     An exception leaves with `__dtp_where__` saying which module or phase it came from.
     """
@@ -149,13 +140,13 @@ def run(cfg: RunConfig, out_dir: Path | None, mesh: DeviceMesh | None = None) ->
             torch.default_generator.manual_seed(cfg.seed)
             if device.type == "cuda":
                 torch.cuda.manual_seed(cfg.seed)
-            return _run(cfg, out_dir, trails, mesh or make_mesh(cfg), device)
+            return _run(cfg, trails, mesh or make_mesh(cfg.tp, cfg.dp, cfg.device), device)
     except Exception as err:
         err.__dtp_where__ = trails[0].where() if trails else "set-up"
         raise
 
 
-def _report(cfg: RunConfig, plan, parity: ParityCheck, collectives: dict, analytic: dict, model: nn.Module,
+def _report(cfg: RunConfig, *, plan, parity: ParityCheck, collectives: dict, analytic: dict, model: nn.Module,
             gathered: list[dict], step_times: list[float], device: torch.device, ideal_bytes: int) -> ApplyReport:
     """Rank 0's report of the run."""
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -272,14 +263,14 @@ def _analytic(cfg: RunConfig, built: _Built, dtype: torch.dtype) -> dict:
         return {"not_modeled": str(err)}
 
 
-def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: DeviceMesh,
+def _run(cfg: RunConfig, trails: list[ModuleTrail], mesh: DeviceMesh,
          device: torch.device) -> ApplyReport | None:
     """Build, train K steps comparing each with the references, measure; rank 0's report."""
     warnings.filterwarnings("ignore", message=".*returned a view tensor")  # FSDP2 root: logits are not edited in place
     # Gathering FSDP2 + TP parameters for the comparison warns that it takes two all-gathers; it may.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     dtype = DTYPES[cfg.dtype]
-    plan = syntax.load(cfg.plan)
+    plan = load(cfg.plan)
     trail = ModuleTrail()
     trails.append(trail)
     built = _build(cfg, plan, mesh, device, dtype, trail)
@@ -344,7 +335,5 @@ def _run(cfg: RunConfig, out_dir: Path | None, trails: list[ModuleTrail], mesh: 
         return None
 
     ideal = ideal_param_bytes(built.applied.checked, built.meta, cfg.tp, cfg.dp, next(model.parameters()).element_size())
-    report = _report(cfg, plan, parity, merge(counters), analytic, model, gathered, step_times, device, ideal)
-    if out_dir is not None:
-        (out_dir / "report.json").write_text(json.dumps(report.to_json(), indent=2, default=str))
-    return report
+    return _report(cfg, plan=plan, parity=parity, collectives=merge(counters), analytic=analytic, model=model,
+                   gathered=gathered, step_times=step_times, device=device, ideal_bytes=ideal)

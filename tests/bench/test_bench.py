@@ -29,7 +29,7 @@ def test_interval_widens_with_noise_and_shrinks_with_samples():
     noisy = median_ratio(list(1.0 + rng.exponential(0.5, 20)), list(1.0 + rng.exponential(0.5, 20)))
     calm = median_ratio(list(1.0 + rng.exponential(0.01, 20)), list(1.0 + rng.exponential(0.01, 20)))
     many = median_ratio(list(1.0 + rng.exponential(0.5, 2000)), list(1.0 + rng.exponential(0.5, 2000)))
-    width = lambda r: r.high - r.low  # noqa: E731
+    width = lambda r: r.high - r.low
     assert width(noisy) > 5 * width(calm)
     assert width(many) < width(noisy) / 3
 

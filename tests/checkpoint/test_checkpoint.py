@@ -13,8 +13,8 @@ import torch.distributed.checkpoint as dcp
 from ckpt_ranks import REPO, batch, full_state, logits_of, mesh_of, setup, step, tied_once
 from torch.distributed.checkpoint import FileSystemWriter
 
-from dtp.checkpoint.dcp import CheckpointError, load_checkpoint, save_checkpoint
-from dtp.checkpoint.files import SafeReader, seal
+from dtp.checkpoint.dcp import load_checkpoint, save_checkpoint
+from dtp.checkpoint.files import CheckpointError, SafeReader, seal
 from dtp.compiler.placed import pack_parts
 from dtp.lang.parse import parser
 from dtp.layout.parts import equal_parts

@@ -7,13 +7,13 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from conftest import dtp_cli  # noqa: E402
+from conftest import dtp_cli
 
-from dtp.checks.checker import check  # noqa: E402
-from dtp.cost.explain import explain  # noqa: E402
-from dtp.errors import PlanError  # noqa: E402
-from dtp.lang.parse import load, parse  # noqa: E402
-from dtp.models import hf  # noqa: E402
+from dtp.checks.checker import check
+from dtp.cost.explain import explain
+from dtp.errors import PlanError
+from dtp.lang.parse import load, parse
+from dtp.models import hf
 
 ATTENTION = """dtp 1
 model.layers.* {{

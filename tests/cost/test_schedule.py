@@ -8,7 +8,7 @@ from dtp import models
 from dtp.checks.checker import check
 from dtp.cost.schedule import schedule, summarize
 from dtp.lang.parse import load
-from dtp.verify.apply import launch
+from dtp.verify.apply import launch_apply
 from dtp.verify.rank import RunConfig
 
 # Every plan in plans/ with the model it is written for (a new plan must be added here).
@@ -30,7 +30,7 @@ def test_every_shipped_plan_is_covered():
 
 @pytest.mark.parametrize("plan", SHIPPED)
 def test_measured_collectives_equal_analytic(repo, plan):
-    report = launch(RunConfig(plan=f"plans/{plan}", model=PLAN_MODELS[plan], tp=2, batch=2, seq=8, steps=1))
+    report = launch_apply(RunConfig(plan=f"plans/{plan}", model=PLAN_MODELS[plan], tp=2, batch=2, seq=8, steps=1))
     assert report.parity["ok"], report.parity
     measured, analytic = report.collectives, report.analytic_collectives
     for key in ("total", "by_op", "forward", "backward", "bytes", "sent_bytes"):
@@ -61,15 +61,15 @@ def test_sequence_parallel_sends_the_same_activation_bytes():
     sp = _analytic("gpt2-sp.tp", "gpt2-tiny", tp, batch, seq)
     norm_grads = (2 * L + 1) * 2 * C * 4  # ln_1, ln_2 per block and ln_f; weight and bias
     embedding_split = batch * seq * C * 4
-    ring = lambda op, b: (2 if op == "all_reduce" else 1) * b * (tp - 1) // tp  # noqa: E731
+    ring = lambda op, b: (2 if op == "all_reduce" else 1) * b * (tp - 1) // tp
     assert sum(sp["sent_bytes"].values()) == (sum(plain["sent_bytes"].values()) + ring("all_reduce", norm_grads)
                                               + ring("all_gather", embedding_split))
 
 
 def test_sequence_parallel_saves_activation_memory(repo):
     kw = dict(model="gpt2-tiny", tp=2, batch=2, seq=32, steps=1)
-    plain = launch(RunConfig(plan="plans/gpt2.tp", **kw))
-    sp = launch(RunConfig(plan="plans/gpt2-sp.tp", **kw))
+    plain = launch_apply(RunConfig(plan="plans/gpt2.tp", **kw))
+    sp = launch_apply(RunConfig(plan="plans/gpt2-sp.tp", **kw))
     assert plain.parity["ok"] and sp.parity["ok"]
     # the LayerNorm inputs (5 of B×T×C floats) are halved; everything else is the same
     saved = 5 * 2 * 32 * 64 * 4 // 2
@@ -80,7 +80,7 @@ def test_sequence_parallel_saves_activation_memory(repo):
 def test_model_and_data_parallel_2x2(repo):
     # FSDP2 over dp on top of the tp plan: per block unit one parameter all-gather forward, one again in
     # backward and one gradient reduce-scatter; the root unit (wte = lm_head, wpe, ln_f) is not re-gathered.
-    report = launch(RunConfig(plan="plans/gpt2.tp", model="gpt2-tiny", tp=2, dp=2, batch=4, seq=16, steps=2))
+    report = launch_apply(RunConfig(plan="plans/gpt2.tp", model="gpt2-tiny", tp=2, dp=2, batch=4, seq=16, steps=2))
     assert report.parity["ok"], report.parity
     measured, analytic = report.collectives, report.analytic_collectives
     for key in ("total", "by_op", "forward", "backward", "bytes", "sent_bytes"):
@@ -97,7 +97,7 @@ def test_model_and_data_parallel_2x2(repo):
 
 
 def test_sequence_parallel_at_tp_4(repo):
-    report = launch(RunConfig(plan="plans/gpt2-sp.tp", model="gpt2-tiny", tp=4, batch=2, seq=8, steps=2))
+    report = launch_apply(RunConfig(plan="plans/gpt2-sp.tp", model="gpt2-tiny", tp=4, batch=2, seq=8, steps=2))
     assert report.parity["ok"], report.parity
     for key in ("by_op", "forward", "backward", "bytes", "sent_bytes"):
         assert report.collectives[key] == report.analytic_collectives[key], key
@@ -105,7 +105,7 @@ def test_sequence_parallel_at_tp_4(repo):
 
 def test_bfloat16_run_matches_its_schedule(repo):
     # in bfloat16 the cross-entropy's max and sum of exponentials travel as float32, the target logit as bf16
-    report = launch(RunConfig(plan="plans/gpt2.tp", model="gpt2-tiny", tp=2, batch=2, seq=8, steps=1,
+    report = launch_apply(RunConfig(plan="plans/gpt2.tp", model="gpt2-tiny", tp=2, batch=2, seq=8, steps=1,
                               dtype="bfloat16"))
     assert report.parity["ok"], report.parity
     activation = 2 * 8 * 64 * 2

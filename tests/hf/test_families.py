@@ -12,17 +12,17 @@ import torch
 
 pytest.importorskip("transformers")
 
-from conftest import dtp_cli  # noqa: E402
+from conftest import dtp_cli
 
-from dtp import models  # noqa: E402
-from dtp.checks.checker import check  # noqa: E402
-from dtp.cost.explain import explain  # noqa: E402
-from dtp.errors import PlanError, UsageError  # noqa: E402
-from dtp.hf.plan import export_for, export_plan, hf_plan_of, import_plan  # noqa: E402
-from dtp.hf.verify import PLANS, verify_on_rank  # noqa: E402
-from dtp.lang.parse import load, parse  # noqa: E402
-from dtp.models import hf  # noqa: E402
-from dtp.runtime.ranks import on_ranks  # noqa: E402
+from dtp import models
+from dtp.checks.checker import check
+from dtp.cost.explain import explain
+from dtp.errors import PlanError, UsageError
+from dtp.hf.plan import export_for, export_plan, hf_plan_of, import_plan
+from dtp.hf.verify import PLANS, verify_on_rank
+from dtp.lang.parse import load, parse
+from dtp.models import hf
+from dtp.runtime.ranks import on_ranks
 
 # Variants run the shipped plan of their model type, whose `when config.…` blocks pick their layout.
 TP2 = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_neox", "gptj", "gpt_bigcode", "falcon",

@@ -7,17 +7,17 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import torch  # noqa: E402
+import torch
 
-from dtp import models  # noqa: E402
-from dtp.checks.checker import check  # noqa: E402
-from dtp.compiler.styles import SetAttributes  # noqa: E402
-from dtp.cost.explain import explain  # noqa: E402
-from dtp.errors import PlanError  # noqa: E402
-from dtp.hf.verify import PLANS  # noqa: E402
-from dtp.lang.parse import parse  # noqa: E402
-from dtp.layout.lower import lower  # noqa: E402
-from dtp.layout.norms import rms_norm  # noqa: E402
+from dtp import models
+from dtp.checks.checker import check
+from dtp.compiler.styles import SetAttributes
+from dtp.cost.explain import explain
+from dtp.errors import PlanError
+from dtp.hf.verify import PLANS
+from dtp.lang.parse import parse
+from dtp.layout.lower import lower
+from dtp.layout.norms import rms_norm
 
 
 def _build(family: str):

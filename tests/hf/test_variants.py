@@ -8,14 +8,14 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from dtp.checks.checker import check  # noqa: E402
-from dtp.errors import PlanError  # noqa: E402
-from dtp.hf.variant_list import BY_NAME  # noqa: E402
-from dtp.hf.variants import Outcome, judge, precheck, verify_variants_on_rank  # noqa: E402
-from dtp.hf.verify import PLANS  # noqa: E402
-from dtp.lang.parse import load  # noqa: E402
-from dtp.models import hf  # noqa: E402
-from dtp.runtime.ranks import on_ranks  # noqa: E402
+from dtp.checks.checker import check
+from dtp.errors import PlanError
+from dtp.hf.variant_list import BY_NAME
+from dtp.hf.variants import Outcome, judge, precheck, verify_variants_on_rank
+from dtp.hf.verify import PLANS
+from dtp.lang.parse import load
+from dtp.models import hf
+from dtp.runtime.ranks import on_ranks
 
 
 def _counts(forward: int, backward: int) -> dict:

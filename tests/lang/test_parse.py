@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dtp import cli
-from dtp.errors import PlanError, UsageError
+from dtp.errors import PlanError, Pos, UsageError
 from dtp.lang import ir
 from dtp.lang.parse import MAX_INT, load, parse
 from dtp.layout.resolve import matches, specificity
@@ -30,11 +30,11 @@ def diag_lines(err: PlanError) -> list[tuple[int, int, str]]:
 def test_positions_of_header_rules_styles_and_options():
     plan = load(GPT2_TP)
     f = str(GPT2_TP)
-    assert (plan.version_pos, plan.plan_pos, plan.mesh_pos) == (ir.Pos(f, 4, 5), ir.Pos(f, 5, 1), ir.Pos(f, 6, 1))
+    assert (plan.version_pos, plan.plan_pos, plan.mesh_pos) == (Pos(f, 4, 5), Pos(f, 5, 1), Pos(f, 6, 1))
     assert plan.file == f and plan.name == "gpt2-megatron" and plan.plan_version == 1 and plan.mesh == ("tp",)
     wte, block, lm_head = plan.body
-    assert (wte.pos, wte.pattern.pos, wte.style.pos) == (ir.Pos(f, 8, 1), ir.Pos(f, 8, 1), ir.Pos(f, 8, 18))
-    assert (block.pos, block.end) == (ir.Pos(f, 10, 1), ir.Pos(f, 15, 1))
+    assert (wte.pos, wte.pattern.pos, wte.style.pos) == (Pos(f, 8, 1), Pos(f, 8, 1), Pos(f, 8, 18))
+    assert (block.pos, block.end) == (Pos(f, 10, 1), Pos(f, 15, 1))
     c_attn, attn_proj, c_fc, mlp_proj = block.body
     assert (c_attn.pos.line, c_attn.pos.column) == (11, 5)
     assert (c_attn.style.pos.line, c_attn.style.pos.column) == (11, 18)

@@ -9,7 +9,7 @@ import torch
 from dtp import cli, models
 from dtp.layout.attention import config_heads
 from dtp.models.llama import Llama, LlamaConfig
-from dtp.verify.apply import launch
+from dtp.verify.apply import launch_apply
 from dtp.verify.rank import RunConfig
 
 transformers = pytest.importorskip("transformers", reason="tests install transformers via the test extras")
@@ -129,7 +129,7 @@ def test_check_names_key_value_heads(repo, capsys):
 @pytest.mark.parametrize("plan, model", [("plans/llama.tp", "llama-tiny"),
                                          ("plans/llama-packed.tp", "llama-tiny-packed")])
 def test_parity_on_two_ranks(repo, plan, model):
-    report = launch(RunConfig(plan=plan, model=model, tp=2, steps=2))
+    report = launch_apply(RunConfig(plan=plan, model=model, tp=2, steps=2))
     parity = report.parity
     assert parity["ok"], parity
     for q in ("logits", "loss", "grads", "params"):

@@ -10,12 +10,12 @@ from torch.distributed.tensor import DTensor
 
 pytest.importorskip("transformers")
 
-from dtp import models  # noqa: E402
-from dtp.checks.checker import check  # noqa: E402
-from dtp.cost.param_bytes import local_param_bytes, param_bytes_per_rank  # noqa: E402
-from dtp.lang.parse import load  # noqa: E402
-from dtp.runtime.build import build_on_meta, build_sharded  # noqa: E402
-from dtp.runtime.launcher import launch_local  # noqa: E402
+from dtp import models
+from dtp.checks.checker import check
+from dtp.cost.param_bytes import local_param_bytes, param_bytes_per_rank
+from dtp.lang.parse import load
+from dtp.runtime.build import build_on_meta, build_sharded
+from dtp.runtime.launcher import launch_local
 
 SPEC, PLAN = "dtp.models.hf:llama", "plans/hf/llama.tp"
 

@@ -14,7 +14,7 @@ from dtp.simulate.memory import activation_bytes
 from dtp.simulate.model import Run, simulate, tp_collectives
 from dtp.simulate.prepare import Prepared
 from dtp.simulate.profile import load, parse
-from dtp.verify.apply import launch
+from dtp.verify.apply import launch_apply
 from dtp.verify.rank import RunConfig
 
 
@@ -42,7 +42,7 @@ def test_flops_of_gpt2_tiny_by_hand(repo):
 @pytest.fixture(scope="module")
 def applied():
     """One real `dtp apply` (gpt2-tiny, tp 2, batch 2 × 16 tokens, float32) and its simulation."""
-    report = launch(RunConfig(plan="plans/gpt2.tp", model="gpt2-tiny", tp=2, batch=2, seq=16, steps=1))
+    report = launch_apply(RunConfig(plan="plans/gpt2.tp", model="gpt2-tiny", tp=2, batch=2, seq=16, steps=1))
     work = Prepared("plans/gpt2.tp", "gpt2-tiny", 16).workload(2, 2, "fp32")
     return report, work
 

@@ -48,7 +48,7 @@ def test_bf16_curves_stay_in_the_band_and_a_wrong_plan_leaves_it(repo, tmp_path,
 
 def test_the_verdict_fails_what_it_cannot_compare():
     base = _run([5.0] * 30, 4.0)
-    bf16 = lambda other: compare({1: base, 2: other}, "bfloat16")  # noqa: E731
+    bf16 = lambda other: compare({1: base, 2: other}, "bfloat16")
     assert bf16(_run([5.0] * 30, 4.0)).ok
     # the band has two parts: 1e-3 to step 25, 0.15 after (dtp/train/parity.py)
     assert bf16(_run([5.0] * 29 + [5.0 * (1 + 0.14)], 4.0)).ok

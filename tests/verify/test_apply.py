@@ -8,7 +8,7 @@ import uuid
 import pytest
 from conftest import dtp_cli, processes_with_mark
 
-from dtp.verify.apply import launch
+from dtp.verify.apply import launch_apply
 from dtp.verify.rank import RunConfig
 
 # gpt2-tiny: 2 layers, n_embd 64, vocab 256, block 64, biases, wte tied to lm_head.
@@ -20,7 +20,7 @@ UNIQUE_PARAMS = 2 + L * 12 + 2  # wte, wpe, 12 per block, ln_f weight and bias
 
 
 def _run(tp: int, model: str = "gpt2-tiny", plan: str = "plans/gpt2.tp", **kw) -> dict:
-    return launch(RunConfig(plan=plan, model=model, tp=tp, batch=B, seq=T, steps=kw.pop("steps", 2), **kw))
+    return launch_apply(RunConfig(plan=plan, model=model, tp=tp, batch=B, seq=T, steps=kw.pop("steps", 2), **kw))
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -87,7 +87,7 @@ def test_gradient_reducing_layouts_under_fsdp2(repo):
     # Qwen3's replicate(reduce_grad=true) q/k norms at dp 2 × tp 2: their gradient reductions must survive
     # the build path's new storage and FSDP2's unsharded parameters (they were lost to both once)
     pytest.importorskip("transformers")
-    report = launch(RunConfig(plan="plans/hf/qwen3.tp", model="dtp.models.hf:qwen3", tp=2, dp=2, batch=4,
+    report = launch_apply(RunConfig(plan="plans/hf/qwen3.tp", model="dtp.models.hf:qwen3", tp=2, dp=2, batch=4,
                               seq=8, steps=1))
     assert report.parity["ok"], report.parity
     assert report.collectives["by_op"] == report.analytic_collectives["by_op"]

@@ -7,7 +7,7 @@ import math
 import pytest
 from conftest import dtp_cli
 
-from dtp.verify.apply import launch
+from dtp.verify.apply import launch_apply
 from dtp.verify.rank import RunConfig
 from dtp.verify.report import render
 
@@ -15,7 +15,7 @@ ALL_SIDES = "sharded run and the reference and the unsharded reference"
 
 
 def _run(model: str, plan: str = "plans/gpt2.tp", **kw):
-    return launch(RunConfig(plan=plan, model=model, tp=2, batch=2, seq=8, steps=kw.pop("steps", 1), **kw))
+    return launch_apply(RunConfig(plan=plan, model=model, tp=2, batch=2, seq=8, steps=kw.pop("steps", 1), **kw))
 
 
 def test_nan_logits_exit_1_naming_the_first_tensor(repo):

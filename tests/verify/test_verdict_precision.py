@@ -9,7 +9,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 
 from dtp.compiler.styles import SequenceParallelFromReplicated
 from dtp.runtime.ranks import on_ranks
-from dtp.verify import rank as run_mod
+from dtp.verify.rank import RunConfig, run
 from dtp.verify.reference import MixedSGD
 
 
@@ -59,8 +59,8 @@ def _verdicts(rank: int, world: int, plan: str, defect: str) -> dict:
                     mp.setattr(ColwiseParallel, "_prepare_input_fn", staticmethod(_drop_f))
                 if planted and defect == "norm":
                     _local_norm(mp)
-                cfg = run_mod.RunConfig(plan=plan, model="gpt2-tiny", tp=world, batch=2, seq=8, steps=1, dtype=dtype)
-                report = run_mod.run(cfg, None)
+                cfg = RunConfig(plan=plan, model="gpt2-tiny", tp=world, batch=2, seq=8, steps=1, dtype=dtype)
+                report = run(cfg)
             if report is not None:
                 p = report.parity
                 out[(dtype, planted)] = (p["ok"], p["grads"]["ok"], p["grads"]["margin"], p["worst_tensor"])

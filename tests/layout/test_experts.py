@@ -9,14 +9,14 @@ import torch.nn as nn
 
 pytest.importorskip("transformers")
 
-from conftest import dtp_cli  # noqa: E402
+from conftest import dtp_cli
 
-from dtp.checks.checker import check  # noqa: E402
-from dtp.errors import PlanError  # noqa: E402
-from dtp.lang.parse import load  # noqa: E402
-from dtp.layout.experts import ExpertsLayout, experts_layout  # noqa: E402
-from dtp.layout.placement import REPLICATE, ParamPlacement, param_placements  # noqa: E402
-from dtp.models import hf  # noqa: E402
+from dtp.checks.checker import check
+from dtp.errors import PlanError
+from dtp.lang.parse import load
+from dtp.layout.experts import ExpertsLayout, experts_layout
+from dtp.layout.placement import REPLICATE, ParamPlacement, param_placements
+from dtp.models import hf
 
 
 class Experts(nn.Module):
