@@ -24,7 +24,11 @@ def shipped(name: str) -> Path:
     """The shipped file or folder `name` (e.g. "grammar/tp.lark", "plans/hf", "profiles"): the wheel's copy
     inside the package where there is one, else the checkout's."""
     packaged = Path(str(importlib.resources.files("dtp") / name))
-    return packaged if packaged.exists() else _CHECKOUT / name
+    for place in (packaged, _CHECKOUT / name):
+        if place.exists():
+            return place
+    raise FileNotFoundError(f"dtp is installed without its {name}: neither {packaged} nor {_CHECKOUT / name} exists "
+                            "(a wheel built without pyproject's force-include?)")
 
 
 def replace_atomically(path: Path, write) -> None:

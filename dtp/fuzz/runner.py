@@ -25,7 +25,7 @@ from hypothesis import seed as hseed
 from dtp import models
 from dtp.checks.checker import check, sequence_shape_problem
 from dtp.cost.param_bytes import param_bytes_per_rank
-from dtp.errors import DtpError, PlanError, UsageError
+from dtp.errors import DtpError, PlanError
 from dtp.fuzz.cases import Case
 from dtp.fuzz.pool import Hang, Pools
 from dtp.lang.parse import parse
@@ -163,15 +163,6 @@ def save(case: Case, message: str, directory: Path) -> Path:
     path = directory / f"case-{name}.json"
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
     return path
-
-
-def load_case(path: Path) -> tuple[Case, str]:
-    """A saved case and the error it was saved with."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-        return Case.from_json(data), data.get("error", "")
-    except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError) as err:
-        raise UsageError(f"cannot replay {path}: not a saved dtp fuzz case ({type(err).__name__}: {err})") from None
 
 
 def fuzz_parser(strategy, examples: int, seed: int) -> list[str]:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
 from conftest import REPO
 
 
@@ -33,3 +34,11 @@ def test_wheel_carries_and_loads_the_grammar(tmp_path):
                          env={**os.environ, "PYTHONPATH": str(site)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "1"
+
+
+def test_missing_shipped_data_is_named_not_guessed():
+    from dtp.files import shipped
+
+    assert shipped("grammar/tp.lark").is_file() and shipped("plans/hf").is_dir()
+    with pytest.raises(FileNotFoundError, match="dtp is installed without its plans/nope: neither "):
+        shipped("plans/nope")

@@ -12,7 +12,8 @@ import dtp.compiler.compiler
 import dtp.compiler.placed
 from dtp.fuzz.cases import Case, mutated_texts, user_cases, zoo_cases
 from dtp.fuzz.pool import Pools
-from dtp.fuzz.runner import evaluate, fuzz, fuzz_parser, load_case, save
+from dtp.fuzz.replay import load_checked_case
+from dtp.fuzz.runner import evaluate, fuzz, fuzz_parser, save
 from dtp.layout.placement import ParamPlacement
 
 REGRESSIONS = sorted((REPO / "tests" / "regressions").glob("*.json"))
@@ -34,7 +35,7 @@ def test_ci_budget_of_random_plans_holds(pools):
 
 @pytest.mark.parametrize("path", REGRESSIONS, ids=[p.stem for p in REGRESSIONS])
 def test_saved_regression_case_passes(pools, path):
-    case, error = load_case(path)
+    case, error = load_checked_case(str(path))  # as `dtp fuzz --replay` reads it: every field checked
     assert error  # each was saved with the failure it once showed
     outcome = evaluate(case, pools)
     assert outcome.kind == "passed", outcome.message
@@ -43,7 +44,7 @@ def test_saved_regression_case_passes(pools, path):
 def test_save_and_replay_round_trip(tmp_path, repo):
     case = Case("dtp 1\nlm_head: vocab_parallel\n", "gpt2-tiny", tp=2, seq=4, meta={"x": 1})
     path = save(case, "an error", tmp_path)
-    assert load_case(path) == (case, "an error")
+    assert load_checked_case(str(path)) == (case, "an error")
     assert json.loads(path.read_text())["plan"] == case.plan
     proc = dtp_cli("fuzz", "--replay", str(path))
     # lm_head alone breaks its tie with wte: check rejects it before launch, which is what must happen
