@@ -16,7 +16,9 @@ from dtp.checks.messages import working_tp
 from dtp.errors import did_you_mean
 from dtp.lang import ir
 from dtp.lang.vocabulary import slice_names
+from dtp.layout.attention import attention_like, config_heads, heads
 from dtp.layout.modules import forward_inputs
+from dtp.layout.resolve import sharded_colwise
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -61,7 +63,6 @@ def check_slice_input(path: str, style: ir.Style, module: nn.Module, root: nn.Mo
         if name not in named and (hint or not any_keyword):
             rep.add(opt.value_pos, len(shown), path, f"{type(module).__name__}.forward takes no input '{name}'"
                     + (hint or f"; its inputs are {', '.join(named)}"))
-    from dtp.layout.attention import config_heads  # torch, only once a model is checked
     info = config_heads(root)
     if info is None:
         rep.add(style.pos, len(style.name), path, "slice_input cuts per attention head, but the model's config "
@@ -74,8 +75,6 @@ def check_slice_input(path: str, style: ir.Style, module: nn.Module, root: nn.Mo
 def check_slice_params(path: str, style: ir.Style, module: nn.Module, res, tp: int | None, rep) -> None:
     """Names are the attention module's own parameters, every one of them, each holding its heads at `dim`;
     a colwise layer in the module splits its heads (else every rank computes every head)."""
-    from dtp.layout.attention import attention_like, heads
-    from dtp.layout.resolve import sharded_colwise
 
     named_option = _names_option(style, path, rep, "parameters", "a parameter name", "slice_params(name=sinks)",
                                  "e.g. slice_params(name=sinks)")

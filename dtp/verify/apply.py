@@ -10,8 +10,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from dtp.checks.checker import sequence_shape_problem
+from dtp import models
+from dtp.checks.checker import check, render_warnings, sequence_shape_problem
 from dtp.errors import RunError, UsageError
+from dtp.lang.parse import load
+from dtp.runtime import preflight
 from dtp.runtime.launcher import error_summary, launch_local, pick_device, torchrun_group, under_torchrun
 from dtp.verify.rank import RunConfig, run
 from dtp.verify.report import ApplyReport
@@ -51,10 +54,6 @@ def apply_command(*, plan: str, model: str, tp: int | None, dp: int, batch: int,
                   lr: float, dtype: str, device: str, timeout: float) -> ApplyReport | None:
     """`dtp apply`: check the plan and the machine (UsageError, exit 2, before any rank starts), run the ranks, and
     return rank 0's report (None on another torchrun rank). `plan` and `model` as the user wrote them."""
-    from dtp import models
-    from dtp.checks.checker import check, render_warnings
-    from dtp.lang.parse import load
-    from dtp.runtime import preflight
 
     # Every path is absolute before user code runs: a model factory may call os.chdir.
     plan_path = str(Path(plan).absolute())
