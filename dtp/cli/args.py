@@ -10,12 +10,16 @@ from typing import Callable
 DTYPES = ("float32", "bfloat16", "float64")  # `dtp apply --dtype` (dtp.verify.rank.DTYPES maps them to torch's)
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer ≥ 1."""
+def _integer(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer ≥ 1."""
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
@@ -74,10 +78,7 @@ def memory_size(text: str) -> int:
 def bounded(limit: int) -> Callable[[str], int]:
     """argparse type: an integer in [1, `limit`] (a size whose typo must not ask for a million GPUs)."""
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
+        value = _integer(text)
         if not 1 <= value <= limit:
             raise argparse.ArgumentTypeError(f"expected an integer in [1, {limit}], got {value}")
         return value

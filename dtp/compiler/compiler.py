@@ -56,7 +56,7 @@ class Compiled:
     styles: dict[str, ParallelStyle]
     rewrites: dict[str, SetAttributes]
     lowered: Lowered
-    packed: dict[str, int] = field(default_factory=dict)  # module path → parts, for gathering parameters back
+    packed: dict[str, ParamPlacement] = field(default_factory=dict)  # parameter → placement, to gather it back
 
     @property
     def loss_parallel(self) -> bool:
@@ -90,7 +90,7 @@ def _style(m: ModuleLayout) -> ParallelStyle:
 
 
 def placed_params(low: Lowered, model: nn.Module) -> dict[str, ParamPlacement]:
-    """Parameter name → placement, for every parameter gathered back through `layouts.unpack_parts`
+    """Parameter name → placement, for every parameter gathered back through `placed.unpack_placed`
     (Conv1D with packed parts, unequal or replicated parts, experts' packed gate_up_proj)."""
     out: dict[str, ParamPlacement] = {}
     for path, m in low.modules.items():

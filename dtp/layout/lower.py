@@ -38,7 +38,6 @@ class ModuleLayout:
     input: Placement | None  # how its input arrives (None: not a tensor-parallel boundary)
     output: Placement | None  # what it hands on
     local: bool  # hand on a local tensor (True) or a DTensor
-    packed: int = 1
     # Parameter placements for the layouts torch's styles lack (Conv1D, unequal or replicated parts):
     placements: tuple[tuple[str, ParamPlacement], ...] = ()
     reduce_grad: bool = False  # replicate(reduce_grad=true)
@@ -74,7 +73,7 @@ def module_layout(style: ir.Style, module: nn.Module, sp: bool) -> ModuleLayout 
     name = style.name
     if name == "colwise":
         return ModuleLayout(name, False, _layout(style, "input", between), _layout(style, "output", Shard(-1)),
-                            style.option("local", True), style.option("packed", 1))
+                            style.option("local", True))
     if name == "rowwise":
         return ModuleLayout(name, False, _layout(style, "input", Shard(-1)), _layout(style, "output", between), local)
     if name == "vocab_parallel" and isinstance(module, nn.Embedding):
@@ -107,10 +106,9 @@ def lower(res: Resolution, tp: int) -> Lowered:
         if layout is not None and layout.style == "sharded_norm":
             layout = replace(layout, placements=tuple(res.placements(path).items()))
         if layout is not None and layout.style == "colwise":
-            placed = res.placements(path)
-            packed = layout.packed if isinstance(layout.packed, int) else 1
-            special = is_conv1d(res.modules[path]) or packed > 1 or any(p.parts for p in placed.values())
-            layout = replace(layout, packed=packed, placements=tuple(placed.items()) if special else ())
+            placed = res.placements(path)  # packed parts (equal or not) and Conv1D need dtp's own placements
+            special = is_conv1d(res.modules[path]) or any(p.parts or p.packed > 1 for p in placed.values())
+            layout = replace(layout, placements=tuple(placed.items()) if special else ())
         if layout is not None:
             modules[path] = layout
     # A shared input changes what every child of the parent receives, so only a parent whose colwise

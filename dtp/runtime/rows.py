@@ -82,7 +82,7 @@ def shared_rows(applied: Applied) -> dict[str, tuple[int, torch.Tensor]]:
     gradient norm counts each model row once with these weights."""
     out = {}
     for name, entry in applied.compiled.packed.items():
-        if isinstance(entry, ParamPlacement) and any(kind is not True for _, kind in entry.parts):
+        if any(kind is not True for _, kind in entry.parts):
             _, order = row_order(entry, 0, applied.tp)
             copies = torch.bincount(order)
             out[name] = (entry.shard_dim, 1.0 / copies[order].double())
