@@ -145,7 +145,8 @@ def _check(plan: ir.Plan, model: nn.Module | None, tp: int | None, dp: int | Non
     sizes: list[int] = []
     warnings: list[Diagnostic] = []
     if model is not None:
-        from dtp.checks.heads import check_per_head_lists  # torch: only once a model is checked
+        from dtp.checks.attention_shapes import check_attention_shapes  # torch: only once a model is checked
+        from dtp.checks.heads import check_per_head_lists
         from dtp.checks.modules import check_modules
         from dtp.checks.norms import check_unsharded_norms
         from dtp.checks.partial_grads import check_partial_grads
@@ -159,6 +160,8 @@ def _check(plan: ir.Plan, model: nn.Module | None, tp: int | None, dp: int | Non
             before = len(rep.groups)
             check_unsharded_norms(res, rep)
             check_per_head_lists(res, model, tp, rep)
+            if not rep.groups and not structural:  # after any other error a shape error would only echo it
+                check_attention_shapes(res, model, tp if tp is not None else cond_tp, rep)  # `when tp` branches
             if len(rep.groups) == before:  # a per-head list's norms would only echo it
                 check_partial_grads(res, model, tp, rep)
             fits = len(rep.groups) == before

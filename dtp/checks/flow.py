@@ -5,8 +5,9 @@ reduced sum, sequence_parallel a sequence-sharded DTensor); between them the mod
 whatever arrives. The walk follows the shape every transformer has: a top-level chain (embeddings, the
 blocks, the final norm, the head) carrying the residual stream into every block (a child of a
 ModuleList); inside a block the norms read the residual stream, and each branch (a child container:
-attention, MLP) starts from it and adds its result back. Modules run in registration order, which for
-the Linear layers of one branch is their data-flow order.
+attention, MLP) starts from it and adds its result back. Inside a branch each leaf reads what the forward's
+source says it reads (dtp/layout/forward_source.py: q, k and v side by side, their outputs meeting before
+o_proj); where the source cannot say, modules run in registration order.
 
 What it catches, each of which torch finds only mid-run or never:
 - a colwise output that no rowwise consumes (it reaches a plain module, or leaves its branch a slice);
@@ -17,47 +18,19 @@ What it catches, each of which torch finds only mid-run or never:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import torch.nn as nn
-from torch.distributed.tensor import Partial, Placement, Shard
 
+from dtp.checks.activations import PLAIN, Act, layout_text
+from dtp.checks.flow_sources import meet_by_source
 from dtp.errors import NOWHERE, Pos
 from dtp.layout.attention import attention_like
+from dtp.layout.forward_source import branch_sources
 from dtp.layout.norms import is_norm
 from dtp.layout.resolve import Resolution
 
 Report = Callable[[Pos, int, str, str], None]  # (position, length, module path, message)
-
-_WHAT = {"replicate": "the full activation", "shard(-1)": "each rank's slice of the features",
-         "shard(1)": "each rank's slice of the sequence", "partial": "partial sums"}
-
-
-def layout_text(p: Placement) -> str:
-    """A placement of a (batch, sequence, features) activation as plan text, negative dims normalised."""
-    if isinstance(p, Partial):
-        return "partial"
-    if isinstance(p, Shard):
-        return {2: "shard(-1)", -1: "shard(-1)", 1: "shard(1)", -2: "shard(1)"}.get(p.dim, f"shard({p.dim})")
-    return "replicate"
-
-
-@dataclass(frozen=True)
-class Act:
-    """What an activation is at one point of the walk."""
-
-    layout: str  # replicate | shard(-1) | shard(1) | partial | shard(D)
-    dtensor: bool
-    producer: str | None = None  # the module that set the layout (None: the model's own tensor)
-
-    def describe(self) -> str:
-        """E.g. `each rank's slice of the features (shard(-1), local)`."""
-        return f"{_WHAT.get(self.layout, self.layout)} ({self.layout}, {'DTensor' if self.dtensor else 'local'})"
-
-
-PLAIN = Act("replicate", False)
-
 
 def _relevant(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, nn.Embedding, nn.Dropout)) or is_norm(module)
@@ -101,14 +74,14 @@ class _Walk:
 
     # ---- reporting ----------------------------------------------------------------------------------
 
-    def _rel(self, path: str, anchor: str | None) -> str:
+    def rel(self, path: str, anchor: str | None) -> str:
         """`path` relative to the block that holds `anchor` too (so one message fits every layer)."""
         for block in self.block_paths:
             if anchor and path.startswith(block + ".") and anchor.startswith(block + "."):
                 return path[len(block) + 1:]
         return path or "the model"
 
-    def _fail(self, subject: str, message: str, *candidates: str | None) -> None:
+    def fail(self, subject: str, message: str, *candidates: str | None) -> None:
         """Report at the rule of the first claimed candidate (else the first sequence_parallel rule)."""
         rule = next((self.res.claims[c] for c in candidates if c and c in self.res.claims), None) or self.sp_rule
         if rule is None:
@@ -116,7 +89,7 @@ class _Walk:
         pos, length = (rule.style.pos, len(rule.style.name)) if rule else (NOWHERE, 1)
         self.report(pos, length, subject, message)
 
-    def _style(self, path: str) -> str | None:
+    def style(self, path: str) -> str | None:
         m = self.layouts.get(path)
         return m.style if m is not None else None
 
@@ -126,17 +99,17 @@ class _Walk:
         """A ParallelStyle redistributes a DTensor input, but reads a local one as `want`."""
         if got.dtensor or got.layout == want:
             return True
-        style = self._style(path)
-        src = f"{self._rel(got.producer, path)}" if got.producer else "the model's own computation"
+        style = self.style(path)
+        src = f"{self.rel(got.producer, path)}" if got.producer else "the model's own computation"
         hint = ""
         if style == "rowwise" and want == "shard(-1)" and got.layout == "replicate":
             hint = ("; no colwise layer before it slices the features: shard the layer that produces its input "
                     "colwise, or use rowwise(input=replicate)")
-            if got.producer and self._style(got.producer) == "colwise":
+            if got.producer and self.style(got.producer) == "colwise":
                 hint = f"; drop output=replicate from {src} (rowwise consumes its slice) or use rowwise(input=replicate)"
         elif got.layout == "replicate" and want == "shard(1)":
             hint = "; it is not sequence-sharded here: drop input=shard(1), or shard the sequence before it"
-        self._fail(path, f"{style} reads a local input as {want}, but receives {got.describe()} from {src}{hint}",
+        self.fail(path, f"{style} reads a local input as {want}, but receives {got.describe()} from {src}{hint}",
                    path)
         return False
 
@@ -146,23 +119,27 @@ class _Walk:
             return True
         module = self.res.modules[path]
         kind = type(module).__name__
-        where = self._rel(path, got.producer)
+        where = self.rel(path, got.producer)
         src = got.producer
         if got.dtensor:
             hint = ("; make it vocab_parallel" if isinstance(module, nn.Linear) and module.out_features == self.vocab
                     else f"; shard {where} too, or hand it a local tensor (local=true)")
-            self._fail(src or path, f"hands {where} ({kind}, not sharded) a DTensor ({got.layout}); a plain module "
+            self.fail(src or path, f"hands {where} ({kind}, not sharded) a DTensor ({got.layout}); a plain module "
                        f"cannot mix one with its own parameters{hint}", src, path)
         elif got.layout == "partial":
-            self._fail(src or path, f"output=partial hands on partial sums that nothing reduces: {where} ({kind}, not "
+            self.fail(src or path, f"output=partial hands on partial sums that nothing reduces: {where} ({kind}, not "
                        "sharded) reads them as the full activation; drop output=partial (the default reduces them), "
                        "or hand them on as a DTensor (local=false) to a sharded layer", src, path)
-        elif got.layout == "shard(-1)" and src and self._style(src) == "colwise":
-            self._fail(src, f"colwise output ({got.describe()}) reaches {where} ({kind}, not sharded), which needs "
+        elif got.layout == "shard(-1)" and src and self.style(src) == "colwise" and is_norm(module):
+            self.fail(src, f"colwise output ({got.describe()}) reaches {where} ({kind}, not sharded, so it reads "
+                       "full activations only): a norm over each head takes `replicate(reduce_grad=true)` (its gradient "
+                       "is summed over the ranks), a norm over all features `sharded_norm`", src, path)
+        elif got.layout == "shard(-1)" and src and self.style(src) == "colwise":
+            self.fail(src, f"colwise output ({got.describe()}) reaches {where} ({kind}, not sharded), which needs "
                        f"the full features: no rowwise consumes it; make {where} rowwise, or give the colwise layer "
                        "output=replicate", src, path)
         else:
-            self._fail(src or path, f"hands {where} ({kind}, not sharded) {got.describe()}, but it needs the full "
+            self.fail(src or path, f"hands {where} ({kind}, not sharded) {got.describe()}, but it needs the full "
                        "activation", src, path)
         return False
 
@@ -182,6 +159,8 @@ class _Walk:
             return Act("shard(-1)", False, path) if self._expect(path, "shard(-1)", got) else None
         if m.style == "sequence_parallel":  # a plain input is read as the full sequence
             return Act("shard(1)", True, path) if self._expect(path, "replicate", got) else None
+        if m.input is None:  # replicate(reduce_grad=true) runs on whatever arrives (a per-head norm on local heads)
+            return got
         if not self._expect(path, layout_text(m.input), got):
             return None
         if m.style == "vocab_parallel":
@@ -189,7 +168,7 @@ class _Walk:
         out = Act(layout_text(m.output), not m.local, path)
         parent = path.rpartition(".")[0]
         if m.style == "colwise" and out.dtensor and "." in path and attention_like(self.res.modules[parent]):
-            self._fail(path, f"colwise hands the attention's own code ({self._rel(parent, path)}) a DTensor, but "
+            self.fail(path, f"colwise hands the attention's own code ({self.rel(parent, path)}) a DTensor, but "
                        "its head reshapes, rotary embeddings and scaled_dot_product_attention run on local tensors; "
                        "drop local=false", path)
             return None
@@ -200,14 +179,14 @@ class _Walk:
     def _covered(self, path: str) -> bool:
         """Under sequence parallelism a residual-stream norm or dropout must be sequence_parallel."""
         module = self.res.modules[path]
-        if not self.sp or not (is_norm(module) or isinstance(module, nn.Dropout)) or self._style(path) is not None:
+        if not self.sp or not (is_norm(module) or isinstance(module, nn.Dropout)) or self.style(path) is not None:
             return True
         pattern = path
         for block in self.block_paths:
             if path.startswith(block + "."):
                 head, _, _ = block.rpartition(".")
                 pattern = f"{head}.*.{path[len(block) + 1:]}"
-        self._fail(path, f"sequence parallelism covers only some norms and dropouts: this {type(module).__name__} is "
+        self.fail(path, f"sequence parallelism covers only some norms and dropouts: this {type(module).__name__} is "
                    "not sequence_parallel, but once one is, the residual stream is sequence-sharded and every norm "
                    f"and dropout on it must be too; add `{pattern}: sequence_parallel`")
         return False
@@ -223,27 +202,33 @@ class _Walk:
         where = f"{branch}'s result reaches the residual stream as {got.describe()}"
         if got.layout == "partial":  # even as a DTensor: left to the residual add's implicit redistribution,
             # it breaks DTensor's backward on some shapes (a one-token sequence shard)
-            self._fail(src or branch, f"output=partial: {where}, sums that nothing in the plan reduces before "
+            self.fail(src or branch, f"output=partial: {where}, sums that nothing in the plan reduces before "
                        "they are added; drop output=partial (the default reduces them)", src)
         elif self.sp and not got.dtensor:
             fix = "drop local=true" if src else f"shard {branch} (sequence parallelism reaches every branch)"
-            self._fail(src or branch, f"{where}, but under sequence parallelism the residual stream is a "
+            self.fail(src or branch, f"{where}, but under sequence parallelism the residual stream is a "
                        f"sequence-sharded DTensor: a DTensor and a local tensor cannot be added; {fix}", src)
         elif got.dtensor:
-            self._fail(src or branch, f"{where}, but without sequence parallelism the residual stream is a plain "
+            self.fail(src or branch, f"{where}, but without sequence parallelism the residual stream is a plain "
                        "tensor: a DTensor and a local tensor cannot be added; drop local=false", src)
-        elif got.layout == "shard(-1)" and src and self._style(src) == "colwise":
-            self._fail(src, f"colwise output unconsumed: {where}, with no rowwise to reduce it first; make the "
+        elif got.layout == "shard(-1)" and src and self.style(src) == "colwise":
+            self.fail(src, f"colwise output unconsumed: {where}, with no rowwise to reduce it first; make the "
                        "branch's next Linear rowwise, or give this one output=replicate", src)
         else:
-            self._fail(src or branch, f"{where}, but it must be the full activation as a plain tensor", src)
+            self.fail(src or branch, f"{where}, but it must be the full activation as a plain tensor", src)
 
     def branch(self, block: str, leaves: list[str], start: Act) -> None:
         """Walk one branch of a block from the residual stream and add its result back."""
-        leaves = _execution_order(leaves, self._style)
+        leaves = _execution_order(leaves, self.style)
+        sources = branch_sources(self.res.modules, leaves, (nn.Dropout,))
+        if sources is not None:  # the forward's source says which output each leaf reads
+            got = meet_by_source(self, sources, start)
+            if got is not None:
+                self._join(leaves[0][len(block) + 1:].split(".")[0], got)
+            return
         got, sibling_input = start, None
         for path in leaves:
-            if self._style(path) == "colwise" and sibling_input is not None and got.producer and \
+            if self.style(path) == "colwise" and sibling_input is not None and got.producer and \
                     got.producer.rpartition(".")[0] == path.rpartition(".")[0]:
                 # q/k/v, gate/up: colwise siblings read the same input and hand on alike
                 before = got
@@ -251,13 +236,13 @@ class _Walk:
                 if got is None:
                     return
                 if (got.layout, got.dtensor) != (before.layout, before.dtensor):
-                    self._fail(path, f"colwise siblings hand on different layouts: {got.describe()} here, "
-                               f"{before.describe()} from {self._rel(before.producer, path)}; give them the same "
+                    self.fail(path, f"colwise siblings hand on different layouts: {got.describe()} here, "
+                               f"{before.describe()} from {self.rel(before.producer, path)}; give them the same "
                                "output and local options", path)
                     return
                 continue
-            if self._style(path) != "sharded_norm":  # a sharded norm of q leaves k, v reading q's input
-                sibling_input = got if self._style(path) == "colwise" else None
+            if self.style(path) != "sharded_norm":  # a sharded norm of q leaves k, v reading q's input
+                sibling_input = got if self.style(path) == "colwise" else None
             got = self.step(path, got)
             if got is None:
                 return
@@ -307,7 +292,7 @@ class _Walk:
         fix = ("give it output=replicate, local=true and cut the sum into sequence shards with a sequence_parallel "
                "dropout or norm after it (plans/gpt2-sp.tp)" if self.sp else "hand on the full activation as a local "
                "tensor (the default)")
-        self._fail(a_path, f"its output ({a.describe()}) is added to {b_path}'s ({b.describe()}), and the two "
+        self.fail(a_path, f"its output ({a.describe()}) is added to {b_path}'s ({b.describe()}), and the two "
                    f"cannot be combined; {fix}", a_path)
         return False
 
@@ -317,12 +302,12 @@ class _Walk:
             return True
         src = stream.producer
         if self.sp:
-            self._fail(src or block, f"the residual stream enters {block} as {stream.describe()}, but sequence "
+            self.fail(src or block, f"the residual stream enters {block} as {stream.describe()}, but sequence "
                        "parallelism needs it sequence-sharded from the first block on; make the embedding "
                        "vocab_parallel (its output is then reduce-scattered into sequence shards), or a dropout or "
                        "norm before the first block sequence_parallel", src)
         else:
-            self._fail(src or block, f"hands the residual stream {stream.describe()} as it enters {block}; without "
+            self.fail(src or block, f"hands the residual stream {stream.describe()} as it enters {block}; without "
                        "sequence parallelism it must be the full activation as a local tensor"
                        + ("; drop local=false" if stream.dtensor else "; drop the output option"), src)
         return False
@@ -353,10 +338,10 @@ class _Walk:
 
     def _output(self, stream: Act) -> None:
         src = stream.producer
-        if (stream.layout, stream.dtensor) == ("replicate", False) or (stream.dtensor and src and self._style(src) == "vocab_parallel"
+        if (stream.layout, stream.dtensor) == ("replicate", False) or (stream.dtensor and src and self.style(src) == "vocab_parallel"
                                and not self.layouts[src].embedding):
             return
-        self._fail(src or "the model", f"its output ({stream.describe()}) is the model's output, which nothing "
+        self.fail(src or "the model", f"its output ({stream.describe()}) is the model's output, which nothing "
                    "gathers; use vocab_parallel on the output projection (the loss then runs vocab-parallel), or "
                    "output=replicate", src)
 

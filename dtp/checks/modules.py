@@ -102,7 +102,7 @@ def check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: Report
         fan_in, fan_out = features(module) if is_linear(module) else (0, 0)
         owner = _attention_of(res, path) if style.name in ("colwise", "rowwise") else None
         info = attention.heads(model, *owner) if owner else None
-        if info and style.name == "colwise" and not heads.check_fused_parts(path, style, owner[1], module, info, rep):
+        if info and style.name == "colwise" and not heads.check_fused_parts(path, style, owner[1], module, info, rep, tp):
             continue
         if packed > 1 and fan_out % packed:
             rep.add(style.pos, length, path, f"packed={packed} needs out_features={fan_out} to split into "
@@ -118,5 +118,5 @@ def check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: Report
                         f"tp values that work: {working_tp(size)}")
         if info:
             width = fan_out // packed if style.name == "colwise" else fan_in
-            heads.check_whole_heads(path, style, info, width, packed, tp, rep, sizes)
+            heads.check_whole_heads(path, style, info, width, packed, tp, rep, sizes, owner[1])
     return fits

@@ -5,7 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
-from dtp.cli.args import DTYPES, positive_float, positive_int, seed_int
+from dtp.cli.args import DTYPES, bounded, positive_float, positive_int, seed_int
 from dtp.files import writable_file
 
 
@@ -19,6 +19,9 @@ def add_parser(sub) -> None:
     a.add_argument("--batch", type=positive_int, default=2)
     a.add_argument("--seq", type=positive_int, default=16)
     a.add_argument("--steps", type=positive_int, default=3)
+    a.add_argument("--max-seq", type=bounded(1 << 20), metavar="N",
+                   help="after the steps, also compare one forward (eval and train mode) at N tokens (default: the "
+                        "model's maximum sequence, at most 2048)")
     a.add_argument("--seed", type=seed_int, default=0)
     a.add_argument("--lr", type=positive_float, default=0.1, help="SGD learning rate (momentum 0.9)")
     a.add_argument("--dtype", choices=DTYPES, default="float32")
@@ -37,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     json_path = writable_file(args.json, "--json") if args.json else None  # before any rank starts
     report = apply_command(plan=args.plan, model=args.model, tp=args.tp, dp=args.dp, batch=args.batch, seq=args.seq,
                            steps=args.steps, seed=args.seed, lr=args.lr, dtype=args.dtype, device=args.device,
-                           timeout=args.timeout)
+                           timeout=args.timeout, max_seq=args.max_seq)
     if report is None:  # a torchrun rank other than 0
         return 0
     print(render(report))

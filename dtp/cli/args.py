@@ -75,11 +75,11 @@ def memory_size(text: str) -> int:
     return int(float(m.group(1)) * unit)
 
 
-def bounded(limit: int) -> Callable[[str], int]:
-    """argparse type: an integer in [1, `limit`] (a size whose typo must not ask for a million GPUs)."""
+def bounded(limit: int, low: int = 1) -> Callable[[str], int]:
+    """argparse type: an integer in [`low`, `limit`] (a size whose typo must not ask for a million GPUs)."""
     def parse(text: str) -> int:
         value = _integer(text)
-        if not 1 <= value <= limit:
-            raise argparse.ArgumentTypeError(f"expected an integer in [1, {limit}], got {value}")
+        if not low <= value <= limit:
+            raise argparse.ArgumentTypeError(f"expected an integer in [{low}, {limit}], got {value}")
         return value
     return parse

@@ -1,10 +1,13 @@
 """`dtp train PLAN MODEL`: exit 0 trained (and, with --compare-tp, the curves agree); 1 a rank failed, the loss
-diverged or the curves differ; 2 a plan, data or flag error (before any rank starts); 130 interrupted."""
+or the tp ranks' replicas diverged, or the curves differ; 2 a plan, data or flag error (before any rank starts); 130 interrupted."""
 from __future__ import annotations
 
 import argparse
 
-from dtp.cli.args import memory_size, positive_float, positive_int, seed_int, tp_list
+from dtp.cli.args import bounded, memory_size, positive_float, positive_int, seed_int, tp_list
+
+MAX_INTERVAL = 10**9  # steps: far beyond any run, so a typo is an error rather than a silent "never"
+interval = bounded(MAX_INTERVAL, low=0)  # 0, or a number of steps
 
 
 def add_parser(sub) -> None:
@@ -31,6 +34,15 @@ def add_parser(sub) -> None:
     t.add_argument("--eval-every", type=positive_int, default=50, help="validation every E steps and at the end")
     t.add_argument("--checkpoint-activations", action="store_true", help="recompute each block's forward in backward")
     t.add_argument("--seed", type=seed_int, default=0)
+    t.add_argument("--init", choices=("model", "keyed"), default="model",
+                   help="model (default): the model's own initialisation for --seed, built whole on rank 0 and "
+                   "scattered (rank 0's host must hold the whole model); keyed: GPT-2's init (normal matrices, unit "
+                   "norms, zero biases) drawn by each rank for its own shards only, for models too large for one "
+                   "host (it refuses other 1-D parameters)")
+    t.add_argument("--check-replicas", type=interval, default=10, metavar="N",
+                   help="compare the tp ranks' copies of replicated tensors after the first step, every N steps, "
+                   "before each checkpoint and at the end (0: checkpoints and the end only; default 10); "
+                   "a divergence stops the run, exit 1")
     t.add_argument("--max-rank-memory", type=memory_size, metavar="BYTES",
                    help="refuse a tp whose per-rank parameters + gradients + AdamW state exceed BYTES (e.g. 1.5MiB)")
     t.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")

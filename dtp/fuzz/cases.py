@@ -156,17 +156,17 @@ def zoo_cases(draw, max_world: int = 4) -> Case:
     model = draw(st.one_of(gpt_configs(), llama_configs()))
     plan, chose = draw(plans(model))
     tp, dp = draw(meshes(max_world))
-    batch = dp * draw(st.integers(1, 2))
-    return Case(plan, model, tp, dp, batch, draw(st.integers(1, 12)), draw(st.integers(0, 2**16)), draw(_DTYPES),
-                meta=chose)
+    batch = dp * draw(st.integers(1, 3))
+    return Case(plan, model, tp, dp, batch, draw(st.integers(1, model["block_size"])), draw(st.integers(0, 2**16)),
+                draw(_DTYPES), meta=chose)
 
 
 @st.composite
-def user_cases(draw, plan: str, model: str, max_world: int = 4) -> Case:
-    """The user's plan and model on a random mesh, shape and seed."""
+def user_cases(draw, plan: str, model: str, max_world: int = 4, max_seq: int = 16) -> Case:
+    """The user's plan and model on a random mesh, shape (sequences up to `max_seq`) and seed."""
     tp, dp = draw(meshes(max_world))
-    batch = dp * draw(st.integers(1, 2))
-    return Case(plan, model, tp, dp, batch, draw(st.integers(1, 16)), draw(st.integers(0, 2**16)), draw(_DTYPES))
+    batch = dp * draw(st.integers(1, 3))
+    return Case(plan, model, tp, dp, batch, draw(st.integers(1, max_seq)), draw(st.integers(0, 2**16)), draw(_DTYPES))
 
 
 # ---- mutated plans -------------------------------------------------------------------------------

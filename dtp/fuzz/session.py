@@ -2,11 +2,22 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
 from dtp.errors import UsageError
 from dtp.files import writable_dir
+
+FUZZ_MAX_SEQ = 128  # drawn training lengths; the probes after the steps still reach the model's maximum
+
+def _max_seq(spec: str) -> int:
+    """The longest sequence to draw for a user's model: its stated maximum, at most FUZZ_MAX_SEQ (every example
+    also runs dtp.verify.probes at the longest length), 16 when it states none."""
+    from dtp import models
+
+    stated = models.max_sequence(models.build(models.resolve(spec), device="meta"))
+    return min(stated or 16, FUZZ_MAX_SEQ)
 
 
 def fuzz_command(args: argparse.Namespace) -> int:
@@ -48,12 +59,25 @@ def fuzz_command(args: argparse.Namespace) -> int:
             raise UsageError("give both PLAN and MODEL, or neither (to fuzz random plans on zoo models)")
         if args.plan:
             text = read_plan_text(args.plan)
-            strategy = user_cases(text, args.model, args.max_world)
+            strategy = user_cases(text, args.model, args.max_world, _max_seq(args.model))
         else:
             strategy = mutated_cases(args.max_world) if args.mutate else zoo_cases(args.max_world)
         bar = tqdm(total=args.examples, unit="ex", desc="fuzz", disable=not sys.stderr.isatty() and not args.progress)
 
+        interrupted = []
+
+        def interrupt(signum, frame) -> None:
+            interrupted.append(signum)
+            raise KeyboardInterrupt
+
+        # Ctrl-C is remembered as well as raised: one that lands in a finalizer is swallowed there ("Exception
+        # ignored in …") and the fuzz would run on; the next example's end raises it again.
+        signal.signal(signal.SIGINT, interrupt)
+        sys.unraisablehook = lambda u: None if isinstance(u.exc_value, KeyboardInterrupt) else sys.__unraisablehook__(u)
+
         def progress(outcome) -> None:
+            if interrupted:
+                raise KeyboardInterrupt
             bar.update(1)
             bar.set_postfix_str(outcome.kind)
 
@@ -71,4 +95,5 @@ def fuzz_command(args: argparse.Namespace) -> int:
             return 1
         return 0
     finally:
+        sys.unraisablehook = sys.__unraisablehook__
         pools.close()

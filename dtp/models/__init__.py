@@ -5,7 +5,17 @@ Input: a spec. Output: an `nn.Module` (on the meta device unless asked), its voc
 only. Modules: spec (the registry, YAML loader, factories), gpt, llama, hf (Hugging Face builders), examples.
 """
 from dtp.models.gpt import GPT, GPTConfig
-from dtp.models.spec import FAMILIES, ModelSource, build, config_from_dict, read_config, resolve, vocab_size, zoo_names
+from dtp.models.spec import (
+    FAMILIES,
+    ModelSource,
+    build,
+    config_from_dict,
+    max_sequence,
+    read_config,
+    resolve,
+    vocab_size,
+    zoo_names,
+)
 
-__all__ = ["GPT", "GPTConfig", "FAMILIES", "ModelSource", "build", "config_from_dict", "read_config", "resolve",
-           "vocab_size", "zoo_names"]
+__all__ = ["GPT", "GPTConfig", "FAMILIES", "ModelSource", "build", "config_from_dict", "max_sequence", "read_config",
+           "resolve", "vocab_size", "zoo_names"]

@@ -201,3 +201,19 @@ def vocab_size(model: nn.Module) -> int | None:
         return config.vocab_size
     sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
     return max(sizes) if sizes else None
+
+
+# Where configs state the longest sequence they were built for (nanoGPT, most HF families, GPT-2, GPT-J's
+# n_ctx, MPT/Qwen, ChatGLM); a model without one (ALiBi, relative positions) accepts any length.
+_MAX_SEQ_KEYS = ("block_size", "max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length",
+                 "max_sequence_length")
+
+
+def max_sequence(model: nn.Module) -> int | None:
+    """The longest sequence `model`'s config says it supports, or None when it states none."""
+    config = getattr(model, "config", None)
+    for key in _MAX_SEQ_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None

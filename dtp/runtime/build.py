@@ -3,10 +3,10 @@
 The model is built with its parameters on the meta device (buffers real), sharded in place by the plan,
 and then each rank allocates only its own shards and fills them from one of two sources:
 
-- keyed (`dtp train`): dtp.runtime.keyed_init's counter-based generator, a pure function of (seed, parameter,
-  element index), so no rank ever holds more than its shards;
-- rank 0's model (`dtp apply`, the fuzz pools, `dtp bench`): the model's own initialisation, built whole on
-  rank 0 only (which keeps unsharded references of it anyway), each rank's block scattered from it.
+- keyed (`dtp train --init keyed`): dtp.runtime.keyed_init's counter-based generator, a pure function of (seed,
+  parameter, element index), so no rank ever holds more than its shards, but GPT-2's init replaces the model's own;
+- rank 0's model (`dtp apply`, `dtp train`'s default `--init model`, the fuzz pools, `dtp bench`): the model's own
+  initialisation, built whole on rank 0 only, each rank's block scattered from it (`build_from_model`).
 
 Either way a parameter's full value does not depend on tp or dp. Both fillers see a parameter through the
 same index map (`row_order`, `ParamLayout.rows`): which rows of the model's own layout a rank holds, packed parts included.
@@ -136,4 +136,22 @@ def build_sharded(plan: Checked, source: models.ModelSource | Callable[[], nn.Mo
         fill_keyed(applied, seed)
     if dp > 1:
         data_parallel(model, mesh["dp"])
+    return applied
+
+
+def build_from_model(plan: Checked, source: models.ModelSource, mesh: DeviceMesh, *, seed: int,
+                     device: torch.device, dp: int = 1, dtype: torch.dtype = torch.float32) -> Applied:
+    """The model's own initialisation, sharded: rank 0 seeds torch's generators with `seed` and builds the whole
+    model on the CPU (what `torch.manual_seed(seed); models.build(source, device="cpu", dtype=dtype)` gives,
+    at any tp and dp), every rank receives its blocks; rank 0 holds the whole model until they are scattered."""
+    torch.manual_seed(seed)
+    full = models.build(source, device="cpu", dtype=dtype) if dist.get_rank() == 0 else None
+    applied = build_sharded(plan, source, mesh, seed=seed, device=device, dp=dp, dtype=dtype, full=full,
+                            from_rank0=True)
+    del full
+    # Only rank 0 drew: every rank continues from its generator state, so a stream the ranks share (dropout on
+    # replicated activations) starts equal everywhere, as if each had built the model.
+    state = [torch.get_rng_state()]
+    dist.broadcast_object_list(state, src=0)
+    torch.set_rng_state(state[0])
     return applied

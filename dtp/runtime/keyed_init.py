@@ -59,7 +59,8 @@ def init_rule(model: nn.Module, module: nn.Module, pname: str, full_name: str, n
     if ndim >= 2:  # Linear, Embedding, Conv1D, 3-D expert weights
         return "normal", std
     raise UsageError(f"dtp train's keyed initialisation knows matrices, biases and norms; {full_name} is a "
-                     f"{ndim}-D parameter of a {type(module).__name__}")
+                     f"{ndim}-D parameter of a {type(module).__name__}; train from the model's own initialisation "
+                     "(--init model, the default)")
 
 
 def _fill(lay: ParamLayout, seed: int, std: float) -> None:

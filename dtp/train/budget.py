@@ -5,6 +5,9 @@ of the same shape and AdamW's two moments: 4 × its row of the placement table (
 is built on meta and only those shards are ever materialised (dtp.runtime.build), so at tp 1 the whole model
 counts against one rank and at tp 2 about half of it: the budget decides which tp can train. Activations
 are not counted (they scale with --batch × --seq, not with the model).
+
+`--init model` (the default) adds rank 0's copy of the whole model, built with the model's own init and
+held until every rank has its shards: `check_init_memory` refuses a run whose host cannot hold it.
 """
 from __future__ import annotations
 
@@ -36,3 +39,26 @@ def check_budget(checked: Checked, model: nn.Module, tp: int, dp: int, budget: i
         raise UsageError(f"at --tp {tp} --dp {dp} a rank would hold {human_bytes(need)} ({need} B) of parameters, "
                          f"gradients and AdamW state, over --max-rank-memory {human_bytes(budget)} ({budget} B); "
                          "shard the model over more ranks (a larger --tp)")
+
+
+def check_init_memory(checked: Checked, model: nn.Module, tp: int, dp: int, device: str,
+                      available: int | None = None) -> None:
+    """Exit 2 when rank 0's whole float32 model (`--init model`) and, on the CPU, every local rank's shards
+    would not fit the memory this host has available (`available`, default: measured now)."""
+    from dtp.cost.explain import human_bytes
+    from dtp.cost.param_bytes import param_bytes_per_rank
+    from dtp.runtime.preflight import available_bytes
+
+    available = available_bytes() if available is None else available
+    if available is None:
+        return
+    full = sum(p.numel() for p in model.parameters()) * 4 + sum(
+        b.numel() * b.element_size() for b in model.buffers() if b.is_floating_point())
+    shards = sum(param_bytes_per_rank(checked, model, tp, dp, elem=4)) if device == "cpu" else 0  # else on GPUs
+    if full + shards > available:
+        raise UsageError(f"--init model builds the whole model on rank 0 with its own initialisation before "
+                         f"scattering the shards: {human_bytes(full)} in float32"
+                         + (f", next to the ranks' {human_bytes(shards)} of shards" if shards else "")
+                         + f", but this host has {human_bytes(available)} available; use --init keyed, which "
+                         "draws each rank's shards where they live (GPT-2's init — normal matrices, unit norms, "
+                         "zero biases — instead of the model's own), or a host with more memory")

@@ -29,11 +29,11 @@ from dtp.cost.fsdp import units
 from dtp.cost.param_bytes import local_param_bytes
 from dtp.cost.schedule import NotModeled, schedule, summarize
 from dtp.lang.parse import load as load_plan
-from dtp.runtime.build import build_sharded
+from dtp.runtime.build import build_from_model, build_sharded
 from dtp.runtime.comm import CommCounter, merge
 from dtp.runtime.mesh import make_mesh
 from dtp.runtime.rows import shared_rows
-from dtp.train import data, resume
+from dtp.train import data, replica_checks, resume
 from dtp.train.meter import CommTimer, peak_memory, sync
 from dtp.train.optim import Schedule, adamw, clip_, set_lr
 
@@ -67,6 +67,8 @@ class TrainConfig:
     save_every: int = 0
     resume: str | None = None  # load this checkpoint before the first step
     convert: bool = False  # resume from a checkpoint of another plan (dtp.checkpoint.dcp's convert=True)
+    init: str = "model"  # "model": the model's own init, built on rank 0 and scattered; "keyed": drawn per shard
+    check_replicas: int = 10  # compare the tp ranks' replicated tensors every N steps (0: at the end and saves only)
 
 
 def _checkpoint_blocks(model: torch.nn.Module) -> list[str]:
@@ -93,7 +95,14 @@ class Trainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
         self.source = models.resolve(cfg.model)
         self.checked = check(load_plan(cfg.plan), models.build(self.source, device="meta"), cfg.tp)
-        self.applied = build_sharded(self.checked, self.source, mesh, seed=cfg.seed, device=self.device, dp=cfg.dp)
+        # The seed drives the model's own init (rank 0) and the stream replicated dropout shares.
+        torch.manual_seed(cfg.seed)
+        if cfg.init == "model":
+            self.applied = build_from_model(self.checked, self.source, mesh, seed=cfg.seed, device=self.device,
+                                            dp=cfg.dp)
+        else:
+            self.applied = build_sharded(self.checked, self.source, mesh, seed=cfg.seed, device=self.device,
+                                         dp=cfg.dp)
         self.model = self.applied.model
         rows = shared_rows(self.applied)  # k/v rows every rank holds: counted once in the clip norm
         self.shared_rows = {id(p): rows[n] for n, p in self.model.named_parameters() if n in rows}
@@ -203,6 +212,8 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
     start, saves = trainer.step, []
     metrics = Path(cfg.out, "metrics.jsonl") if rank == 0 else None
     bar = _progress(cfg, rank)
+    replicas = replica_checks.ReplicaChecks.over(trainer.mesh, trainer.model, trainer.device)
+    stopped = False
     counters = {"forward": CommCounter(), "backward": CommCounter()}
     losses, val_losses, times, shares = [], [], [], []
     if trainer.device.type == "cuda":
@@ -219,6 +230,16 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
             if not math.isfinite(row["loss"]):
                 raise FloatingPointError(f"the loss became {row['loss']} at step {row['step']}; lower --lr "
                                          "or keep --clip on")
+            # Before evaluating (FSDP2 leaves the root gathered after it) and before any save: never a drifted checkpoint.
+            if replicas.group is not None and (replica_checks.due(row["step"], start, cfg.check_replicas, cfg.steps)
+                                               or resume.due(cfg, row["step"])):
+                stopped = not replicas.check(trainer.model, row["step"])
+                row["replicas_checked"] = replicas.tensors
+                if stopped:  # every rank stops here; the ranks of a tp group that diverged say what differs
+                    row["replica_divergences"] = [d.describe() for d in replicas.divergences]
+                    if log:
+                        log.write(json.dumps(row) + "\n")
+                    break
             if row["step"] % cfg.eval_every == 0 or row["step"] == cfg.steps:
                 row["val_loss"] = trainer.evaluate()
                 val_losses.append((row["step"], row["val_loss"]))
@@ -240,8 +261,9 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
                 print(f"step {row['step']}/{cfg.steps}: loss {row['loss']:.4f} · val loss {row['val_loss']:.4f} · "
                       f"{row['tokens_per_s']:.0f} tokens/s", flush=True)
     peak, kind = peak_memory(trainer.device)
-    out = {"rank": rank, "param_bytes": trainer.param_bytes, "peak_memory_bytes": peak, "peak_memory_kind": kind}
-    if rank == 0:
+    out = {"rank": rank, "param_bytes": trainer.param_bytes, "peak_memory_bytes": peak, "peak_memory_kind": kind,
+           "replicas": replicas.record()}
+    if rank == 0 and not stopped:
         times = times or [row["step_time_ms"]]
         median = sorted(times)[len(times) // 2]
         out.update(losses=losses, val_losses=val_losses, val_loss=val_losses[-1][1], step_time_ms=median,

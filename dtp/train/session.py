@@ -1,7 +1,7 @@
 """What `dtp train PLAN MODEL` does: check, prepare the data, start the ranks (or join torchrun's), summarise.
 
-Exit status: 0 trained (and, with --compare-tp, the curves agree); 1 a rank failed, the loss diverged or the
-curves differ; 2 a plan, data or flag error (before any rank starts); 130 interrupted.
+Exit status: 0 trained (and, with --compare-tp, the curves agree); 1 a rank failed, the loss diverged, the tp
+ranks' replicas diverged or the curves differ; 2 a plan, data or flag error (before any rank starts); 130 interrupted.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from dtp.errors import RunError, UsageError
 from dtp.lang.parse import load
 from dtp.runtime.keyed_init import init_rule
 from dtp.runtime.launcher import launch_local, pick_device, torchrun_group, under_torchrun
-from dtp.train import data, resume
-from dtp.train.budget import check_budget
+from dtp.train import data, replica_checks, resume
+from dtp.train.budget import check_budget, check_init_memory
 from dtp.train.loop import TrainConfig, train
 from dtp.train.parity import compare, markdown
 from dtp.train.plot import loss_png
@@ -53,7 +53,7 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--batch {args.batch} (the global batch) must divide by --dp {args.dp}")
 
 
-def _preflight(args, tps: list[int]):
+def _preflight(args, tps: list[int], device: str):
     """Check the plan at every tp and prepare the data, before any process starts."""
     plan = load(args.plan)
     model = models.build(models.resolve(args.model), device="meta")
@@ -65,14 +65,23 @@ def _preflight(args, tps: list[int]):
         raise UsageError("--checkpoint-activations with dropout > 0 would redraw different masks when the "
                          "forward is recomputed; use a model with dropout 0")
 
-    for path, module in model.named_modules():  # a parameter the keyed initialisation cannot draw: exit 2 here
-        for pname, param in module.named_parameters(recurse=False):
-            init_rule(model, module, pname, f"{path}.{pname}".lstrip("."), param.dim())
+    if args.dp > 1:  # FSDP2 refuses these mid-start-up on every rank: one paragraph here instead
+        scalars = [n for n, p in model.named_parameters() if p.dim() == 0]
+        if scalars:
+            raise UsageError(f"--dp {args.dp} shards parameters with FSDP2, which cannot shard 0-D parameters "
+                             f"({', '.join(scalars[:3])}{', …' if len(scalars) > 3 else ''}); train with --dp 1, or "
+                             "make them 1-D tensors of one element")
+    if args.init == "keyed":  # a parameter the keyed initialisation cannot draw: exit 2 here
+        for path, module in model.named_modules():
+            for pname, param in module.named_parameters(recurse=False):
+                init_rule(model, module, pname, f"{path}.{pname}".lstrip("."), param.dim())
     for tp in tps:
         checked = check(plan, model, tp, args.dp)  # every tp, so a plan error is exit 2 before any rank starts
         shape_problem = sequence_shape_problem(checked, tp, args.seq)
         if shape_problem:
             raise UsageError(shape_problem)
+        if args.init == "model":  # rank 0 builds the whole model before scattering it
+            check_init_memory(checked, model, tp, args.dp, device)
     if args.max_rank_memory is not None:
 
         for tp in tps:
@@ -93,7 +102,7 @@ def _config(args, tp: int, out: Path, device: str):
                        checkpoint_activations=args.checkpoint_activations, seed=args.seed, device=device,
                        timeout=args.timeout, out=str(out), progress=sys.stderr.isatty(),
                        checkpoint=args.checkpoint, save_every=args.save_every or 0, resume=args.resume,
-                       convert=args.convert)
+                       convert=args.convert, init=args.init, check_replicas=args.check_replicas)
 
 
 def run_training(cfg, corpus) -> list[dict]:
@@ -110,9 +119,18 @@ def run_training(cfg, corpus) -> list[dict]:
             mine = train(rank, world, cfg, corpus)
             gathered: list = [None] * world
             dist.all_gather_object(gathered, mine)
-            return gathered
-    return launch_local(train, cfg.tp * cfg.dp, cfg, corpus, timeout=cfg.timeout, device=cfg.device,
-                        prefix="dtp-train-")
+            return _replicas_held(cfg, gathered)
+    return _replicas_held(cfg, launch_local(train, cfg.tp * cfg.dp, cfg, corpus, timeout=cfg.timeout,
+                                            device=cfg.device, prefix="dtp-train-"))
+
+
+def _replicas_held(cfg, results: list[dict]) -> list[dict]:
+    """`results`, or a RunError (exit 1) when the tp ranks' replicated tensors diverged (every rank stopped;
+    with dp > 1 the first rank whose tp group diverged says what differs)."""
+    record = next((r["replicas"] for r in results if r["replicas"]["divergences"]), None)
+    if record is not None:
+        raise RunError(replica_checks.message(record, record["steps"][-1]))
+    return results
 
 
 def summary(cfg, corpus, results: list[dict]) -> dict:
@@ -131,7 +149,7 @@ def summary(cfg, corpus, results: list[dict]) -> dict:
             "peak_memory_kind": first["peak_memory_kind"], "collectives": first["collectives"],
             "analytic_collectives": first["analytic_collectives"], "losses": first["losses"],
             "val_losses": first["val_losses"], "start_step": first["start_step"], "resumed": first["resumed"],
-            "checkpoints": first["saves"]}
+            "checkpoints": first["saves"], "replicas": first["replicas"]}
 
 
 def render(s: dict) -> str:
@@ -156,6 +174,7 @@ def render(s: dict) -> str:
         f"  parameters per rank: {', '.join(human_bytes(b) for b in s['param_bytes_per_rank'])} "
         f"(placement table: {', '.join(human_bytes(b) for b in s['param_bytes_table'])})",
         f"  peak memory ({s['peak_memory_kind']}) per rank: {', '.join(human_bytes(b) for b in s['peak_memory_bytes'])}",
+        *replica_checks.line(s["replicas"]),
         *saved_line(s),
     ])
 
@@ -166,7 +185,7 @@ def train_command(args: argparse.Namespace) -> int:
     resume.validate(args)
     device = pick_device(args.device, 1)  # CUDA when this machine has one (torchrun gives each rank its own)
     tps = args.compare_tp or [args.tp]
-    corpus = _preflight(args, tps)
+    corpus = _preflight(args, tps, device)
     out = Path(args.out)
     if args.compare_tp:
         return _compare(args, corpus, out, device)
@@ -204,6 +223,8 @@ def _compare(args, corpus, out: Path, device: str) -> int:
         except KeyboardInterrupt:
             print(f"interrupted; the metrics so far are in {out}/tp*/metrics.jsonl", file=sys.stderr)
             return 130
+        except RunError as err:  # a failed tp fails the comparison (a plan whose replicas drift cannot pass)
+            raise RunError(f"at tp={tp}: {err} (the metrics so far are in {Path(cfg.out, 'metrics.jsonl')})") from None
         print(render(runs[tp]), flush=True)
     verdict = compare(runs, args.dtype)  # the measured bands: dtp/train/parity.py
     table = markdown(verdict.rows, args.compare_tp[0])

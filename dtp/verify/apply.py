@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from dtp.errors import RunError, UsageError
 from dtp.lang.parse import load
 from dtp.runtime import preflight
 from dtp.runtime.launcher import error_summary, launch_local, pick_device, torchrun_group, under_torchrun
+from dtp.verify.probes import MAX_PROBE_SEQ
 from dtp.verify.rank import RunConfig, run
 from dtp.verify.report import ApplyReport
 
@@ -50,8 +52,23 @@ def absolute_model_spec(spec: str) -> str:
     return str(Path(spec).absolute()) if spec.endswith((".yaml", ".yml")) and Path(spec).is_file() else spec
 
 
+def _probe_length(meta, max_seq: int | None, seq: int, needs: Callable[[int], int | None]) -> int:
+    """The long probes' length (dtp.verify.probes): --max-seq, else the model's stated maximum (at most
+    MAX_PROBE_SEQ) halved until its estimate (`needs(n)` bytes; None: not estimated) fits in memory."""
+    if max_seq is not None and max_seq < seq:
+        raise UsageError(f"--max-seq {max_seq} is shorter than --seq {seq}: the steps already run {seq} tokens")
+    length = max_seq or min(models.max_sequence(meta) or MAX_PROBE_SEQ, MAX_PROBE_SEQ)
+    avail = preflight.available_bytes()
+    while length > seq and avail is not None and (needs(length) or 0) > avail:
+        if max_seq is not None:
+            raise UsageError(f"--max-seq {max_seq}: the long probe needs about {needs(length) / 2**30:.1f} GiB of memory "
+                             f"but {avail / 2**30:.1f} GiB is available; use a smaller --max-seq")
+        length //= 2
+    return max(length, seq)
+
+
 def apply_command(*, plan: str, model: str, tp: int | None, dp: int, batch: int, seq: int, steps: int, seed: int,
-                  lr: float, dtype: str, device: str, timeout: float) -> ApplyReport | None:
+                  lr: float, dtype: str, device: str, timeout: float, max_seq: int | None = None) -> ApplyReport | None:
     """`dtp apply`: check the plan and the machine (UsageError, exit 2, before any rank starts), run the ranks, and
     return rank 0's report (None on another torchrun rank). `plan` and `model` as the user wrote them."""
 
@@ -88,8 +105,10 @@ def apply_command(*, plan: str, model: str, tp: int | None, dp: int, batch: int,
     elem = {"float32": 4, "bfloat16": 2, "float64": 8}[dtype]
     if not torchrun:
         preflight.check_memory(preflight.estimate(meta, tp, dp, batch, seq, elem, vocab), device)
+    max_seq = _probe_length(meta, max_seq, seq, lambda n: None if torchrun or device != "cpu" else
+                            preflight.estimate(meta, tp, dp, 1, n, elem, vocab).total)
     cfg = RunConfig(plan=plan_path, model=model_spec, tp=tp, dp=dp, batch=batch, seq=seq, steps=steps, seed=seed,
-                    dtype=dtype, device=device, timeout=timeout, lr=lr)
+                    dtype=dtype, device=device, timeout=timeout, lr=lr, max_seq=max_seq)
 
     report = _torchrun_rank(cfg) if torchrun else launch_apply(cfg)
     if report is None:

@@ -17,6 +17,17 @@ plan is off by O(1) of the tensor and fails in every dtype: bfloat16 no longer h
 behind a fixed absolute tolerance. A float64 run has no coarser run to measure its rounding against; its
 bound stays fixed: 1e-10 · max|truth| + 1e-12.
 
+A gradient that is mathematically zero (a query's at sequence length 1, where softmax has one key) has a bound
+of 0 by this rule while the sharded run's reordered sums leave rounding of the size of the step's other
+gradients. So a gradient's bound is never below `Z · eps · G`, G the largest |truth| of any gradient in the same
+step, Z = C · F: small enough that an error of O(1) of any gradient that matters still fails (float32: 1.4e-6 · G).
+Floating buffers get the same floor with G the largest |truth| of any buffer compared at that moment.
+
+The report states each quantity's *resolution*: the largest bound / max|truth| over its tensors (for gradients
+and buffers, / max(max|truth|, G)), the relative error that could pass unseen on the least favourable tensor. For a bfloat16 run it is coarse (bfloat16's own
+rounding), which is why `dtp apply --dtype bfloat16` decides correctness on a float32 run of the same plan and
+reports the bfloat16 run's agreement beside it (dtp.verify.rank).
+
 Any NaN or infinity, on any side, fails: a sharded run that diverges proves nothing, and neither does a
 reference that does. The report names the first tensor, in step order, that went non-finite and where.
 
@@ -36,6 +47,8 @@ import torch.nn as nn
 
 C = 6.0  # allowed error relative to the unsharded run's own, in the same dtype
 F = 2.0  # the floor, in units of eps · max|truth|
+Z = C * F  # a gradient's floor, in units of eps · the step's largest gradient
+QUANTITIES = ("logits", "loss", "grads", "params", "buffers", "probes", "replicas")
 FLOAT64_BOUND = (1e-10, 1e-12)  # (relative, absolute) for float64 runs, whose truth is their unsharded run
 
 
@@ -54,6 +67,7 @@ class Quantity:
     margin: float = 0.0  # the largest err_sharded / bound seen (OK when ≤ 1)
     ok: bool = True
     compared: int = 0
+    resolution: float = 0.0  # the largest bound / max|truth| (gradients: / G): smaller errors could pass unseen
     problems: list[str] = field(default_factory=list)  # shape mismatches, non-finite values and the like
 
 
@@ -66,16 +80,28 @@ class ParityCheck:
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
-        self.quantities: dict[str, Quantity] = {k: Quantity() for k in ("logits", "loss", "grads", "params")}
+        self.quantities: dict[str, Quantity] = {k: Quantity() for k in QUANTITIES}
         self.nonfinite: dict | None = None  # the first tensor that went NaN/inf: {tensor, quantity, side}
         self.dropout: list[str] = []  # where the model has dropout on (said when parity fails)
+        self.shapes: list[str] = []  # what was compared, in words: modes and shapes
+
+    def problem(self, quantity: str, name: str, text: str, rel: float = math.inf, max_abs: float = math.inf) -> None:
+        """Record a failure of tensor `name` that is not a comparison with the references (`text` says what)."""
+        q = self.quantities[quantity]
+        q.compared += 1
+        q.ok = False
+        q.problems.append(text)
+        if q.margin != math.inf or not q.worst:
+            q.worst, q.max_rel, q.margin = name, rel, math.inf
+            q.max_abs = max(q.max_abs, max_abs)
 
     def compare(self, quantity: str, name: str, got: torch.Tensor | None, truth: torch.Tensor | None,
-                unsharded: torch.Tensor | None = None, held_in: torch.dtype | None = None) -> None:
+                unsharded: torch.Tensor | None = None, held_in: torch.dtype | None = None,
+                floor_scale: float = 0.0) -> None:
         """Record how far `got` (sharded, gathered) is from `truth`, against `unsharded`'s own error.
 
         `unsharded` None means the truth is the unsharded run (float64); `held_in` is the dtype the tensor
-        is kept in (default: the run's dtype)."""
+        is kept in (default: the run's dtype); `floor_scale` the G of a gradient's floor (Z · eps · G)."""
         q = self.quantities[quantity]
         q.compared += 1
         if got is None or truth is None:
@@ -106,9 +132,12 @@ class ParityCheck:
         err = (got - truth).abs().max().item()
         scale = truth.abs().max().item()
         if unsharded is truth:
-            bound = FLOAT64_BOUND[0] * scale + FLOAT64_BOUND[1]
+            bound = FLOAT64_BOUND[0] * max(scale, Z * floor_scale) + FLOAT64_BOUND[1]
         else:
-            bound = C * (unsharded - truth).abs().max().item() + F * eps(held_in or self.dtype) * scale
+            unit = eps(held_in or self.dtype)
+            bound = max(C * (unsharded - truth).abs().max().item() + F * unit * scale, Z * unit * floor_scale)
+        if max(scale, floor_scale) > 0:
+            q.resolution = max(q.resolution, bound / max(scale, floor_scale))
         margin = err / bound if bound > 0 else (0.0 if err == 0 else math.inf)
         rel = err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
         if margin > 1:
@@ -126,8 +155,8 @@ class ParityCheck:
         """The `parity` section of the report."""
         rule = {"C": C, "F": F, "eps": eps(self.dtype)} if self.dtype != torch.float64 else \
             {"rtol": FLOAT64_BOUND[0], "atol": FLOAT64_BOUND[1]}
-        out: dict = {"ok": self.ok, "rule": rule, "nonfinite": self.nonfinite,
-                     "dropout": self.dropout}
+        out: dict = {"ok": self.ok, "rule": {**rule, "Z": Z}, "nonfinite": self.nonfinite,
+                     "dropout": self.dropout, "shapes": self.shapes}
         for name, q in self.quantities.items():
             out[name] = asdict(q)
         failing = [(n, q) for n, q in self.quantities.items() if not q.ok]
@@ -141,17 +170,14 @@ _DROPOUT_WORDS = ("dropout", "pdrop")
 
 
 def dropout_sources(model: nn.Module) -> list[str]:
-    """Where `model` has dropout on: config fields (`*dropout*`, `*pdrop*`), Dropout modules and modules'
-    dropout attributes with a probability > 0."""
+    """Where `model` applies dropout: Dropout modules with p > 0, and modules' dropout attributes > 0 (Hugging
+    Face attention passes `self.attention_dropout` to its kernel). Config fields are not named: a config may
+    carry dropout fields no module of this model reads (`classifier_dropout` on a causal LM)."""
     found: list[str] = []
-    config = getattr(model, "config", None)
-    fields = config.to_dict() if hasattr(config, "to_dict") else (vars(config) if hasattr(config, "__dict__") else {})
-    for key, value in sorted(fields.items()):
-        if any(w in key.lower() for w in _DROPOUT_WORDS) and _positive(value):
-            found.append(f"config.{key}={value:g}")
     for path, module in model.named_modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd) and _positive(module.p):
-            found.append(f"{path or '(the model)'} (p={module.p:g})")
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            if _positive(module.p):
+                found.append(f"{path or '(the model)'} (p={module.p:g})")
             continue
         for key, value in vars(module).items():
             if any(w in key.lower() for w in _DROPOUT_WORDS) and _positive(value):

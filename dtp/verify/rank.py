@@ -8,7 +8,7 @@ import resource
 import statistics
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -26,8 +26,18 @@ from dtp.runtime.build import build_sharded
 from dtp.runtime.comm import CommCounter, merge
 from dtp.runtime.mesh import make_mesh
 from dtp.runtime.shard import Applied, tied_groups
+from dtp.verify.instruments import ActivationMeter, ModuleTrail
 from dtp.verify.parity import ParityCheck, dropout_sources
-from dtp.verify.reference import MixedSGD, cross_entropy, logits_of, own_rng, reference_step, references
+from dtp.verify.probes import compare_buffers, compare_replicas, plan_probes, run_probes
+from dtp.verify.reference import (
+    LOW_PRECISION,
+    MixedSGD,
+    cross_entropy,
+    logits_of,
+    own_rng,
+    reference_step,
+    references,
+)
 from dtp.verify.report import ApplyReport
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -49,65 +59,8 @@ class RunConfig:
     device: str = "cpu"
     timeout: float = 120.0
     lr: float = 0.1
-
-
-class ModuleTrail:
-    """Forward hooks that remember which module is running, to say where a rank failed."""
-
-    def __init__(self):
-        self.stack: list[str] = []
-        self.phase = "setup"
-        self.handles = []
-
-    def attach(self, model: nn.Module) -> None:
-        """Follow `model`'s modules from now on."""
-        for path, module in model.named_modules():
-            self.handles.append(module.register_forward_pre_hook(lambda m, a, p=path: self._enter(p)))
-            self.handles.append(module.register_forward_hook(lambda m, a, o: self._leave()))
-
-    def _enter(self, path: str) -> None:
-        self.stack.append(path)
-
-    def _leave(self) -> None:  # returns None: a forward hook's return value would replace the output
-        if self.stack:
-            self.stack.pop()
-
-    def where(self) -> str:
-        """The innermost module running, or the phase."""
-        if self.phase == "forward" and self.stack:
-            return f"module {self.stack[-1] or '(the model)'} during forward"
-        return f"the {self.phase}"
-
-
-class ActivationMeter:
-    """Bytes of the activations a forward pass saves for backward on this rank (parameters excluded,
-    each storage counted once): the memory that sequence parallelism divides."""
-
-    def __init__(self, model: nn.Module):
-        self.params = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
-                       for p in model.parameters()}
-        self.storages: dict[int, int] = {}
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        try:
-            storage = local.untyped_storage()
-            key, nbytes = storage.data_ptr(), storage.nbytes()
-        except RuntimeError:  # a tensor without a real storage (e.g. a view DTensor builds): count its size
-            key, nbytes = id(t), local.numel() * local.element_size()
-        if key not in self.params:
-            self.storages[key] = nbytes
-        return t
-
-    def recording(self):
-        """A context that records what autograd saves."""
-        self.storages.clear()
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    @property
-    def nbytes(self) -> int:
-        """Total recorded bytes."""
-        return sum(self.storages.values())
+    max_seq: int | None = None  # the long probes' length (default: the model's maximum, at most MAX_PROBE_SEQ)
+    probes: bool = True  # False only for dtp.bench.apply_cost's baseline: the steps' comparisons alone
 
 
 def _sync(device: torch.device) -> None:
@@ -129,21 +82,46 @@ def _device(cfg: RunConfig) -> torch.device:
 def run(cfg: RunConfig, mesh: DeviceMesh | None = None) -> ApplyReport | None:
     """Run on an initialised process group; rank 0 returns the report.
 
-    An exception leaves with `__dtp_where__` saying which module or phase it came from.
+    A low-precision run is decided on a float32 run of the same plan first (its rounding cannot hide an error
+    of 1e-5), its own agreement reported beside it (non-finite values there fail too). An exception leaves with `__dtp_where__` saying which module
+    or phase it came from.
     """
     trails: list[ModuleTrail] = []
     device = _device(cfg)
+    mesh = mesh or make_mesh(cfg.tp, cfg.dp, cfg.device)
     try:
         # The run draws from the default generators (weights, shared dropout stream) seeded with the seed
         # on every rank, and hands the caller's generator states back unchanged.
         with own_rng(device):
-            torch.default_generator.manual_seed(cfg.seed)
-            if device.type == "cuda":
-                torch.cuda.manual_seed(cfg.seed)
-            return _run(cfg, trails, mesh or make_mesh(cfg.tp, cfg.dp, cfg.device), device)
+            proof = None
+            if DTYPES[cfg.dtype] in LOW_PRECISION:
+                _seed(cfg.seed, device)
+                proof = _run(replace(cfg, dtype="float32"), trails, mesh, device)
+                trails.clear()
+            _seed(cfg.seed, device)
+            report = _run(cfg, trails, mesh, device)
+            return report if report is None or proof is None else replace(report, parity=decided_by(proof.parity,
+                                                                                                   report.parity))
     except Exception as err:
-        err.__dtp_where__ = trails[0].where() if trails else "set-up"
+        err.__dtp_where__ = trails[-1].where() if trails else "set-up"
         raise
+
+
+def _seed(seed: int, device: torch.device) -> None:
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)
+
+
+def decided_by(proof: dict, low: dict) -> dict:
+    """The parity section of a low-precision run: the float32 run's comparisons decide; the low-precision run's
+    own (against its unsharded run in the same dtype) are kept under `low_precision` and fail the verdict only
+    when non-finite. Beyond its bound it is a precision effect of that dtype, not of the plan, since the float32
+    run computes the same function right: reductions rounded in another order, MoE routing flipped by a rounding."""
+    bad = low["nonfinite"] is not None
+    worst = low if proof["ok"] and bad else proof
+    return {**proof, "ok": proof["ok"] and not bad, "decided_in": "float32", "low_precision": low,
+            "worst_tensor": worst["worst_tensor"], "worst_quantity": worst["worst_quantity"]}
 
 
 def _report(cfg: RunConfig, *, plan, parity: ParityCheck, collectives: dict, analytic: dict, model: nn.Module,
@@ -235,8 +213,11 @@ def _compare_step(parity: ParityCheck, built: _Built, step: int, logits: torch.T
     lowp = outs[1] if unsharded else (None, None)
     parity.compare("logits", f"logits (step {step + 1})", full_logits, outs[0][0], lowp[0])
     parity.compare("loss", f"loss (step {step + 1})", full_loss, outs[0][1], lowp[1])
+    largest = max((truth.grad(n).detach().abs().max().item() for n in grads
+                   if truth.grad(n) is not None and truth.grad(n).numel()), default=0.0)  # the floor's G
     for n, g in grads.items():
-        parity.compare("grads", f"{n}.grad", g, truth.grad(n), unsharded.grad(n) if unsharded else None)
+        parity.compare("grads", f"{n}.grad", g, truth.grad(n), unsharded.grad(n) if unsharded else None,
+                       floor_scale=largest)
     for r in built.refs:
         r.opt.step()
         r.opt.zero_grad()
@@ -251,6 +232,31 @@ def _compare_params(parity: ParityCheck, built: _Built, opt: MixedSGD, step: int
     for n, p in params.items():
         parity.compare("params", f"{n} (after step {step + 1})", p, truth.param(n),
                        unsharded.param(n) if unsharded else None, held_in=opt.master_dtype)
+
+
+def _compare_state(parity: ParityCheck, built: _Built, mesh: DeviceMesh, device: torch.device, dtype: torch.dtype,
+                   when: str) -> None:
+    """Buffers against the references, and replicas across the tp ranks (collectives: every rank)."""
+    model = built.applied.model
+    compare_buffers(parity, model, built.refs, when)
+    compare_replicas(parity, model, mesh["tp"].get_group(), device, dtype, when)
+
+
+def _probe(parity: ParityCheck, cfg: RunConfig, built: _Built, mesh: DeviceMesh, device: torch.device,
+           dtype: torch.dtype, inputs: torch.Tensor) -> None:
+    """The forwards after the steps (dtp.verify.probes), then buffers and replicas once more; says what was compared."""
+    model = built.applied.model
+    vocab = models.vocab_size(model)
+    probes = plan_probes(refs=built.refs, model=built.meta, max_seq=cfg.max_seq, tp=cfg.tp, batch=inputs.shape[0],
+                         seq=cfg.seq, vocab=vocab, device=device)
+    run_probes(parity, sharded=model, refs=built.refs, probes=probes, inputs=inputs, seed=cfg.seed, vocab=vocab,
+               device=device)
+    _compare_state(parity, built, mesh, device, dtype, "after the probes")
+    parity.shapes = [f"train, {inputs.shape[0]}×{cfg.seq}: {cfg.steps} steps (logits, loss, gradients, parameters, "
+                     "buffers; replicas on every rank)"] + [f"{p.label}: logits" for p in probes]
+    if len(probes) == 1:
+        parity.shapes.append(f"no longer sequence: the model runs none longer than {cfg.seq} "
+                             f"(up to {cfg.max_seq or 'its maximum'})")
 
 
 def _analytic(cfg: RunConfig, built: _Built, dtype: torch.dtype) -> dict:
@@ -323,14 +329,21 @@ def _run(cfg: RunConfig, trails: list[ModuleTrail], mesh: DeviceMesh,
 
         trail.phase = "comparison with the reference"
         _compare_params(parity, built, opt, step)
+        if cfg.probes:
+            _compare_state(parity, built, mesh, device, dtype, f"after step {step + 1}")
+
+    # Measured before the probes: their long forward raises the peak, and FSDP2 leaves its root unit gathered.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss
+    measured = {"param_bytes": local_param_bytes(model), "peak": peak, "activations": activations.nbytes}
+    trail.phase = "probes after the steps"
+    if cfg.probes:
+        _probe(parity, cfg, built, mesh, device, dtype, inputs[mine])
 
     trail.phase = "report"
     analytic = _analytic(cfg, built, dtype)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"param_bytes": local_param_bytes(model), "peak": peak,
-                                      "activations": activations.nbytes})
+    dist.all_gather_object(gathered, measured)
     if dist.get_rank() != 0:
         return None
 

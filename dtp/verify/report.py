@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from dtp.cost.explain import human_bytes
+from dtp.verify.parity import QUANTITIES
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,40 @@ def _why(par: dict) -> list[str]:
     return lines
 
 
+def _quantities(par: dict) -> list[str]:
+    """One line per quantity compared, with its worst tensor and the problems found."""
+    lines = []
+    for q in QUANTITIES:
+        d = par.get(q)
+        if not d or not d["compared"]:
+            continue
+        mark = "ok" if d["ok"] else "FAIL"
+        resolution = f"  resolution {d['resolution']:.2g}" if d.get("resolution") else ""
+        lines.append(f"  {q:<8} {mark:<4}  max abs {d['max_abs']:.3g}  max rel {d['max_rel']:.3g}  "
+                     f"margin {d['margin']:.2g}{resolution}  ({d['compared']} tensors; worst {d['worst'] or '-'})")
+        lines += [f"           {p}" for p in d["problems"][:5]]
+    return lines
+
+
+def _low_precision(par: dict, dtype: str) -> list[str]:
+    """The low-precision run's own agreement, under the float32 run that decided."""
+    low = par.get("low_precision")
+    if not low:
+        return []
+    coarsest = max((low[q].get("resolution", 0.0), q) for q in QUANTITIES if q in low)
+    if low["nonfinite"] is not None:
+        verdict = "FAILED (non-finite values)"
+    elif low["ok"]:
+        verdict = f"within {dtype}'s rounding"
+    else:
+        verdict = (f"BEYOND {dtype}'s rounding, margin {low[low['worst_quantity']]['margin']:.2g} at "
+                   f"{low['worst_tensor']} — not the verdict: the float32 run computes the same function right, so "
+                   f"this is {dtype}'s precision (sums rounded in another order, MoE routing flipped by a rounding)")
+    return [f"{dtype} run vs its unsharded {dtype} run: {verdict}  (the same rule in {dtype}: relative errors below "
+            f"{coarsest[0]:.2g} of a tensor ({coarsest[1]}) could pass it unseen, which is why float32 decides)"
+            ] + _quantities(low)
+
+
 def render(report: ApplyReport) -> str:
     """A few aligned sections: what ran, parity, communication, memory, speed."""
     plan, mesh, par, coll = report.plan, report.mesh, report.parity, report.collectives
@@ -77,14 +112,13 @@ def render(report: ApplyReport) -> str:
         f"  mesh tp={mesh['tp']} dp={mesh['dp']} · {report.backend} · {cfg['dtype']} · batch {cfg['batch']} × "
         f"seq {cfg['seq']} · {cfg['steps']} SGD steps · seed {cfg['seed']} · torch {report.torch}",
         "",
-        f"parity vs unsharded reference: {'OK' if par['ok'] else 'FAILED'}  ({_rule(par['rule'], cfg['dtype'])})",
+        f"parity vs unsharded reference: {'OK' if par['ok'] else 'FAILED'}  "
+        f"({_rule(par['rule'], par.get('decided_in', cfg['dtype']))})",
     ]
-    for q in ("logits", "loss", "grads", "params"):
-        d = par[q]
-        mark = "ok" if d["ok"] else "FAIL"
-        lines.append(f"  {q:<7} {mark:<4}  max abs {d['max_abs']:.3g}  max rel {d['max_rel']:.3g}  "
-                     f"margin {d['margin']:.2g}  ({d['compared']} tensors; worst {d['worst'] or '-'})")
-        lines += [f"          {p}" for p in d["problems"][:5]]
+    if par.get("decided_in"):
+        lines.append(f"  decided on a {par['decided_in']} run of the same plan; the {cfg['dtype']} run below")
+    lines += [f"  compared: {s}" for s in par.get("shapes", [])]
+    lines += _quantities(par) + _low_precision(par, cfg["dtype"])
     if not par["ok"]:
         lines.append(f"  worst: {par['worst_tensor']} ({par['worst_quantity']})")
         lines += _why(par)

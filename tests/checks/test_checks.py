@@ -20,7 +20,8 @@ from dtp.fuzz.runner import fuzz
 from dtp.lang.parse import load, parse
 
 SHIPPED = {"gpt2.tp": "gpt2-tiny", "gpt2-sp.tp": "gpt2-tiny", "llama.tp": "llama-tiny", "llama-sp.tp": "llama-tiny",
-           "llama-packed.tp": "llama-tiny-packed", "hf-llama.tp": "dtp.models.examples:tiny_llama",
+           "llama-packed.tp": "llama-tiny-packed", "llama-repeat.tp": "llama-tiny",
+           "hf-llama.tp": "dtp.models.examples:tiny_llama",
            "tinylm.tp": "dtp.models.examples:tiny_lm"}
 
 

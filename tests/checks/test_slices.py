@@ -88,7 +88,7 @@ def test_train_refuses_a_parameter_its_keyed_init_cannot_draw_before_any_rank(re
     from dtp.cli import main
 
     # GPT-OSS's sinks are neither matrix, bias nor norm: exit 2 from the parent, no rank started
-    assert main(["train", "plans/hf/gpt_oss.tp", "dtp.models.hf:gpt_oss", "--steps", "1",
+    assert main(["train", "plans/hf/gpt_oss.tp", "dtp.models.hf:gpt_oss", "--steps", "1", "--init", "keyed",
                  "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: dtp train's keyed initialisation knows matrices, biases and norms; "

@@ -19,6 +19,7 @@ PLAN_MODELS = {
     "hf-llama.tp": "dtp.models.examples:tiny_llama",
     "llama.tp": "llama-tiny",
     "llama-packed.tp": "llama-tiny-packed",
+    "llama-repeat.tp": "llama-tiny",
     "llama-sp.tp": "llama-tiny",
 }
 SHIPPED = sorted(p.name for p in (REPO / "plans").glob("*.tp"))

@@ -119,7 +119,10 @@ def test_check_names_key_value_heads(repo, capsys):
     for line, proj in ((12, "k_proj"), (13, "v_proj")):
         assert (f"plans/llama.tp:{line}:23: error: model.layers.0.self_attn.{proj} (and 1 more module): 2 key/value "
                 "heads (head size 16, config.n_kv_head) do not divide by tp=4; each rank must hold whole heads; "
-                "tp values that work: 1, 2") in lines
+                "tp values that work: 1, 2; or give each rank the key/value head its query heads read: "
+                "`colwise(packed=[repeat(kv)])` on the key and value projections, which works at tp 1, 2, 4; the "
+                "attention repeats key/value heads by n_rep, so where tp ≥ 2 also "
+                "`set model.layers.*.self_attn.n_rep = 4 / tp` (both under a `when`, as plans/hf/llama.tp does)") in lines
     assert lines[-1] == "2 errors"
     assert cli.main(["check", "plans/llama.tp", "llama-tiny", "--tp", "2"]) == 0
     assert capsys.readouterr().out == ("plans/llama.tp: ok on llama-tiny: 16 modules claimed by 9 rules, "
@@ -138,3 +141,12 @@ def test_parity_on_two_ranks(repo, plan, model):
     # backward one input gradient per attention and per MLP (q/k/v and gate/up share it) + lm_head's.
     assert report.collectives["forward"] == {"all_reduce": 1 + 2 * 2 + 3}
     assert report.collectives["backward"] == {"all_reduce": 2 * 2 + 1}
+
+
+def test_the_repeat_kv_hint_is_a_plan_that_holds_at_tp_4(repo):
+    # check's refusal of plans/llama.tp at tp 4 names repeat(kv) and the n_rep rewrite; written down, they prove
+    report = launch_apply(RunConfig(plan="plans/llama-repeat.tp", model="llama-tiny", tp=4, steps=2))
+    assert report.parity["ok"], report.parity["worst_tensor"]
+    # + one all-reduce per layer for each of k_proj's and v_proj's repeated rows (the analytic schedule agrees)
+    assert report.collectives["by_op"] == {"all_reduce": 13 + 2 * 2}
+    assert report.collectives["bytes"] == report.analytic_collectives["bytes"]

@@ -1,6 +1,7 @@
 """The one build path (meta → shard → materialise) on a model with buffers: Hugging Face Llama's rotary
 frequencies (non-persistent, computed in __init__) stay real while parameters are drawn by the keyed init,
-and the sharded model computes what an ordinary unsharded model with the same full weights computes."""
+and the sharded model computes what an ordinary unsharded model with the same full weights computes; rank 0's
+model scattered (`dtp apply`, `dtp train --init model`) is the seeded model's own init on every rank."""
 from __future__ import annotations
 
 import pytest
@@ -104,3 +105,23 @@ def test_apply_build_scatters_rank0_model_and_other_ranks_hold_only_their_shards
     assert (local0, local1) == (table0, table1)
     assert abs(grown1 - table1) <= 0.1 * table1, (grown1, table1)  # rank 1 never held the 84 MB model
     assert grown0 > table0 + 0.9 * 4 * 21_000_000  # rank 0 holds the whole model besides its shards
+
+
+def _from_model(rank, world):
+    from dtp.runtime.build import build_from_model
+
+    source = models.resolve("gpt2-tiny")
+    checked = check(load("plans/gpt2.tp"), models.build(source, device="meta"), world)
+    applied = build_from_model(checked, source, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)), seed=4,
+                               device=torch.device("cpu"))
+    return {n: applied.full(n, p.detach()) for n, p in applied.model.named_parameters()}, torch.get_rng_state()
+
+
+def test_build_from_model_is_the_seeded_models_own_init_and_every_rank_continues_rank0s_stream(repo):
+    (full, state0), (_, state1) = launch_local(_from_model, 2, timeout=120)
+    torch.manual_seed(4)
+    plain = models.build(models.resolve("gpt2-tiny"), device="cpu", dtype=torch.float32)
+    assert full.keys() == dict(plain.named_parameters()).keys()
+    assert all(torch.equal(full[n], p) for n, p in plain.named_parameters())
+    # where rank 0's generator stands after drawing the model: every rank shares it (replicated dropout masks)
+    assert torch.equal(state0, torch.get_rng_state()) and torch.equal(state1, state0)

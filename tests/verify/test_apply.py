@@ -114,7 +114,7 @@ def test_unconsumed_colwise_is_rejected_before_launch(repo):
 def test_width_dependent_model_fails_parity(repo):
     proc = dtp_cli("apply", "plans/gpt2.tp", "tests.fixtures.broken_models:width_dependent", "--tp", "2", "--steps", "1")
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "logits  FAIL" in proc.stdout
+    assert "logits   FAIL" in proc.stdout
 
 
 def test_crashing_rank_exits_1_naming_rank_and_module(repo):

@@ -50,10 +50,11 @@ def test_dropout_failure_says_dropout_is_on_and_how_to_turn_it_off(repo):
     report = _run("tests/fixtures/gpt-dropout.yaml")
     parity = report.parity
     assert not parity["ok"]
-    assert parity["dropout"][0] == "config.dropout=0.1"
-    assert "transformer.drop (p=0.1)" in parity["dropout"]
+    assert parity["dropout"][0] == "transformer.drop (p=0.1)"
+    assert "transformer.h.0.attn.resid_dropout (p=0.1)" in parity["dropout"]
+    assert not any(d.startswith("config.") for d in parity["dropout"])  # modules that apply it, not config fields
     text = render(report)
-    assert "dropout is on (config.dropout=0.1, transformer.drop (p=0.1)" in text
+    assert "dropout is on (transformer.drop (p=0.1), transformer.h.0.attn" in text
     assert "turn it off for a parity run (dropout 0 in the model's config" in text
 
 
@@ -74,3 +75,17 @@ def test_hugging_face_phi(repo):
     # per layer: attention and MLP each 1 forward all-reduce; one shared backward all-reduce of the layer
     # input would be Megatron's, but q/k/v and fc1 are separate modules here: 2 backward ones
     assert report.collectives["total"] > 0
+
+
+def test_dropout_note_names_only_modules_that_apply_it():
+    # GPT-2's config carries summary_first_dropout = 0.1 (for a head this causal LM does not have): no module
+    # reads it, so with every Dropout at p = 0 there is nothing to blame
+    transformers = pytest.importorskip("transformers")
+    from dtp.verify.parity import dropout_sources
+
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=16, n_positions=8,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    assert config.summary_first_dropout == 0.1
+    assert dropout_sources(transformers.GPT2LMHeadModel(config)) == []
+    config.attn_pdrop = 0.2
+    assert dropout_sources(transformers.GPT2LMHeadModel(config)) == ["transformer.h.0.attn.attn_dropout (p=0.2)"]
