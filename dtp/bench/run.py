@@ -14,6 +14,7 @@ from pathlib import Path
 
 from dtp.bench.report import markdown, plots, ratios, results_folder
 from dtp.bench.scaling import Config
+from dtp.files import writable_dir, writable_file, write_text
 
 TPS = (1, 2, 4)
 KINDS = {  # per kind: strong model, weak head size and shape, warm-up rounds, timed rounds
@@ -119,6 +120,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmarks; exit 1 when an arm failed parity (that configuration is not timed)."""
     args = parser().parse_args(argv)
+    writable_dir(args.out, "--out", create=False)  # before hours of benchmarks, not after
+    if args.json:
+        args.json = writable_file(args.json, "--json")
     if args.device == "cuda" or args.dry_run:
         from dtp.bench.gpu import main as gpu_main
 
@@ -150,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.md").write_text(markdown(result) + "\n")
     result["plots"] = plots(result, out)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
+        write_text(args.json, json.dumps(result, indent=2, default=str) + "\n", "--json")
     print(markdown(result))
     print(f"written to {out}/")
     failed = [r["error"] for part in ("strong", "weak") for r in result[part] if not r["ok"]]

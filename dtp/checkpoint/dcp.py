@@ -9,6 +9,7 @@ content does not match what dtp wrote is refused instead of loaded scrambled. On
 from __future__ import annotations
 
 import hashlib
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -28,15 +29,15 @@ from dtp.checkpoint.files import (
     LAYOUT,
     VERSION,
     CheckpointError,
-    SafeReader,
     finalize,
     plan_label,
-    prepare,
     read_meta,
     some,
 )
 from dtp.checkpoint.fingerprint import chunk_sums, finish
+from dtp.checkpoint.lock import begin_save, release
 from dtp.checkpoint.optim_state import GROUPS, init_state, pack, restore_optimizer, unpack
+from dtp.checkpoint.untrusted import SafeReader
 from dtp.compiler.compiler import tp_mesh
 from dtp.errors import DtpError
 from dtp.lang.parse import parse
@@ -156,7 +157,21 @@ def save_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimize
     if any(p for _, p in gathered):
         raise CheckpointError(next(p for _, p in gathered if p))
     sizes = [n for n, _ in gathered]
-    tmp = Path(_agree(lambda: str(prepare(directory))))
+    tmp_name, locked = _agree(lambda: begin_save(directory))
+    tmp = Path(tmp_name)
+    try:
+        stats = _write(state, views, tmp, directory, model, optimizer, mesh, plan_text, objects, sizes)
+    finally:  # on rank 0, which made them: a failed save leaves no DIR.tmp-* and no lock
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if locked:
+                release(directory)
+    return {**stats, "seconds": time.perf_counter() - t0}
+
+
+def _write(state: dict[str, Any], views: dict[str, View], tmp: Path, directory: Path, model: nn.Module,
+           optimizer: torch.optim.Optimizer, mesh: DeviceMesh, plan_text: str, objects: dict, sizes: list) -> dict:
+    """DCP's save into `tmp`, then dtp.json and the marker, and the rename to `directory` (every rank)."""
     prints = _fingerprints(views)
     try:
         # Replicated chunks are written by the lowest rank holding them: the one `_fingerprints` hashes.
@@ -180,7 +195,7 @@ def save_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimize
         "optimizer": type(optimizer).__name__,
     }
     nbytes = _agree(lambda: finalize(tmp, directory, meta))
-    return {"path": str(directory), "bytes": nbytes, "seconds": time.perf_counter() - t0}
+    return {"path": str(directory), "bytes": nbytes}
 
 
 def check_plan_matches(meta: dict, plan_text: str, directory: Path, convert: bool) -> None:
@@ -267,8 +282,9 @@ def load_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimize
         if key not in meta["objects"]:
             raise CheckpointError(f"checkpoint {directory} does not fit this optimizer: it has no {key}")
         state[key] = torch.empty(meta["objects"][key], dtype=torch.uint8)
+    reader = SafeReader(directory)  # refuses a hostile `.metadata` before DCP starts
     try:
-        dcp.load(state, storage_reader=SafeReader(directory))
+        dcp.load(state, storage_reader=reader)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - any failure of DCP is one CheckpointError
         raise CheckpointError(f"checkpoint {directory} is corrupt or unreadable: {_reason(err)}") from None
     for key in recut:

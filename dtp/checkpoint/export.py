@@ -13,8 +13,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dtp.checkpoint.files import CheckpointError, SafeReader, read_meta, some
+from dtp.checkpoint.files import CheckpointError, read_meta, some
 from dtp.checkpoint.fingerprint import fingerprint
+from dtp.checkpoint.untrusted import SafeReader
 from dtp.errors import UsageError
 from dtp.files import replace_atomically
 
@@ -37,10 +38,11 @@ def read_model(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise CheckpointError(f"checkpoint {directory} is corrupt: its metadata describes {wanted} bytes of "
                               f"model tensors, its files hold {on_disk}")
     state = {k: torch.empty(v["shape"], dtype=_dtype(v["dtype"], k)) for k, v in tensors.items()}
+    reader = SafeReader(directory)  # refuses a hostile `.metadata` before DCP starts
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=SafeReader(directory), no_dist=True)
+            dcp.load(state, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
         reason = str(err).strip().splitlines()[-1][:400] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"checkpoint {directory} is corrupt or unreadable: {reason}") from None
@@ -51,7 +53,11 @@ def read_model(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     out: dict[str, torch.Tensor] = {}
     for key, t in state.items():
         name = key.removeprefix("model/")
-        out[name] = t.flatten(0, 1) if meta["packed"].get(name, 1) > 1 else t  # (K, out/K, …) → (out, …)
+        packed = meta["packed"].get(name, 1) > 1
+        if packed and (t.dim() < 2 or t.shape[0] != meta["packed"][name]):
+            raise CheckpointError(f"checkpoint {directory}: {name} is recorded as {meta['packed'][name]} packed "
+                                  f"parts but has shape {list(t.shape)}")
+        out[name] = t.flatten(0, 1) if packed else t  # (K, out/K, …) → (out, …)
     for first, *others in meta["tied"]:
         for name in others:
             out[name] = out[first]

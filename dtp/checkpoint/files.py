@@ -8,16 +8,17 @@ No process group here: `dtp export` reads checkpoints offline.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
-import pickle
+import re
 import secrets
 import shutil
+import stat
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 
 from dtp.errors import UsageError
 
@@ -121,50 +122,122 @@ def _missing(directory: Path) -> CheckpointError:
     return CheckpointError(f"no checkpoint at {directory}{hint}")
 
 
-def _read_json(path: Path, what: str) -> dict:
+def read_json(path: Path, what: str) -> dict:
+    """A JSON object from a regular file of at most MAX_META_BYTES (no FIFO, device or endless file)."""
+    corrupt = f"checkpoint {path.parent} is corrupt: cannot read its {what} {path.name}"
     try:
-        if path.stat().st_size > MAX_META_BYTES:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once instead of waiting for a writer
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CheckpointError(f"{corrupt} (not a regular file)")
+            raw = f.read(MAX_META_BYTES + 1)
+        if len(raw) > MAX_META_BYTES:
             raise CheckpointError(f"{path} is larger than {MAX_META_BYTES >> 20} MiB: not a dtp {what}")
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(raw.decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"checkpoint {path.parent} is corrupt: cannot read its {what} {path.name} "
-                              f"({err})") from None
+        raise CheckpointError(f"{corrupt} ({getattr(err, 'strerror', None) or err})") from None
+    except RecursionError:
+        raise CheckpointError(f"{corrupt} (nested too deeply: not dtp's)") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"checkpoint {path.parent} is corrupt: its {what} {path.name} is not a JSON object")
     return data
 
 
+def _is_int(value: object, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and least <= value < 1 << 62
+
+
+def _check_schema(meta: dict, directory: Path, on_disk: int) -> None:
+    """Every field of dtp.json that dtp reads has the type it writes; the tensors fit in the files."""
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {directory} is corrupt: its {META} has {what}")
+
+    plan, mesh, tensors, objects = (meta.get(k) for k in ("plan", "mesh", "tensors", "objects"))
+    if not (isinstance(plan, dict) and all(isinstance(plan.get(k), str) for k in ("sha256", "text"))
+            and isinstance(plan.get("name"), (str, type(None))) and isinstance(plan.get("version"), (int, type(None)))):
+        raise bad("no valid plan (name, version, sha256, text)")
+    if not (isinstance(mesh, dict) and all(_is_int(mesh.get(k), 1) for k in ("tp", "dp"))):
+        raise bad("no valid mesh (tp, dp)")
+    if not isinstance(tensors, dict) or not isinstance(objects, dict):
+        raise bad("no table of tensors and objects")
+    total = 0
+    for key, info in tensors.items():
+        info = info if isinstance(info, dict) else {}
+        shape, name = info.get("shape"), info.get("dtype")
+        dtype = getattr(torch, name, None) if isinstance(name, str) else None
+        if (not isinstance(shape, list) or len(shape) > 8 or not all(_is_int(n) for n in shape)
+                or not isinstance(dtype, torch.dtype) or not isinstance(info.get("fingerprint"), str)):
+            raise bad(f"an invalid entry for tensor {key[:200]!r} (shape, dtype, fingerprint)")
+        total += torch.Size(shape).numel() * dtype.itemsize
+    if not all(re.fullmatch(r"model/[^/]+|optim/[^/]+/[^/]+", k) for k in tensors):
+        raise bad(f"a tensor named other than model/NAME or optim/NAME/STATE ({some(sorted(tensors))[:200]})")
+    for key, n in objects.items():
+        if not re.fullmatch(r"optim/param_groups|optim/[^/]+/[^/]+|extra/rank\d{1,6}", key) or not _is_int(n):
+            raise bad(f"an invalid size for {key[:200]!r}")
+        total += n
+    if total > on_disk:  # DCP stores raw bytes: a larger claim is a corrupt dtp.json, not a reason to allocate
+        raise bad(f"tensors of {total} bytes, but its files hold {on_disk}")
+    packed, tied = meta.get("packed"), meta.get("tied")
+    if not (isinstance(packed, dict) and all(isinstance(k, str) and _is_int(v, 1) for k, v in packed.items())):
+        raise bad("no valid table of packed parts")
+    if not (isinstance(tied, list) and all(isinstance(g, list) and g and all(isinstance(n, str) for n in g)
+                                           for g in tied)):
+        raise bad("no valid list of tied weights")
+    if not isinstance(meta.get("optimizer"), str) or not isinstance(meta.get("hf_config"), (dict, type(None))):
+        raise bad("no valid optimizer name or Hugging Face config")
+
+
+def _kind(directory: Path) -> str | None:
+    """Why `directory` cannot be a checkpoint directory (a symlink loop, a file, a FIFO…), or None."""
+    try:
+        mode = directory.stat().st_mode
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return "is a symlink loop"
+        if err.errno == errno.ENOENT:
+            return "absent"
+        return f"cannot be read ({err.strerror})"
+    return None if stat.S_ISDIR(mode) else "is not a directory (a checkpoint is a directory written by dtp)"
+
+
 def read_meta(directory: Path | str) -> dict:
     """dtp.json of a complete, intact checkpoint (sizes and metadata hashes checked); else CheckpointError."""
     directory = Path(directory)
-    if not directory.exists():
+    kind = _kind(directory)
+    if kind == "absent":
         raise _missing(directory)
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory} is not a checkpoint directory")
+    if kind is not None:
+        raise CheckpointError(f"checkpoint {directory} {kind}")
     if not (directory / MARKER).is_file():
         raise CheckpointError(f"{directory} is not a complete dtp checkpoint: it has no {MARKER} marker "
                               "(the save that wrote it did not finish, or it is not a dtp checkpoint)")
-    marker = _read_json(directory / MARKER, "completion marker")
+    marker = read_json(directory / MARKER, "completion marker")
     files, hashes = marker.get("files"), marker.get("sha256")
     if marker.get("format") != FORMAT or not isinstance(files, dict) or not isinstance(hashes, dict):
         raise CheckpointError(f"checkpoint {directory} is corrupt: its {MARKER} marker is not dtp's")
     for name, size in sorted(files.items()):
         path = directory / name
+        if not isinstance(name, str) or "/" in name or name in ("", ".", "..") or not _is_int(size):
+            raise CheckpointError(f"checkpoint {directory} is corrupt: its {MARKER} marker lists {str(name)[:80]!r}")
         if not path.is_file():
             raise CheckpointError(f"checkpoint {directory} is incomplete: {name} is missing")
         if path.stat().st_size != size:
             raise CheckpointError(f"checkpoint {directory} is corrupt: {name} has {path.stat().st_size} bytes, "
                                   f"the checkpoint recorded {size} (truncated or altered)")
+    if sorted(hashes) != sorted((META, DCP_META)) or not set(hashes) <= set(files):
+        raise CheckpointError(f"checkpoint {directory} is corrupt: its {MARKER} marker does not cover "
+                              f"{META} and {DCP_META}")
     for name, digest in sorted(hashes.items()):
-        if (directory / name).is_file() and _sha256(directory / name) != digest:
+        if _sha256(directory / name) != digest:
             raise CheckpointError(f"checkpoint {directory} is corrupt: {name} does not match its recorded hash")
-    meta = _read_json(directory / META, "metadata")
+    meta = read_json(directory / META, "metadata")
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise CheckpointError(f"{directory}: not a version-{VERSION} dtp checkpoint "
                               f"(format {meta.get('format')!r}, version {meta.get('version')!r})")
     if meta.get("layout") != LAYOUT:
         raise CheckpointError(f"{directory}: tensors are stored in layout {meta.get('layout')!r}; this dtp reads "
                               f"{LAYOUT!r} only (loading another layout would scramble packed rows)")
+    _check_schema(meta, directory, sum(files.values()))
     return meta
 
 
@@ -177,35 +250,3 @@ def plan_label(name: str | None, version: int | None, digest: str) -> str:
     """How an error names a plan: its name and version from the header, and its hash."""
     label = f"plan '{name}'" if name else "an unnamed plan"
     return f"{label}{f' version {version}' if version is not None else ''} (sha256 {digest[:12]})"
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP pickles its `.metadata`; this unpickler accepts only the classes such a file holds, so that
-    loading a checkpoint never runs code named by it."""
-
-    def find_class(self, module: str, name: str):
-        attr = getattr(torch, name, None) if module == "torch" else None
-        if (module == "torch.distributed.checkpoint.metadata"
-                or (module, name) in {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-                                      ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                                      ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("torch", "Size")}
-                or isinstance(attr, (torch.dtype, torch.layout, torch.memory_format))):
-            return super().find_class(module, name)
-        raise CheckpointError(f"{DCP_META} refers to {module}.{name}, which DCP metadata never does; "
-                              "refusing to unpickle it")
-
-
-class SafeReader(FileSystemReader):
-    """torch's FileSystemReader, reading `.metadata` with an unpickler restricted to DCP's own classes."""
-
-    def read_metadata(self, *args, **kwargs):
-        """The checkpoint's DCP metadata (the top-level `.metadata` only)."""
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        with open(Path(self.path) / DCP_META, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        if hasattr(self, "load_id"):
-            metadata.storage_meta.load_id = self.load_id
-        return metadata

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-from dtp.cli.args import DTYPES, bounded, positive_float, positive_int, seed_int
-from dtp.files import writable_file
+from dtp.cli.args import DTYPES, bounded, positive_float, positive_int, seed_int, timeout_seconds
+from dtp.files import writable_file, write_text
 
 
 def add_parser(sub) -> None:
@@ -27,7 +26,7 @@ def add_parser(sub) -> None:
     a.add_argument("--dtype", choices=DTYPES, default="float32")
     a.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: CUDA when there is a GPU for every rank, else CPU")
-    a.add_argument("--timeout", type=positive_float, default=300.0, help="seconds before every rank is stopped (exit 1)")
+    a.add_argument("--timeout", type=timeout_seconds, default=300.0, help="seconds before every rank is stopped (exit 1)")
     a.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     a.set_defaults(func=run)
 
@@ -45,5 +44,5 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(render(report))
     if json_path:
-        Path(json_path).write_text(json.dumps(report.to_json(), indent=2, default=str) + "\n")
+        write_text(json_path, json.dumps(report.to_json(), indent=2, default=str) + "\n", "--json")
     return 0 if report.ok else 1

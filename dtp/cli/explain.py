@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from dtp.cli.args import positive_int
 from dtp.cli.check import load_checked
-from dtp.errors import UsageError
+from dtp.files import write_text
 
 
 def add_parser(sub) -> None:
@@ -38,9 +37,6 @@ def run(args: argparse.Namespace) -> int:
     ex = explain(checked, model, args.model, args.tp, dtype=dtype, batch=args.batch, seq=seq, dp=args.dp,
                  checkpoint_activations=args.checkpoint_activations)
     print(render(ex))
-    if args.json:
-        try:
-            Path(args.json).write_text(json.dumps(ex.to_json(), indent=2, default=str) + "\n", encoding="utf-8")
-        except OSError as err:
-            raise UsageError(f"cannot write {args.json}: {err.strerror}") from None
+    if args.json:  # no rank to wait for: the write itself refuses a device, a FIFO, /proc
+        write_text(args.json, json.dumps(ex.to_json(), indent=2, default=str) + "\n", "--json")
     return 0

@@ -20,7 +20,14 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     """Write the checkpoint's unsharded state dict and say where, how many tensors, how long."""
     from dtp.checkpoint.export import export
+    from dtp.files import writable_dir, writable_file
 
+    # outputs checked before the checkpoint is read: never a device, FIFO, directory or /proc (issue 20)
+    if args.hf_dir:
+        writable_dir(args.hf_dir, "--hf-dir", create=False)
+    else:
+        suffix = "safetensors" if args.format == "safetensors" else "pt"
+        writable_file(args.output or f"{args.checkpoint.rstrip('/')}.{suffix}", "-o")
     t0 = time.perf_counter()
     where, count = export(args.checkpoint, args.format, args.output, args.hf_dir)
     print(f"{args.checkpoint}: {count} tensors written to {where} in {time.perf_counter() - t0:.2f} s")

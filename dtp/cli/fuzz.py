@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from dtp.cli.args import positive_float, positive_int, seed_int
+from dtp.cli.args import positive_int, seed_int, timeout_seconds
 
 
 def add_parser(sub) -> None:
@@ -22,7 +22,7 @@ def add_parser(sub) -> None:
                    "outputs, unpaired colwise, unpacked fused layers, partial sequence parallelism, local flips)")
     f.add_argument("--parser", action="store_true", help="fuzz the parser with random and mutated plan text")
     f.add_argument("--no-shrink", action="store_true", help="report the first failure as found")
-    f.add_argument("--timeout", type=positive_float, default=120.0, help="seconds per example before it counts as hung")
+    f.add_argument("--timeout", type=timeout_seconds, default=120.0, help="seconds per example before it counts as hung")
     f.add_argument("--progress", action="store_true", help="show the progress bar even when not on a terminal")
     f.set_defaults(func=run)
 

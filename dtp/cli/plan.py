@@ -4,10 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from dtp.cli.args import positive_int
-from dtp.errors import UsageError
+from dtp.files import writable_file, write_text
 
 
 def add_parser(sub) -> None:
@@ -33,14 +32,12 @@ def run(args: argparse.Namespace) -> int:
     from dtp.lang.parse import load
 
     if args.from_hf:
+        output = writable_file(args.output, "-o") if args.output else None  # before the model is built
         text, warnings = from_hf(args.from_hf)
         for w in warnings:
             print(f"warning: {w}", file=sys.stderr)
-        if args.output:
-            try:
-                Path(args.output).write_text(text, encoding="utf-8")
-            except OSError as err:
-                raise UsageError(f"cannot write {args.output}: {err.strerror}") from None
+        if output:
+            write_text(output, text, "-o")
             print(f"wrote {args.output}")
         else:
             sys.stdout.write(text)

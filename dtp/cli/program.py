@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from typing import NoReturn
@@ -46,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> NoReturn:
     """The `dtp` console script and `python -m dtp`: `main`, then exit (a torchrun rank skips finalisation)."""
-    from dtp.runtime.launcher import leave_rank, under_torchrun
+    # Before torch is imported: its C++ logs (a rendezvous that finds no peer prints stack frames, a process group
+    # torn down at Ctrl-C prints warnings) would bury dtp's one-paragraph messages. Errors still show.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    from dtp.runtime.torchrun import leave_rank, under_torchrun
 
     code = main()
     if under_torchrun():

@@ -38,6 +38,10 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Predict one configuration, the paper's sweep, or calibrate this machine."""
+    from dtp.files import writable_file
     from dtp.simulate.session import simulate_command
 
+    for flag in ("json", "plot", "markdown", "output"):  # every output proven writable before any work
+        if getattr(args, flag):
+            writable_file(getattr(args, flag), "-o" if flag == "output" else f"--{flag}")
     return simulate_command(args)

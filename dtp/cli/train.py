@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from dtp.cli.args import bounded, memory_size, positive_float, positive_int, seed_int, tp_list
+from dtp.cli.args import bounded, memory_size, positive_int, seed_int, timeout_seconds, tp_list
 
 MAX_INTERVAL = 10**9  # steps: far beyond any run, so a typo is an error rather than a silent "never"
 interval = bounded(MAX_INTERVAL, low=0)  # 0, or a number of steps
@@ -46,7 +46,7 @@ def add_parser(sub) -> None:
     t.add_argument("--max-rank-memory", type=memory_size, metavar="BYTES",
                    help="refuse a tp whose per-rank parameters + gradients + AdamW state exceed BYTES (e.g. 1.5MiB)")
     t.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    t.add_argument("--timeout", type=positive_float, default=900.0, help="seconds before every rank is stopped (default 900)")
+    t.add_argument("--timeout", type=timeout_seconds, default=900.0, help="seconds before every rank is stopped (default 900)")
     t.add_argument("--out", default="dtp-train", help="directory for metrics.jsonl, summary.json, loss.png")
     t.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
     t.add_argument("--compare-tp", type=tp_list, metavar="1,2,4",
@@ -62,6 +62,14 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train (or compare tps) and print the summary."""
+    from dtp.files import writable_dir, writable_file
     from dtp.train.session import train_command
 
+    # outputs proven usable before the model is built or any rank starts: never a file where a directory
+    # belongs, a device, a FIFO or /proc (issue 20); nothing is created yet
+    writable_dir(args.out, "--out", create=False)
+    if args.checkpoint:
+        writable_dir(args.checkpoint, "--checkpoint", create=False)
+    if args.json:
+        args.json = writable_file(args.json, "--json")
     return train_command(args)

@@ -2,9 +2,9 @@
 `module:factory` named by a case runs only when the user names the same factory on the command line."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from dtp import files
 from dtp.errors import UsageError, clip, shorten
 
 MAX_CASE_BYTES = 4 * 2**20  # a case holds one plan (≤ 4 MiB is what `dtp check` reads) and a few numbers
@@ -14,16 +14,12 @@ _LIMITS = {"tp": 64, "dp": 64, "batch": 4096, "seq": 65536, "seed": 2**63 - 2**1
 
 def _read(path: str) -> dict:
     p = Path(path)
-    try:
-        if not p.is_file():
-            raise UsageError(f"cannot replay {path}: not a saved dtp fuzz case (" +
-                             ("no such file)" if not p.exists() else "not a regular file)"))
-        if p.stat().st_size > MAX_CASE_BYTES:
-            raise UsageError(f"cannot replay {path}: {p.stat().st_size} bytes is too large for a saved case")
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise UsageError(f"cannot replay {path}: not a saved dtp fuzz case ({type(err).__name__}: "
-                         f"{clip(str(err), 200)})") from None
+    if not p.exists():
+        raise UsageError(f"cannot replay {clip(path, 200)}: not a saved dtp fuzz case (no such file)")
+    try:  # the one bounded loader (dtp/files.py): regular files, size before reading, depth ≤ 32
+        data = files.load_json(p, "case", MAX_CASE_BYTES)
+    except UsageError as err:
+        raise UsageError(f"cannot replay {clip(path, 200)}: not a saved dtp fuzz case ({err})") from None
     if not isinstance(data, dict):
         raise UsageError(f"cannot replay {path}: not a saved dtp fuzz case (a JSON {type(data).__name__}, not an object)")
     return data

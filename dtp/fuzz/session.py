@@ -11,13 +11,23 @@ from dtp.files import writable_dir
 
 FUZZ_MAX_SEQ = 128  # drawn training lengths; the probes after the steps still reach the model's maximum
 
-def _max_seq(spec: str) -> int:
-    """The longest sequence to draw for a user's model: its stated maximum, at most FUZZ_MAX_SEQ (every example
-    also runs dtp.verify.probes at the longest length), 16 when it states none."""
+def _user_model(spec: str, max_world: int) -> int:
+    """The longest sequence to draw for a user's model (its stated maximum, at most FUZZ_MAX_SEQ; 16 when it
+    states none), after refusing a model whose largest draw would not fit in memory (exit 2, nothing forked):
+    tp × dp ≤ max_world ranks, float64, 3 sequences per dp rank, and the probes' one long sequence."""
     from dtp import models
+    from dtp.runtime.preflight import check_memory, estimate
+    from dtp.verify.probes import MAX_PROBE_SEQ
 
-    stated = models.max_sequence(models.build(models.resolve(spec), device="meta"))
-    return min(stated or 16, FUZZ_MAX_SEQ)
+    meta = models.build(models.resolve(spec), device="meta")
+    stated = models.max_sequence(meta)
+    longest = min(stated or 16, FUZZ_MAX_SEQ)
+    vocab = models.vocab_size(meta)
+    dp = 2 if max_world >= 4 else 1
+    steps = estimate(meta, max_world // dp, dp, 3 * dp, longest, 8, vocab)
+    probe = estimate(meta, max_world // dp, dp, 1, min(stated or MAX_PROBE_SEQ, MAX_PROBE_SEQ), 8, vocab)
+    check_memory(max(steps, probe, key=lambda e: e.total), "cpu")
+    return longest
 
 
 def fuzz_command(args: argparse.Namespace) -> int:
@@ -59,7 +69,7 @@ def fuzz_command(args: argparse.Namespace) -> int:
             raise UsageError("give both PLAN and MODEL, or neither (to fuzz random plans on zoo models)")
         if args.plan:
             text = read_plan_text(args.plan)
-            strategy = user_cases(text, args.model, args.max_world, _max_seq(args.model))
+            strategy = user_cases(text, args.model, args.max_world, _user_model(args.model, args.max_world))
         else:
             strategy = mutated_cases(args.max_world) if args.mutate else zoo_cases(args.max_world)
         bar = tqdm(total=args.examples, unit="ex", desc="fuzz", disable=not sys.stderr.isatty() and not args.progress)

@@ -8,14 +8,16 @@ in the plan and a warning on stderr).
 """
 from __future__ import annotations
 
+import re
+
 import torch.nn as nn
 
 from dtp import models
 from dtp.checks.checker import check
-from dtp.errors import PlanError, UsageError
+from dtp.errors import PlanError, UsageError, clip
 from dtp.files import shipped
 from dtp.lang import conditions, ir
-from dtp.lang.parse import parse
+from dtp.lang.parse import parse, parser
 from dtp.layout.experts import experts_layout
 from dtp.layout.resolve import matches
 
@@ -40,12 +42,13 @@ LOSSY = {"local_colwise": "runs on local tensors in HF; dtp uses DTensor (same l
 
 def hf_plan_of(model: nn.Module) -> dict[str, str]:
     """The model's full HF tp_plan (keys from the model root)."""
-    plan = dict(getattr(model, "_tp_plan", None) or {})
+    own = getattr(model, "_tp_plan", None)
+    plan = dict(own) if isinstance(own, dict) else {}  # a config's data: anything else is no plan
     if not plan:
         config = getattr(model, "config", None)
-        base = getattr(config, "base_model_tp_plan", None) or {}
+        base = getattr(config, "base_model_tp_plan", None)
         prefix = getattr(model, "base_model_prefix", "model")
-        plan = {f"{prefix}.{k}": v for k, v in base.items()}
+        plan = {f"{prefix}.{k}": v for k, v in base.items()} if isinstance(base, dict) else {}
     return plan
 
 
@@ -55,6 +58,7 @@ def import_plan(plan: dict[str, str], name: str = "imported",
     comments (HF skips them: Qwen3-MoE's plan names the dense MLP of `mlp_only_layers` a model may lack)."""
 
     warnings: list[str] = []
+    plan = _valid_entries(plan, warnings)
     experts = {k for k, v in plan.items() if v == "moe_tp_experts"}
     paths = [path for path, _ in model.named_modules() if path] if model is not None else None
     lines = ["# imported from a Hugging Face tp_plan by `dtp plan --from-hf`", "dtp 1", f"plan {name} version 1", ""]
@@ -78,6 +82,39 @@ def import_plan(plan: dict[str, str], name: str = "imported",
             lines.append(f"# lossy: '{style}' {LOSSY[style]}")
         lines.append(f"{key}: {mapped}")
     return "\n".join(lines) + "\n", warnings
+
+
+_STYLE = re.compile(r"[a-z_]{1,64}")  # every HF style name; anything else is not echoed into the plan
+MAX_KEY = 512
+MAX_ENTRIES = 4096  # each entry is parsed on its own
+
+
+def _valid_entries(plan: dict, warnings: list[str]) -> dict[str, str]:
+    """The entries whose key is one PATTERN of the plan language and whose style is a style name: a newline or
+    other control character in either would write a line of its own into the plan (an injected rule). The
+    others are dropped here, named (escaped) in a warning and never written to the plan, not even as comments."""
+    if len(plan) > MAX_ENTRIES:
+        raise UsageError(f"the tp_plan has {len(plan)} entries; a model's plan has at most {MAX_ENTRIES}")
+    pattern = re.compile(parser().get_terminal("PATTERN").pattern.to_regexp())
+    kept: dict[str, str] = {}
+    for key, style in plan.items():
+        if not isinstance(key, str) or len(key) > MAX_KEY or not pattern.fullmatch(key) or "[" in key \
+                or not _parses(f"{key}: replicate"):  # a keyword (`plan`, `set`) is no pattern
+            warnings.append(f"{clip(ascii(key), 120)}: not a module path the plan language can hold "
+                            "(dotted names and `*` only); entry dropped")
+        elif not isinstance(style, str) or not _STYLE.fullmatch(style):
+            warnings.append(f"{key}: {clip(ascii(style), 120)} is not a Hugging Face style name; entry dropped")
+        else:
+            kept[key] = style
+    return kept
+
+
+def _parses(rule: str) -> bool:
+    try:
+        parse(f"dtp 1\n{rule}\n", "<tp_plan entry>")
+    except PlanError:
+        return False
+    return True
 
 
 def _hf_key(pattern: ir.Pattern) -> str | None:

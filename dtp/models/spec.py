@@ -12,8 +12,8 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import yaml
 
+from dtp import files
 from dtp.errors import UsageError, clip, shorten
 from dtp.models.gpt import GPT, GPTConfig
 from dtp.models.llama import Llama, LlamaConfig
@@ -32,35 +32,11 @@ MAX_CONFIG_BYTES = 64 * 1024  # a model config is a handful of keys
 MAX_CONFIG_INT = 2**31  # larger sizes are typos (or attacks); nothing real comes near
 
 
-class _NoAliasLoader(yaml.SafeLoader):
-    """SafeLoader without anchors/aliases: a 441-byte 'billion laughs' file must not expand to gigabytes."""
-
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in a model config",
-                                              event.start_mark)
-        return super().compose_node(parent, index)
-
-
 def _load_yaml(name: str, text: str | None, path: Path | str) -> object:
+    # one bounded loader for every user YAML (dtp/files.py): regular files, 64 KiB, no aliases, depth ≤ 32
     if text is None:
-        p = Path(path)
-        if not p.is_file():
-            raise UsageError(f"model config {name} is not a regular file")
-        if p.stat().st_size > MAX_CONFIG_BYTES:
-            raise UsageError(f"model config {name} is {p.stat().st_size} bytes; a model config is at most "
-                             f"{MAX_CONFIG_BYTES // 1024} KiB")
-        try:
-            text = p.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            raise UsageError(f"cannot read model config {name}: {clip(str(err), 200)}") from None
-    try:
-        return yaml.load(text, Loader=_NoAliasLoader)
-    except yaml.YAMLError as err:
-        raise UsageError(f"model config {name} is not valid YAML: {clip(' '.join(str(err).split()), 300)}") from None
-    except RecursionError:
-        raise UsageError(f"model config {name} nests too deeply to be a model config") from None
+        return files.load_yaml(path, "model config", MAX_CONFIG_BYTES, name)
+    return files.parse_yaml(text, "model config", name)
 
 
 def _numeric(value: object) -> bool:
@@ -179,7 +155,14 @@ def build(source: ModelSource | str, device: str | torch.device = "meta",
     with torch.device(device):
         if source.factory is None:
             _, model_cls = FAMILIES[source.family]
-            model = model_cls(source.config)
+            try:
+                model = model_cls(source.config)
+            except (RuntimeError, OverflowError, MemoryError) as err:  # n_embd: 2147483648 (the largest allowed)
+                if isinstance(err, RuntimeError) and "overflow" not in str(err).lower():
+                    raise
+                raise UsageError(f"model {source.name} is too large for any machine: one of its tensors would hold "
+                                 f"more than 2^63 bytes (torch: {clip(' '.join(str(err).split()), 200)}); use smaller "
+                                 "sizes") from None
         else:
             factory = _factory(source.factory)
             try:

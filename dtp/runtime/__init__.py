@@ -7,7 +7,8 @@ Input: a `Checked` plan, a model source, a mesh. Output: an applied, filled mode
 points, so that `dtp fmt` (which asks `under_torchrun` on its way out) imports no torch; `build.build_sharded`
 and `shard.apply` are imported from their modules.
 """
-from dtp.runtime.launcher import launch_local, under_torchrun
+from dtp.runtime.launcher import launch_local
 from dtp.runtime.ranks import on_ranks
+from dtp.runtime.torchrun import under_torchrun
 
 __all__ = ["launch_local", "on_ranks", "under_torchrun"]

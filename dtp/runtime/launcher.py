@@ -21,49 +21,11 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterator, NoReturn
 
 from dtp.errors import RunError, Terminated, UsageError
 
 GRACE_S = 3.0  # after a first failure, how long the other ranks get to report theirs before they are stopped
 RENDEZVOUS = "rendezvous"  # where a rank failed that never joined the process group
-
-
-def under_torchrun() -> bool:
-    """Whether this process is one rank of a torchrun-launched world."""
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ and "LOCAL_RANK" in os.environ
-
-
-@contextlib.contextmanager
-def torchrun_group(device: str, timeout: float | None = None) -> Iterator[int]:
-    """This process as one rank of torchrun's world, torchrun's rendezvous settings standing: the process group
-    joined (NCCL on CUDA, each rank on its LOCAL_RANK's GPU; gloo on CPU) and left again; yields the rank."""
-    import torch
-    import torch.distributed as dist
-
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    kwargs = {"timeout": timedelta(seconds=timeout)} if timeout else {}
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", **kwargs)
-    try:
-        yield dist.get_rank()
-    finally:
-        dist.destroy_process_group()
-
-
-def leave_rank(code: int) -> NoReturn:
-    """End a torchrun rank without finalising the interpreter (as local ranks end, with `os._exit`).
-
-    When a gloo collective completes, the waiting thread moves on while gloo's worker thread still holds the
-    work and its tensors. If the main thread reaches interpreter finalisation first, that worker cannot take
-    the GIL to release them and the rank aborts (SIGABRT, "terminate called without an active exception")
-    after a run that succeeded (6 times in 325 `torchrun … dtp apply` runs here). Every rank has flushed and
-    closed what it wrote by now; nothing is left for finalisation to do.
-    """
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-        sys.stderr.flush()
-    os._exit(code)
 
 
 def die_with_parent() -> None:

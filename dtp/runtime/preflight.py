@@ -58,6 +58,18 @@ def _config_int(model, keys: tuple[str, ...]) -> int | None:
     return next((getattr(config, k) for k in keys if isinstance(getattr(config, k, None), int)), None)
 
 
+def activation_elements(model, batch: int, seq: int, vocab: int | None, tp: int = 1) -> int:
+    """Elements one forward+backward saves for `batch` × `seq` tokens on a rank of a tp group: per layer
+    5·s·b·h replicated and 12·s·b·h + 2.5·a·s²·b split over tp (Korthikanti et al.; tp 1: 17·s·b·h + 2.5·a·s²·b),
+    plus the logits and their gradient (3·b·s·V, split over tp)."""
+    layers, hidden = _config_int(model, _LAYER_KEYS), _config_int(model, _HIDDEN_KEYS)
+    heads = _config_int(model, _HEAD_KEYS) or 1
+    acts = 0
+    if layers and hidden:
+        acts = layers * (5 * seq * batch * hidden + (12 * seq * batch * hidden + (5 * heads * seq * seq * batch) // 2) // tp)
+    return acts + 3 * batch * seq * (vocab or 0) // tp
+
+
 @dataclass(frozen=True)
 class Estimate:
     """Bytes the whole local run needs, and its parts."""
@@ -70,12 +82,7 @@ class Estimate:
 def estimate(model, tp: int, dp: int, batch: int, seq: int, elem: int, vocab: int | None) -> Estimate:
     """Memory for `dtp apply` on one machine, all ranks together (`model` may live on the meta device)."""
     params = sum(p.numel() for p in model.parameters()) * elem
-    layers, hidden = _config_int(model, _LAYER_KEYS), _config_int(model, _HIDDEN_KEYS)
-    heads = _config_int(model, _HEAD_KEYS) or 1
-    acts = 0
-    if layers and hidden:
-        acts = layers * (17 * seq * batch * hidden + (5 * heads * seq * seq * batch) // 2)
-    acts = (acts + 3 * batch * seq * (vocab or 0)) * elem
+    acts = activation_elements(model, batch, seq, vocab) * elem
     world = tp * dp
     # Rank 0: the whole model it scatters from; every rank: its shards + their gradients and momentum
     # (≈ 3·P/tp/dp) and its share of the activations; rank 0: the float64 and same-dtype references (3 copies

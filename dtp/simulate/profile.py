@@ -10,10 +10,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from dtp import files
-from dtp.errors import UsageError
+from dtp.errors import UsageError, clip, shorten
 
 MAX_BYTES = 64 * 1024
 PRECISIONS = ("fp16", "bf16", "fp32")
@@ -110,28 +108,23 @@ def load(spec: str) -> Profile:
     if "/" not in spec and not spec.endswith((".yaml", ".yml")) and candidate.is_file():
         return parse(candidate.read_text(encoding="utf-8"), spec)
     path = Path(spec)
-    if not path.is_file():
-        raise UsageError(f"profile '{spec}' is neither a file nor a shipped profile "
+    if not path.exists():
+        raise UsageError(f"profile '{clip(spec, 200)}' is neither a file nor a shipped profile "
                          f"(shipped: {', '.join(profile_names())})")
-    if path.stat().st_size > MAX_BYTES:
-        raise UsageError(f"{spec}: a profile is at most {MAX_BYTES // 1024} KiB")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise UsageError(f"{spec}: cannot read the profile: {err}") from None
-    return parse(text, spec)
+    return _parsed(files.load_yaml(path, "profile", MAX_BYTES), spec)
 
 
 def parse(text: str, where: str) -> Profile:
-    """Validate profile YAML text (safe_load; unknown keys, wrong types, out-of-range values are errors)."""
+    """Validate profile YAML text (the bounded loader of dtp/files.py; unknown keys, wrong types, out-of-range
+    values are errors)."""
     if len(text) > MAX_BYTES:
-        raise UsageError(f"{where}: a profile is at most {MAX_BYTES // 1024} KiB")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        at = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        raise UsageError(f"{where}{at}: not valid YAML: {getattr(err, 'problem', err)}") from None
+        raise UsageError(f"profile {where} is {len(text)} characters; a profile is at most {MAX_BYTES // 1024} KiB")
+    return _parsed(files.parse_yaml(text, "profile", where), where)
+
+
+def _parsed(data: object, where: str) -> Profile:
+    """The Profile of loaded YAML data, every key and value checked."""
+    where = clip(where, 200)
     if not isinstance(data, dict):
         raise UsageError(f"{where}: a profile is a mapping of keys (see profiles/dgx2h-v100.yaml)")
     _validate(data, _SCHEMA, "", where)
@@ -164,7 +157,7 @@ def _get(data: dict, dotted: str):
 
 def _validate(data: dict, schema: dict, prefix: str, where: str) -> None:
     for key, value in data.items():
-        name = f"{prefix}{key}"
+        name = clip(f"{prefix}{key}", 80)
         if not isinstance(key, str) or key not in schema:
             allowed = ", ".join(schema)
             raise UsageError(f"{where}: unknown key '{name}' (allowed here: {allowed})")
@@ -193,7 +186,7 @@ def _check_table(value, name: str, where: str) -> None:
 def _check_value(value, kind: type, low, high, name: str, where: str) -> None:
     if kind is bool:
         if not isinstance(value, bool):
-            raise UsageError(f"{where}: '{name}' must be true or false, got {value!r}")
+            raise UsageError(f"{where}: '{name}' must be true or false, got {shorten(value)}")
         return
     if kind is str:
         if not isinstance(value, str) or not low <= len(value) <= high:
@@ -201,6 +194,6 @@ def _check_value(value, kind: type, low, high, name: str, where: str) -> None:
         return
     numeric = (int,) if kind is int else (int, float)
     if isinstance(value, bool) or not isinstance(value, numeric):
-        raise UsageError(f"{where}: '{name}' must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+        raise UsageError(f"{where}: '{name}' must be {'an integer' if kind is int else 'a number'}, got {shorten(value)}")
     if not low <= value <= high:  # NaN fails both comparisons
-        raise UsageError(f"{where}: '{name}' = {value} is out of range [{low}, {high}]")
+        raise UsageError(f"{where}: '{name}' = {clip(str(value), 60)} is out of range [{low}, {high}]")

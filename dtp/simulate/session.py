@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from dtp.errors import UsageError
+from dtp.files import write_text
 
 
 def simulate_command(args: argparse.Namespace) -> int:
@@ -82,6 +83,6 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _write(path: str, text: str) -> None:
     try:
-        Path(path).write_text(text, encoding="utf-8")
+        write_text(path, text)  # a regular file only, replaced atomically (dtp.files)
     except OSError as err:
         raise UsageError(f"cannot write {path}: {err.strerror}") from None

@@ -8,6 +8,8 @@ are not counted (they scale with --batch × --seq, not with the model).
 
 `--init model` (the default) adds rank 0's copy of the whole model, built with the model's own init and
 held until every rank has its shards: `check_init_memory` refuses a run whose host cannot hold it.
+`check_train_memory` then adds what `--max-rank-memory` leaves out, for every local rank together: the
+activations of its share of --batch × --seq (dtp.runtime.preflight.activation_elements) and torch's own floor.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
     from dtp.checks.checker import Checked
 
 STATE_COPIES = 4  # parameter, gradient, AdamW exp_avg and exp_avg_sq, all float32
+TORCH_FLOOR = 128 * 2**20  # a rank's own torch, gloo buffers and Python objects, before any tensor
 
 
 def state_bytes_per_rank(checked: Checked, model: nn.Module, tp: int, dp: int = 1) -> list[int]:
@@ -62,3 +65,35 @@ def check_init_memory(checked: Checked, model: nn.Module, tp: int, dp: int, devi
                          + f", but this host has {human_bytes(available)} available; use --init keyed, which "
                          "draws each rank's shards where they live (GPT-2's init — normal matrices, unit norms, "
                          "zero biases — instead of the model's own), or a host with more memory")
+
+
+def train_memory(checked: Checked, model: nn.Module, tp: int, dp: int, *, batch: int, seq: int,
+                 vocab: int | None, act_elem: int, init_model: bool) -> tuple[int, int, int]:
+    """(total, training state, activations) in bytes for every local rank of a run together, plus rank 0's
+    whole float32 model under `--init model`."""
+    from dtp.runtime.preflight import activation_elements
+
+    state = sum(state_bytes_per_rank(checked, model, tp, dp))
+    acts = tp * dp * activation_elements(model, batch // dp, seq, vocab, tp) * act_elem
+    full = sum(p.numel() for p in model.parameters()) * 4 if init_model else 0
+    return state + acts + full + tp * dp * TORCH_FLOOR, state, acts
+
+
+def check_train_memory(checked: Checked, model: nn.Module, tp: int, dp: int, *, batch: int, seq: int,
+                       vocab: int | None, act_elem: int, init_model: bool, available: int | None = None) -> None:
+    """Exit 2 when the local ranks' training state, activations and torch itself would not fit the memory
+    this host has available (`available`, default: measured now), before any rank starts."""
+    from dtp.cost.explain import human_bytes
+    from dtp.runtime.preflight import available_bytes
+
+    available = available_bytes() if available is None else available
+    total, state, acts = train_memory(checked, model, tp, dp, batch=batch, seq=seq, vocab=vocab,
+                                      act_elem=act_elem, init_model=init_model)
+    if available is not None and total > available:
+        raise UsageError(f"at --tp {tp} --dp {dp}, --batch {batch} × --seq {seq} this run needs about "
+                         f"{human_bytes(total)} of memory (parameters, gradients and AdamW state "
+                         f"{human_bytes(state)}, activations {human_bytes(acts)}, {tp * dp} × "
+                         f"{human_bytes(TORCH_FLOOR)} for torch itself"
+                         + (", rank 0's whole model for --init model" if init_model else "")
+                         + f") but this host has {human_bytes(available)} available; use a smaller model, "
+                         "--batch or --seq, or run on more machines with torchrun")

@@ -3,7 +3,11 @@
 The default corpus is the Python standard library's own source (a sorted, size-bounded subset of its
 top-level modules), present on every machine that runs dtp and needing no network. Tokenisation is
 byte-level by default (256 ids, any model with vocab ≥ 256); `bpe` trains a byte-level BPE with the
-`tokenizers` library to the model's vocabulary size, cached next to the tokens.
+`tokenizers` library to the model's vocabulary size, cached next to the tokens (dtp.train.token_cache: trusted
+by content, not by name).
+
+`--data` is read only if it is a regular file or a directory of them (a FIFO would block the open, a device
+never ends), sized by stat before a byte is read and then read in bounded chunks, whatever stat said.
 
 Batches: step s draws the global batch's window starts from a generator seeded with (seed, s), so the
 order is the same whatever tp and dp are; dp rank d reads rows [d·B/dp, (d+1)·B/dp); every tp rank of a
@@ -11,7 +15,10 @@ group reads the same rows.
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
+import os
+import stat
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,11 +28,17 @@ import torch
 
 from dtp.errors import UsageError
 from dtp.files import replace_atomically
+from dtp.train import token_cache
 
 DEFAULT_CORPUS_BYTES = 2 * 2**20  # the stdlib subset: the first sorted modules up to 2 MiB
 MAX_TEXT_BYTES = 512 * 2**20  # a text corpus is read into memory once to tokenise it
 VAL_FRACTION = 0.1
 TOKEN_DTYPE = np.uint16  # ids < 65536; pre-tokenised .bin files are raw little-endian uint16
+MAX_FILES = 100_000  # files in a --data directory
+READ_CHUNK = 2**20
+BYTES_VERSION = "bytes-1"  # the byte-level tokenizer's identity in the cache record
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
 
 
 def default_corpus() -> list[Path]:
@@ -41,41 +54,85 @@ def default_corpus() -> list[Path]:
     return files
 
 
+def _stat(path: Path, allow_dir: bool = False) -> os.stat_result:
+    """stat (after links), refusing what is neither a regular file nor (`allow_dir`) a directory."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise UsageError(f"--data {path}: no such file or directory") from None
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--data {path}: {getattr(err, 'strerror', None) or err}") from None
+    if stat.S_ISREG(st.st_mode) or (allow_dir and stat.S_ISDIR(st.st_mode)):
+        return st
+    kind = next((k for test, k in _KINDS if test(st.st_mode)), "not a regular file")
+    raise UsageError(f"--data {path} is {kind}; give a text file, a directory of them or a .bin of uint16 token ids")
+
+
+def _too_big(name: str) -> UsageError:
+    return UsageError(f"--data {name}: more than {MAX_TEXT_BYTES >> 20} MiB of text; tokenise it beforehand "
+                      "into a .bin file of uint16 token ids")
+
+
 def _text_files(data: str | None) -> tuple[list[Path], str]:
-    """The files of a corpus and how to name it."""
+    """The files of a corpus and how to name it; their sizes (by stat, nothing read yet) within the limit."""
     if data is None:
         return default_corpus(), f"Python {sysconfig.get_python_version()} standard library source (2 MiB)"
     path = Path(data)
-    if not path.exists():
-        raise UsageError(f"--data {data}: no such file or directory")
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    if not stat.S_ISDIR(_stat(path, allow_dir=True).st_mode):
+        files = [path]
+    else:
+        files = []
+        for root, dirs, names in os.walk(path, onerror=_walk_error):  # links to directories are not followed
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            files += (Path(root, n) for n in names if not n.startswith("."))
+            if len(files) > MAX_FILES:
+                raise UsageError(f"--data {data}: more than {MAX_FILES} files")
+        files.sort()
         if not files:
             raise UsageError(f"--data {data}: the directory holds no files")
-        return files, str(path)
-    return [path], str(path)
+    if sum(_stat(f).st_size for f in files) > MAX_TEXT_BYTES:
+        raise _too_big(str(path))
+    return files, str(path)
+
+
+def _walk_error(err: OSError) -> None:
+    raise UsageError(f"--data: cannot list {err.filename}: {err.strerror}")
+
+
+def _read_file(path: Path, budget: int, name: str) -> bytes:
+    """One regular file's bytes, read in chunks, at most `budget` of them (a file may grow, or lie in stat)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # never blocks, even on a FIFO swapped in since stat
+    except OSError as err:
+        raise UsageError(f"--data: cannot read {path}: {err.strerror}") from None
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UsageError(f"--data {path} is not a regular file")
+        raw, decoder = bytearray(), codecs.getincrementaldecoder("utf-8")()
+        try:
+            while chunk := f.read(READ_CHUNK):
+                if len(raw) + len(chunk) > budget:
+                    raise _too_big(name)
+                if not raw and b"\x00" in chunk[:65536]:
+                    raise UsageError(f"--data: {path} looks binary (it holds NUL bytes); give text files or a "
+                                     ".bin of uint16 token ids")
+                decoder.decode(chunk)
+                raw += chunk
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise UsageError(f"--data: {path} is not UTF-8 text (near byte {len(raw)}); give text files or a "
+                             ".bin of uint16 token ids") from None
+        except OSError as err:
+            raise UsageError(f"--data: cannot read {path}: {err.strerror}") from None
+    return bytes(raw)
 
 
 def read_text(files: list[Path], name: str) -> bytes:
     """The corpus as UTF-8 bytes; binary or non-UTF-8 files, empty corpora and huge ones are usage errors."""
     chunks, total = [], 0
     for path in files:
-        try:
-            raw = path.read_bytes()
-        except OSError as err:
-            raise UsageError(f"--data: cannot read {path}: {err.strerror}") from None
-        total += len(raw)
-        if total > MAX_TEXT_BYTES:
-            raise UsageError(f"--data {name}: more than {MAX_TEXT_BYTES >> 20} MiB of text; tokenise it "
-                             "beforehand into a .bin file of uint16 token ids")
-        if b"\x00" in raw[:65536]:
-            raise UsageError(f"--data: {path} looks binary (it holds NUL bytes); give text files or a .bin of "
-                             "uint16 token ids")
-        try:
-            raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise UsageError(f"--data: {path} is not UTF-8 text (byte {err.start}); give text files or a .bin "
-                             "of uint16 token ids") from None
+        raw = _read_file(path, MAX_TEXT_BYTES - total, name)
+        total += len(raw) + 1
         chunks.append(raw)
     text = b"\n".join(chunks)
     if not text.strip():
@@ -89,17 +146,21 @@ def _bpe(text: bytes, vocab: int, cache: Path):
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     except ImportError:
         raise UsageError("--tokenizer bpe needs the `tokenizers` package (pip install tokenizers)") from None
-    if cache.exists():
-        return Tokenizer.from_file(str(cache))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    lines = text.decode("utf-8").splitlines(keepends=True)
-    tok.train_from_iterator((lines[i:i + 1000] for i in range(0, len(lines), 1000)), trainer=trainer)
-    replace_atomically(cache, lambda tmp: tok.save(str(tmp)))  # under torchrun every rank prepares it
-    return tok
+
+    def trained():
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                      show_progress=False)
+        lines = text.decode("utf-8").splitlines(keepends=True)
+        tok.train_from_iterator((lines[i:i + 1000] for i in range(0, len(lines), 1000)), trainer=trainer)
+        if cache.is_symlink():  # our own cache folder: a planted link is removed, never written through
+            cache.unlink(missing_ok=True)
+        replace_atomically(cache, lambda tmp: tok.save(str(tmp)))  # under torchrun every rank prepares it
+        return tok
+
+    return token_cache.load_tokenizer(cache, trained)
 
 
 @dataclass(frozen=True)
@@ -122,38 +183,42 @@ def prepare(data: str | None, cache_dir: Path, *, tokenizer: str = "bytes", mode
     """Tokenise the corpus once into `cache_dir` (reused when the same input was tokenised before)."""
     if data is not None and data.endswith(".bin"):
         path = Path(data)
-        if not path.is_file():
-            raise UsageError(f"--data {data}: no such file")
-        size = path.stat().st_size
+        size = _stat(path).st_size  # a regular file: memory-mapped, never read whole
         if size == 0 or size % 2:
             raise UsageError(f"--data {data}: a .bin must hold uint16 token ids (an even, non-zero number of bytes)")
-        ids = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
-        top = int(ids.max())
+        _, top = token_cache.scan(path, size // 2, TOKEN_DTYPE, digest=False)
         if top >= model_vocab:
             raise UsageError(f"--data {data}: token id {top} does not fit the model's vocabulary of {model_vocab}")
-        return Corpus(str(path), str(path), len(ids), _train_len(len(ids)), top + 1, "pre-tokenised")
+        return Corpus(str(path), str(path), size // 2, _train_len(size // 2), top + 1, "pre-tokenised")
     files, name = _text_files(data)
     text = read_text(files, name)
-    key = hashlib.sha256(text).hexdigest()[:16]
+    digest = hashlib.sha256(text).hexdigest()
+    key = digest[:16]
     cache_dir.mkdir(parents=True, exist_ok=True)
     if tokenizer == "bpe":
         if model_vocab <= 256:  # byte-level BPE starts from all 256 bytes; merges come on top
             raise UsageError(f"--tokenizer bpe needs a vocabulary above 256 (its byte alphabet plus merges); "
                              f"the model has {model_vocab}")
         tok = _bpe(text, model_vocab, cache_dir / f"bpe-{key}-{model_vocab}.json")
-        ids = np.asarray(tok.encode(text.decode("utf-8")).ids, dtype=TOKEN_DTYPE)
         vocab = tok.get_vocab_size()
-        if vocab > model_vocab or (len(ids) and int(ids.max()) >= model_vocab):
+        if vocab > model_vocab:
             raise UsageError(f"the BPE trained for a vocabulary of {model_vocab} has {vocab} ids; give a model "
                              f"with a larger vocabulary")
+        name_id, encode = token_cache.tokenizer_id(tok), lambda: tok.encode(text.decode("utf-8")).ids
     else:
         if model_vocab < 256:
             raise UsageError(f"byte-level tokens need a vocabulary of at least 256; the model has {model_vocab}")
-        ids, vocab = np.frombuffer(text, dtype=np.uint8).astype(TOKEN_DTYPE), 256
+        vocab, name_id, encode = 256, BYTES_VERSION, lambda: np.frombuffer(text, dtype=np.uint8)
     out = cache_dir / (f"tokens-bpe-{key}-{vocab}.bin" if tokenizer == "bpe" else f"tokens-bytes-{key}.bin")
-    if not out.exists():
-        replace_atomically(out, ids.tofile)
-    return Corpus(str(out), name, len(ids), _train_len(len(ids)), vocab, tokenizer)
+    expect = {"corpus_sha256": digest, "tokenizer": name_id, "vocab": vocab}
+    n = token_cache.reuse(out, expect, TOKEN_DTYPE)
+    if n is None:
+        ids = np.asarray(encode(), dtype=TOKEN_DTYPE)
+        if len(ids) and int(ids.max()) >= vocab:  # the tokenizer's own ids: a foreign BPE file could exceed it
+            raise UsageError(f"the tokenizer produced id {int(ids.max())}, outside its vocabulary of {vocab}")
+        token_cache.store(out, expect, ids)
+        n = len(ids)
+    return Corpus(str(out), name, n, _train_len(n), vocab, tokenizer)
 
 
 def _train_len(n: int) -> int:

@@ -24,13 +24,22 @@ def _plan_text(plan: str) -> str:
         raise UsageError(f"cannot read plan {plan}: {err}") from None
 
 
+def _resolved(path: str, flag: str) -> Path:
+    """`path` with its symlinks resolved; a loop is a usage error, not a traceback."""
+    try:
+        return Path(path).resolve()
+    except (RuntimeError, OSError):  # Python 3.11 raises RuntimeError on a symlink loop
+        raise UsageError(f"{flag} {path} is a symlink loop (or cannot be resolved)") from None
+
+
 def saved_state(directory: Path) -> tuple[dict, dict]:
     """(dtp.json, rank 0's train_state) of a complete checkpoint, read in this process without ranks."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from dtp.checkpoint.files import CheckpointError, SafeReader, read_meta
+    from dtp.checkpoint.files import CheckpointError, read_meta
     from dtp.checkpoint.optim_state import unpack
+    from dtp.checkpoint.untrusted import SafeReader
 
     meta = read_meta(directory)
     size = meta.get("objects", {}).get("extra/rank0")
@@ -38,10 +47,11 @@ def saved_state(directory: Path) -> tuple[dict, dict]:
         raise CheckpointError(f"checkpoint {directory} holds no training state (extra/rank0); it was not "
                               "written by `dtp train`")
     state = {"extra/rank0": torch.empty(size, dtype=torch.uint8)}
+    reader = SafeReader(directory)  # refuses what is not data (code in .metadata, byte entries) with its reason
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=SafeReader(directory), no_dist=True)
+            dcp.load(state, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {directory} is corrupt or unreadable: {type(err).__name__}") from None
     extra = unpack(state["extra/rank0"], f"{directory}: extra/rank0")
@@ -83,11 +93,11 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError("--convert applies to --resume DIR only")
     if args.compare_tp and (args.checkpoint or args.resume):
         raise UsageError("--compare-tp trains from scratch at each tp; it takes no --checkpoint or --resume")
-    args.checkpoint = str(Path(args.checkpoint).resolve()) if args.checkpoint else None
+    args.checkpoint = str(_resolved(args.checkpoint, "--checkpoint")) if args.checkpoint else None
     args.resume_step = 0
     if not args.resume:
         return
-    directory = Path(args.resume).resolve()
+    directory = _resolved(args.resume, "--resume")
     args.resume = str(directory)
     meta, extra = saved_state(directory)
     try:

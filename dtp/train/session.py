@@ -1,7 +1,8 @@
 """What `dtp train PLAN MODEL` does: check, prepare the data, start the ranks (or join torchrun's), summarise.
 
 Exit status: 0 trained (and, with --compare-tp, the curves agree); 1 a rank failed, the loss diverged, the tp
-ranks' replicas diverged or the curves differ; 2 a plan, data or flag error (before any rank starts); 130 interrupted.
+ranks' replicas diverged or the curves differ; 2 a plan, data, flag or resource error (before any rank starts);
+130 interrupted (Ctrl-C), 143 terminated (SIGTERM), as every dtp command.
 """
 from __future__ import annotations
 
@@ -14,15 +15,18 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dtp import models
+from dtp.checkpoint.lock import held
 from dtp.checks.checker import check, sequence_shape_problem
 from dtp.cost.explain import human_bytes
 from dtp.cost.param_bytes import param_bytes_per_rank
-from dtp.errors import RunError, UsageError
+from dtp.errors import RunError, Terminated, UsageError
 from dtp.lang.parse import load
+from dtp.runtime import preflight
 from dtp.runtime.keyed_init import init_rule
-from dtp.runtime.launcher import launch_local, pick_device, torchrun_group, under_torchrun
+from dtp.runtime.launcher import launch_local, pick_device
+from dtp.runtime.torchrun import torchrun_group, torchrun_world, under_torchrun
 from dtp.train import data, replica_checks, resume
-from dtp.train.budget import check_budget, check_init_memory
+from dtp.train.budget import check_budget, check_init_memory, check_train_memory
 from dtp.train.loop import TrainConfig, train
 from dtp.train.parity import compare, markdown
 from dtp.train.plot import loss_png
@@ -53,8 +57,9 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--batch {args.batch} (the global batch) must divide by --dp {args.dp}")
 
 
-def _preflight(args, tps: list[int], device: str):
-    """Check the plan at every tp and prepare the data, before any process starts."""
+def _preflight(args, tps: list[int], device: str, local: bool):
+    """Check the plan at every tp, the memory of a local run (`local`: not under torchrun) and prepare the
+    data, before any process starts."""
     plan = load(args.plan)
     model = models.build(models.resolve(args.model), device="meta")
     block = getattr(getattr(model, "config", None), "block_size", None)
@@ -75,6 +80,9 @@ def _preflight(args, tps: list[int], device: str):
         for path, module in model.named_modules():
             for pname, param in module.named_parameters(recurse=False):
                 init_rule(model, module, pname, f"{path}.{pname}".lstrip("."), param.dim())
+    vocab = models.vocab_size(model)
+    if vocab is None:
+        raise UsageError(f"{args.model}: cannot tell the vocabulary size (no config.vocab_size, no nn.Embedding)")
     for tp in tps:
         checked = check(plan, model, tp, args.dp)  # every tp, so a plan error is exit 2 before any rank starts
         shape_problem = sequence_shape_problem(checked, tp, args.seq)
@@ -82,13 +90,12 @@ def _preflight(args, tps: list[int], device: str):
             raise UsageError(shape_problem)
         if args.init == "model":  # rank 0 builds the whole model before scattering it
             check_init_memory(checked, model, tp, args.dp, device)
+        if local and device == "cpu":  # every rank on this host (a GPU run is bounded by its GPUs)
+            check_train_memory(checked, model, tp, args.dp, batch=args.batch, seq=args.seq, vocab=vocab,
+                               act_elem=2 if args.dtype == "bfloat16" else 4, init_model=args.init == "model")
     if args.max_rank_memory is not None:
-
         for tp in tps:
             check_budget(check(plan, model, tp), model, tp, args.dp, args.max_rank_memory)
-    vocab = models.vocab_size(model)
-    if vocab is None:
-        raise UsageError(f"{args.model}: cannot tell the vocabulary size (no config.vocab_size, no nn.Embedding)")
     corpus = data.prepare(args.data, Path(args.out, "cache"), tokenizer=args.tokenizer, model_vocab=vocab)
     data.check_fits(corpus, args.batch, args.seq)
     return corpus
@@ -109,19 +116,23 @@ def run_training(cfg, corpus) -> list[dict]:
     """Train once (local ranks or this torchrun rank); every rank's summary, rank 0 first."""
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     Path(cfg.out, "metrics.jsonl").write_text("")  # a fresh run starts a fresh log
-    if under_torchrun():
+    world = torchrun_world()
+    if world is not None:
         import torch.distributed as dist
 
-        world = int(os.environ["WORLD_SIZE"])
         if cfg.tp * cfg.dp != world:
             raise UsageError(f"--tp {cfg.tp} × --dp {cfg.dp} = {cfg.tp * cfg.dp} ranks, but torchrun started {world}")
-        with torchrun_group(cfg.device) as rank:  # each rank on its own GPU under CUDA (it was cuda:0 for all)
+        with torchrun_group(cfg.device, cfg.timeout) as rank:  # each rank on its own GPU under CUDA (it was cuda:0 for all)
             mine = train(rank, world, cfg, corpus)
             gathered: list = [None] * world
             dist.all_gather_object(gathered, mine)
             return _replicas_held(cfg, gathered)
-    return _replicas_held(cfg, launch_local(train, cfg.tp * cfg.dp, cfg, corpus, timeout=cfg.timeout,
-                                            device=cfg.device, prefix="dtp-train-"))
+    # The checkpoint's lock for the whole run: a second run saving there is refused before its ranks start, and
+    # what a killed save left (CHECKPOINT.tmp-*) is removed on the way out, after Ctrl-C or SIGTERM too.
+    with held(cfg.checkpoint):
+        results = launch_local(train, cfg.tp * cfg.dp, cfg, corpus, timeout=cfg.timeout, device=cfg.device,
+                               prefix="dtp-train-")
+    return _replicas_held(cfg, results)
 
 
 def _replicas_held(cfg, results: list[dict]) -> list[dict]:
@@ -185,16 +196,20 @@ def train_command(args: argparse.Namespace) -> int:
     resume.validate(args)
     device = pick_device(args.device, 1)  # CUDA when this machine has one (torchrun gives each rank its own)
     tps = args.compare_tp or [args.tp]
-    corpus = _preflight(args, tps, device)
+    local = torchrun_world() is None  # a stray WORLD_SIZE is ignored (one warning); an incoherent set is exit 2
+    if local and device == "cpu":
+        for tp in tps:
+            preflight.check_world(tp * args.dp, device)
+    corpus = _preflight(args, tps, device, local)
     out = Path(args.out)
     if args.compare_tp:
         return _compare(args, corpus, out, device)
     cfg = _config(args, args.tp, out, device)
     try:
         results = run_training(cfg, corpus)
-    except KeyboardInterrupt:
-        print(f"interrupted; the metrics so far are in {out / 'metrics.jsonl'}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:  # SIGTERM arrives as Terminated, a KeyboardInterrupt: 143, as apply
+        print(f"{_stopped(stop)}; the metrics so far are in {out / 'metrics.jsonl'}", file=sys.stderr)
+        return 143 if isinstance(stop, Terminated) else 130
     except RunError as err:
         raise RunError(f"{err} (the metrics so far are in {out / 'metrics.jsonl'})") from None
     if os.environ.get("RANK", "0") != "0" and under_torchrun():
@@ -220,9 +235,9 @@ def _compare(args, corpus, out: Path, device: str) -> int:
         try:
             runs[tp] = summary(cfg, corpus, run_training(cfg, corpus))
             _write(Path(cfg.out, "summary.json"), runs[tp])
-        except KeyboardInterrupt:
-            print(f"interrupted; the metrics so far are in {out}/tp*/metrics.jsonl", file=sys.stderr)
-            return 130
+        except KeyboardInterrupt as stop:
+            print(f"{_stopped(stop)}; the metrics so far are in {out}/tp*/metrics.jsonl", file=sys.stderr)
+            return 143 if isinstance(stop, Terminated) else 130
         except RunError as err:  # a failed tp fails the comparison (a plan whose replicas drift cannot pass)
             raise RunError(f"at tp={tp}: {err} (the metrics so far are in {Path(cfg.out, 'metrics.jsonl')})") from None
         print(render(runs[tp]), flush=True)
@@ -241,6 +256,10 @@ def _compare(args, corpus, out: Path, device: str) -> int:
         print(f"  {problem}")
     print(f"table: {out / 'compare.md'}" + (f" · {note}" if note else f" · curves: {out / 'compare.png'}"))
     return 0 if verdict.ok else 1
+
+
+def _stopped(stop: KeyboardInterrupt) -> str:
+    return "terminated" if isinstance(stop, Terminated) else "interrupted"
 
 
 def _write(path: Path, data: dict) -> None:

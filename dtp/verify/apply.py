@@ -16,7 +16,8 @@ from dtp.checks.checker import check, render_warnings, sequence_shape_problem
 from dtp.errors import RunError, UsageError
 from dtp.lang.parse import load
 from dtp.runtime import preflight
-from dtp.runtime.launcher import error_summary, launch_local, pick_device, torchrun_group, under_torchrun
+from dtp.runtime.launcher import error_summary, launch_local, pick_device
+from dtp.runtime.torchrun import torchrun_group, torchrun_world
 from dtp.verify.probes import MAX_PROBE_SEQ
 from dtp.verify.rank import RunConfig, run
 from dtp.verify.report import ApplyReport
@@ -75,8 +76,8 @@ def apply_command(*, plan: str, model: str, tp: int | None, dp: int, batch: int,
     # Every path is absolute before user code runs: a model factory may call os.chdir.
     plan_path = str(Path(plan).absolute())
     model_spec = absolute_model_spec(model)
-    torchrun = under_torchrun()
-    world = int(os.environ["WORLD_SIZE"]) if torchrun else None
+    world = torchrun_world()  # None: not launched by torchrun (a stray variable is ignored, with a warning)
+    torchrun = world is not None
     tp = tp or (world // dp if world else 2)
     if batch % dp:
         raise UsageError(f"--batch {batch} (the global batch) must divide by --dp {dp}")

@@ -122,3 +122,10 @@ def test_replay_of_something_that_is_not_a_case_exits_2(repo, tmp_path):
         assert proc.returncode == 2
         assert proc.stderr.startswith(f"error: cannot replay {path}: not a saved dtp fuzz case")
         assert "Traceback" not in proc.stderr
+
+
+def test_a_user_model_too_large_for_memory_is_refused_before_any_rank(repo):
+    proc = dtp_cli("fuzz", "plans/gpt2.tp", "megatron-8.3b", "--examples", "1", timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: this run needs about ") and "GiB is available" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""

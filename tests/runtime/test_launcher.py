@@ -120,9 +120,10 @@ def test_a_torchrun_rank_leaves_without_finalising_the_interpreter(repo, tmp_pat
 
     bad = tmp_path / "bad.tp"
     bad.write_text((repo / "plans/gpt2.tp").read_text().replace("colwise", "colwize", 1))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    if torchrun:
-        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    if torchrun:  # the full set torchrun exports (a partial one is a stray variable, not a launch)
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     for plan, code in ((repo / "plans/gpt2.tp", 0), (bad, 2)):
         proc = subprocess.run([sys.executable, "-c", _FINALISING, str(plan)], env=env, capture_output=True,
                               text=True, timeout=120)

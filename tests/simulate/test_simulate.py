@@ -77,7 +77,7 @@ def test_activation_formula_against_apply_measurement(repo, applied):
     ("name: x\ndp_overlap: 1\n", "'dp_overlap' must be true or false"),
     ("name: x\n", "missing keys gpu, gpu.achieved_fraction"),
     ("- a list\n", "a profile is a mapping"),
-    ("name: [unclosed\n", "p.yaml:2:1: not valid YAML"),
+    ("name: [unclosed\n", "profile p.yaml is not valid YAML: while parsing a flow sequence"),
     ("!!python/object/apply:os.system ['true']\n", "not valid YAML"),  # safe_load: data, never code
 ])
 def test_profile_validation(text, message):

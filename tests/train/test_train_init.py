@@ -109,7 +109,11 @@ def test_rank0s_whole_model_must_fit_the_host(repo, tmp_path, capsys, monkeypatc
     err = capsys.readouterr().err
     assert err.startswith("error: --init model builds the whole model") and "use --init keyed" in err
     assert err.count("\n") == 1
-    assert main([*args, "--init", "keyed"]) == 2  # passes the memory check; refused later, for its short data
+    assert main([*args, "--init", "keyed"]) == 2  # passes the init check; the whole run's memory does not fit
+    err = capsys.readouterr().err
+    assert "this run needs about" in err and "--init model" not in err and "use --init keyed" not in err
+    monkeypatch.setattr(dtp.runtime.preflight, "available_bytes", lambda: 10**12)
+    assert main([*args, "--init", "keyed"]) == 2  # refused later, for its short data
     assert "are too few for --batch" in capsys.readouterr().err
 
 
