@@ -38,6 +38,7 @@ from dtp.checkpoint.fingerprint import chunk_sums, finish
 from dtp.checkpoint.lock import begin_save, release
 from dtp.checkpoint.optim_state import GROUPS, init_state, pack, restore_optimizer, unpack
 from dtp.checkpoint.untrusted import SafeReader
+from dtp.checkpoint.zoo_hf import zoo_hf_config
 from dtp.compiler.compiler import tp_mesh
 from dtp.errors import DtpError
 from dtp.lang.parse import parse
@@ -128,6 +129,9 @@ def _plan_digest(text: str) -> str:
 
 def _hf_config(model: nn.Module) -> dict | None:
     """A Hugging Face model's config as a dict (for `dtp export --hf-dir`), else None."""
+    zoo = zoo_hf_config(model)  # the zoo's GPT and Llama export as GPT2LMHeadModel and LlamaForCausalLM
+    if zoo is not None:
+        return zoo
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict") or not hasattr(type(model), "from_pretrained"):
         return None

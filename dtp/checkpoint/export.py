@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dtp.checkpoint.files import CheckpointError, read_meta, some
 from dtp.checkpoint.fingerprint import fingerprint
 from dtp.checkpoint.untrusted import SafeReader
+from dtp.checkpoint.zoo_hf import to_hf_state
 from dtp.errors import UsageError
 from dtp.files import replace_atomically
 
@@ -93,6 +94,7 @@ def export(checkpoint: str, fmt: str | None, output: str | None, hf_dir: str | N
             target.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise UsageError(f"cannot create {target}: {err.strerror}") from None
+        state = to_hf_state(str(meta.get("model_class")), config, state)  # the zoo's GPT and Llama
         fmt = fmt or "safetensors"
         text = json.dumps(config, indent=2, default=str) + "\n"
         replace_atomically(target / "config.json", lambda tmp: tmp.write_text(text))

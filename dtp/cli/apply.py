@@ -12,7 +12,7 @@ def add_parser(sub) -> None:
     """Register `dtp apply`."""
     a = sub.add_parser("apply", help="shard a model under a plan, train K steps, prove parity, report costs")
     a.add_argument("plan")
-    a.add_argument("model", help="zoo name, model YAML, or package.module:factory")
+    a.add_argument("model", help="zoo name, model YAML, package.module:factory, or a save_pretrained directory")
     a.add_argument("--tp", type=positive_int, help="tensor-parallel size (default 2; under torchrun WORLD_SIZE/dp)")
     a.add_argument("--dp", type=positive_int, default=1, help="data-parallel size: FSDP2 over a (dp, tp) mesh; --batch is the global batch")
     a.add_argument("--batch", type=positive_int, default=2)

@@ -11,7 +11,7 @@ def add_parser(sub) -> None:
     """Register `dtp check`."""
     c = sub.add_parser("check", help="check a plan, alone or against a model")
     c.add_argument("plan")
-    c.add_argument("model", nargs="?", help="zoo name, model YAML, or package.module:factory")
+    c.add_argument("model", nargs="?", help="zoo name, model YAML, package.module:factory, or a save_pretrained directory")
     c.add_argument("--tp", type=positive_int, help="tensor-parallel size to check divisibility for")
     c.add_argument("--dp", type=positive_int, help="data-parallel size the plan's `mesh` header must agree with")
     c.set_defaults(func=run)

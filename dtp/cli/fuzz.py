@@ -10,7 +10,7 @@ def add_parser(sub) -> None:
     """Register `dtp fuzz`."""
     f = sub.add_parser("fuzz", help="property-based fuzzing of sharding correctness")
     f.add_argument("plan", nargs="?", help="a plan to fuzz meshes and shapes for (with MODEL)")
-    f.add_argument("model", nargs="?", help="zoo name, model YAML, or package.module:factory")
+    f.add_argument("model", nargs="?", help="zoo name, model YAML, package.module:factory, or a save_pretrained directory")
     f.add_argument("--examples", type=positive_int, default=100)
     f.add_argument("--seed", type=seed_int, default=0)
     f.add_argument("--max-world", type=positive_int, default=4, help="largest tp × dp to draw (≤ 4 recommended)")

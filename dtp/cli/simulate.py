@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
     """Register `dtp simulate`."""
     s = sub.add_parser("simulate", help="predict a training iteration at scale from the plan and a hardware profile")
     s.add_argument("plan", nargs="?")
-    s.add_argument("model", nargs="?", help="zoo name, model YAML, or package.module:factory")
+    s.add_argument("model", nargs="?", help="zoo name, model YAML, package.module:factory, or a save_pretrained directory")
     s.add_argument("--profile", help="a shipped profile (dgx2h-v100, dgx-a100, h100-sxm, h200-sxm) or a YAML file")
     s.add_argument("--tp", type=bounded(LIMITS["tp"]), default=1)
     s.add_argument("--dp", type=bounded(LIMITS["dp"]), default=1)

@@ -14,7 +14,7 @@ def add_parser(sub) -> None:
     """Register `dtp train`."""
     t = sub.add_parser("train", help="train a sharded model on real text; --compare-tp for convergence parity")
     t.add_argument("plan")
-    t.add_argument("model", help="zoo name, model YAML, or package.module:factory")
+    t.add_argument("model", help="zoo name, model YAML, package.module:factory, or a save_pretrained directory")
     t.add_argument("--tp", type=positive_int, default=2, help="tensor-parallel size (default 2)")
     t.add_argument("--dp", type=positive_int, default=1, help="data-parallel size (FSDP2); --batch is global")
     t.add_argument("--data", help="a text file, a directory of text files, or a .bin of uint16 token ids "

@@ -21,7 +21,7 @@ from lark import (
 )
 from lark.exceptions import VisitError
 
-from dtp.errors import NOWHERE, Diagnostic, PlanError, Pos, UsageError
+from dtp.errors import NOWHERE, Diagnostic, PlanError, Pos, UsageError, did_you_mean
 from dtp.files import shipped
 from dtp.lang import ir
 
@@ -405,9 +405,31 @@ def parse(text: str, file: str = "<plan>") -> ir.Plan:
     return dataclasses.replace(plan, comments=_comments(text, file), source=text)
 
 
+_PLAN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)?")
+
+
+def shipped_plans() -> dict[str, Path]:
+    """The plans dtp ships, by name: `gpt2` for plans/gpt2.tp, `hf/llama` for plans/hf/llama.tp."""
+    root = shipped("plans")
+    return dict(sorted((str(p.relative_to(root).with_suffix("")), p) for p in root.rglob("*.tp")))
+
+
+def resolve_plan(path: str | Path) -> Path:
+    """PLAN as given: a file, or the name of a shipped plan (`gpt2`, `hf/llama`) that is not a file here, so that
+    an installed dtp runs its own Quickstart from any directory."""
+    given = Path(path)
+    if given.exists() or given.suffix == ".tp" or not _PLAN_NAME.fullmatch(str(path)):
+        return given
+    found = shipped_plans().get(str(path))
+    if found is None:
+        near = did_you_mean(str(path), list(shipped_plans()))
+        raise UsageError(f"plan {path} is neither a file nor a plan dtp ships{near}; `dtp plans` lists them")
+    return found
+
+
 def read_plan_text(path: str | Path) -> str:
     """A plan file's text; unreadable, special, oversized, binary or non-UTF-8 files are clean errors."""
-    path = Path(path)
+    path = resolve_plan(path)
     if path.is_dir():
         raise UsageError(f"{path} is a directory, not a .tp plan file")
     try:

@@ -1,4 +1,4 @@
-"""The MODEL argument: a zoo name, a YAML config file, or `package.module:factory`."""
+"""The MODEL argument: a zoo name, a YAML config file, `package.module:factory`, or a Hugging Face model directory."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from dtp import files
 from dtp.errors import UsageError, clip, shorten
+from dtp.models import pretrained
 from dtp.models.gpt import GPT, GPTConfig
 from dtp.models.llama import Llama, LlamaConfig
 
@@ -98,6 +99,7 @@ class ModelSource:
     family: str | None = None
     config: object | None = None  # for zoo/YAML models
     factory: str | None = None  # "package.module:function"
+    pretrained: str | None = None  # a save_pretrained directory (dtp.models.pretrained)
 
     @property
     def name(self) -> str:
@@ -111,6 +113,9 @@ def resolve(spec: str) -> ModelSource:
         text = (importlib.resources.files("dtp.models") / "configs" / f"{spec}.yaml").read_text(encoding="utf-8")
         family, config = read_config(f"{spec}.yaml", text)
         return ModelSource(spec, family, config)
+    if pretrained.is_pretrained_dir(spec):
+        pretrained.read_config(spec)  # refuse a bad or code-shipping config before anything is built
+        return ModelSource(spec, pretrained=os.path.abspath(spec))  # ranks may start elsewhere
     if spec.endswith((".yaml", ".yml")):
         if not Path(spec).is_file():
             raise UsageError(f"model config {spec} does not exist")
@@ -121,7 +126,8 @@ def resolve(spec: str) -> ModelSource:
         if module and func and all(p.isidentifier() for p in module.split(".") + func.split(".")):
             return ModelSource(spec, factory=spec)
     raise UsageError(f"unknown model '{spec}': give a zoo name ({', '.join(zoo_names())}), "
-                     "a path to a model YAML file, or package.module:factory")
+                     "a path to a model YAML file, package.module:factory, "
+                     "or a Hugging Face model directory (config.json + safetensors)")
 
 
 def _factory(path: str) -> Callable[[], nn.Module]:
@@ -148,12 +154,15 @@ def _factory(path: str) -> Callable[[], nn.Module]:
 
 
 def build(source: ModelSource | str, device: str | torch.device = "meta",
-          dtype: torch.dtype | None = None) -> nn.Module:
-    """Instantiate the model on `device` (meta: shapes only, no memory)."""
+          dtype: torch.dtype | None = None, weights: bool = True) -> nn.Module:
+    """Instantiate the model on `device` (meta: shapes only, no memory); a pretrained directory's model holds
+    its file's weights unless on meta or `weights` is False."""
     if isinstance(source, str):
         source = resolve(source)
     with torch.device(device):
-        if source.factory is None:
+        if source.pretrained is not None:
+            model = pretrained.build_model(source.pretrained, weights and torch.device(device).type != "meta")
+        elif source.factory is None:
             _, model_cls = FAMILIES[source.family]
             try:
                 model = model_cls(source.config)

@@ -1,14 +1,16 @@
 """The one way every command builds a sharded model: meta → shard → materialise.
 
 The model is built with its parameters on the meta device (buffers real), sharded in place by the plan,
-and then each rank allocates only its own shards and fills them from one of two sources:
+and then each rank allocates only its own shards and fills them from one of three sources:
 
 - keyed (`dtp train --init keyed`): dtp.runtime.keyed_init's counter-based generator, a pure function of (seed,
   parameter, element index), so no rank ever holds more than its shards, but GPT-2's init replaces the model's own;
 - rank 0's model (`dtp apply`, `dtp train`'s default `--init model`, the fuzz pools, `dtp bench`): the model's own
-  initialisation, built whole on rank 0 only, each rank's block scattered from it (`build_from_model`).
+  initialisation, built whole on rank 0 only, each rank's block scattered from it (`build_from_model`);
+- a pretrained Hugging Face directory (`dtp train PLAN DIR`, whose `--init model` is the file's weights): each rank
+  reads only its own rows of each tensor from the safetensors files (dtp.runtime.pretrained.fill_pretrained).
 
-Either way a parameter's full value does not depend on tp or dp. Both fillers see a parameter through the
+Every way a parameter's full value does not depend on tp or dp. All fillers see a parameter through the
 same index map (`row_order`, `ParamLayout.rows`): which rows of the model's own layout a rank holds, packed parts included.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dtp import models
 from dtp.checks.checker import Checked
 from dtp.errors import UsageError
 from dtp.runtime.keyed_init import fill_keyed
+from dtp.runtime.pretrained import fill_pretrained
 from dtp.runtime.rows import param_layouts
 from dtp.runtime.shard import Applied, apply, retie, tied_groups
 
@@ -56,7 +59,7 @@ def build_on_meta(source: models.ModelSource | Callable[[], nn.Module],
     buffers real (on CPU), in `dtype` (None: as built)."""
     with parameters_to_meta():
         if not callable(source):
-            return models.build(source, device="cpu", dtype=dtype)
+            return models.build(source, device="cpu", dtype=dtype, weights=False)  # filled after sharding
         with torch.device("cpu"):
             model = source()
         return model.to(dtype) if dtype is not None else model
@@ -119,10 +122,10 @@ def scatter_from(full: nn.Module | None, applied: Applied, device: torch.device)
 
 def build_sharded(plan: Checked, source: models.ModelSource | Callable[[], nn.Module], mesh: DeviceMesh, *,
                   seed: int, device: torch.device, dp: int = 1, dtype: torch.dtype | None = torch.float32,
-                  full: nn.Module | None = None, from_rank0: bool = False) -> Applied:
+                  full: nn.Module | None = None, from_rank0: bool = False, pretrained: bool = False) -> Applied:
     """The one way to build a sharded model: meta (buffers real) → shard on `mesh`'s tp dimension →
-    materialise this rank's shards (keyed init, or scattered from rank 0's `full` model when `from_rank0`)
-    → FSDP2 over dp (which shards the materialised tp-local tensors again)."""
+    materialise this rank's shards (keyed init, scattered from rank 0's `full` model when `from_rank0`, read
+    from a pretrained directory's files when `pretrained`) → FSDP2 over dp (which shards the materialised tp-local tensors again)."""
     from dtp.runtime.data_parallel import data_parallel
 
     model = build_on_meta(source, dtype)
@@ -132,6 +135,10 @@ def build_sharded(plan: Checked, source: models.ModelSource | Callable[[], nn.Mo
         if (dist.get_rank() == 0) != (full is not None):
             raise AssertionError("build_sharded(from_rank0=True) takes the full model on rank 0 only")
         scatter_from(full, applied, device)
+    elif pretrained:
+        if not isinstance(source, models.ModelSource) or source.pretrained is None:
+            raise AssertionError("build_sharded(pretrained=True) takes a pretrained directory's ModelSource")
+        fill_pretrained(applied, source.pretrained)
     else:
         fill_keyed(applied, seed)
     if dp > 1:
@@ -143,8 +150,11 @@ def build_from_model(plan: Checked, source: models.ModelSource, mesh: DeviceMesh
                      device: torch.device, dp: int = 1, dtype: torch.dtype = torch.float32) -> Applied:
     """The model's own initialisation, sharded: rank 0 seeds torch's generators with `seed` and builds the whole
     model on the CPU (what `torch.manual_seed(seed); models.build(source, device="cpu", dtype=dtype)` gives,
-    at any tp and dp), every rank receives its blocks; rank 0 holds the whole model until they are scattered."""
+    at any tp and dp), every rank receives its blocks; rank 0 holds the whole model until they are scattered.
+    A pretrained directory's own initialisation is its weights: every rank reads its slices, none the whole."""
     torch.manual_seed(seed)
+    if source.pretrained is not None:  # every rank seeded alike and draws nothing: no state to share
+        return build_sharded(plan, source, mesh, seed=seed, device=device, dp=dp, dtype=dtype, pretrained=True)
     full = models.build(source, device="cpu", dtype=dtype) if dist.get_rank() == 0 else None
     applied = build_sharded(plan, source, mesh, seed=seed, device=device, dp=dp, dtype=dtype, full=full,
                             from_rank0=True)

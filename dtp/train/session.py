@@ -61,7 +61,12 @@ def _preflight(args, tps: list[int], device: str, local: bool):
     """Check the plan at every tp, the memory of a local run (`local`: not under torchrun) and prepare the
     data, before any process starts."""
     plan = load(args.plan)
-    model = models.build(models.resolve(args.model), device="meta")
+    source = models.resolve(args.model)
+    model = models.build(source, device="meta")
+    # a pretrained directory's --init model: each rank reads its own slices (dtp.runtime.pretrained), no rank 0 copy
+    whole_on_rank0 = args.init == "model" and source.pretrained is None
+    if args.init == "model" and source.pretrained is not None:  # a missing or mis-shaped tensor: exit 2 now
+        models.check_weights(model, source.pretrained)
     block = getattr(getattr(model, "config", None), "block_size", None)
     if block is not None and args.seq > block:
         raise UsageError(f"--seq {args.seq} exceeds the model's block_size {block}")
@@ -88,11 +93,11 @@ def _preflight(args, tps: list[int], device: str, local: bool):
         shape_problem = sequence_shape_problem(checked, tp, args.seq)
         if shape_problem:
             raise UsageError(shape_problem)
-        if args.init == "model":  # rank 0 builds the whole model before scattering it
+        if whole_on_rank0:  # rank 0 builds the whole model before scattering it
             check_init_memory(checked, model, tp, args.dp, device)
         if local and device == "cpu":  # every rank on this host (a GPU run is bounded by its GPUs)
             check_train_memory(checked, model, tp, args.dp, batch=args.batch, seq=args.seq, vocab=vocab,
-                               act_elem=2 if args.dtype == "bfloat16" else 4, init_model=args.init == "model")
+                               act_elem=2 if args.dtype == "bfloat16" else 4, init_model=whole_on_rank0)
     if args.max_rank_memory is not None:
         for tp in tps:
             check_budget(check(plan, model, tp), model, tp, args.dp, args.max_rank_memory)

@@ -14,7 +14,7 @@ from pathlib import Path
 from dtp import models
 from dtp.checks.checker import check, render_warnings, sequence_shape_problem
 from dtp.errors import RunError, UsageError
-from dtp.lang.parse import load
+from dtp.lang.parse import load, resolve_plan
 from dtp.runtime import preflight
 from dtp.runtime.launcher import error_summary, launch_local, pick_device
 from dtp.runtime.torchrun import torchrun_group, torchrun_world
@@ -74,7 +74,7 @@ def apply_command(*, plan: str, model: str, tp: int | None, dp: int, batch: int,
     return rank 0's report (None on another torchrun rank). `plan` and `model` as the user wrote them."""
 
     # Every path is absolute before user code runs: a model factory may call os.chdir.
-    plan_path = str(Path(plan).absolute())
+    plan_path = str(resolve_plan(plan).absolute())  # a file, or a shipped plan's name
     model_spec = absolute_model_spec(model)
     world = torchrun_world()  # None: not launched by torchrun (a stray variable is ignored, with a warning)
     torchrun = world is not None
@@ -92,7 +92,10 @@ def apply_command(*, plan: str, model: str, tp: int | None, dp: int, batch: int,
 
     parsed = load(plan)  # messages name the plan as the user wrote it; ranks get the absolute path
     cwd = os.getcwd()
-    meta = models.build(models.resolve(model_spec), device="meta")
+    source = models.resolve(model_spec)
+    meta = models.build(source, device="meta")
+    if source.pretrained is not None:  # a missing or mis-shaped tensor: exit 2 before any rank starts
+        models.check_weights(meta, source.pretrained)
     os.chdir(cwd)  # ranks start where the user started dtp, whatever the factory did
     vocab = models.vocab_size(meta)
     if vocab is None:

@@ -3,6 +3,7 @@ and optimizer tensor is bit-equal to the saved state, and training continues (bi
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -329,11 +330,19 @@ def test_damaged_checkpoints_are_clean_errors(at_tp4, tmp_path, capsys, how, mes
     assert not (tmp_path / "out.pt").exists()
 
 
-def test_hf_dir_needs_a_hugging_face_model(at_tp4, tmp_path, capsys):
+def test_hf_dir_needs_a_hugging_face_model(at_tp4, tmp_path, capsys, monkeypatch):
     from dtp import cli
+    from dtp.checkpoint import export
 
     root, _ = at_tp4
-    assert cli.main(["export", str(root / "gpt"), "--hf-dir", str(tmp_path / "hf")]) == 2
-    assert capsys.readouterr().err == (f"error: {root / 'gpt'} holds a GPT model, not a Hugging Face one (no config "
-                                       "was saved); --hf-dir needs one — use -o for a plain state dict\n")
-    assert not (tmp_path / "hf").exists()
+    assert cli.main(["export", str(root / "gpt"), "--hf-dir", str(tmp_path / "hf")]) == 0  # the zoo GPT: GPT-2
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
+    # a model that is neither (a factory's own class): no config was saved
+    read = export.read_model
+    monkeypatch.setattr(export, "read_model", lambda d: ({**read(d)[0], "hf_config": None, "model_class": "TinyLM"},
+                                                         read(d)[1]))
+    capsys.readouterr()
+    assert cli.main(["export", str(root / "gpt"), "--hf-dir", str(tmp_path / "hf2")]) == 2
+    assert capsys.readouterr().err == (f"error: {root / 'gpt'} holds a TinyLM model, not a Hugging Face one (no "
+                                       "config was saved); --hf-dir needs one — use -o for a plain state dict\n")
+    assert not (tmp_path / "hf2").exists()

@@ -1,4 +1,5 @@
-"""The grammar ships inside a non-editable wheel and is found there."""
+"""The grammar, the profiles and every plan ship inside a non-editable wheel and are found there: an installed
+dtp runs its own Quickstart (`dtp apply gpt2 gpt2-tiny`) from any directory."""
 from __future__ import annotations
 
 import os
@@ -29,7 +30,9 @@ def test_wheel_carries_and_loads_the_grammar(tmp_path):
             "assert p.load('h200-sxm').name == 'h200-sxm'; "
             "assert shipped('plans/hf').is_relative_to(Path(r'%s')); "
             "assert (shipped('plans/hf') / 'llama.tp').is_file(); "
-            "print(len(s.parse('dtp 1\\nlm_head: vocab_parallel\\n').body))" % (site, site, site))
+            "assert s.resolve_plan('gpt2').is_relative_to(Path(r'%s')), s.resolve_plan('gpt2'); "
+            "assert s.load('gpt2').name == 'gpt2-megatron' and s.load('hf/llama').name == 'hf-llama'; "
+            "print(len(s.parse('dtp 1\\nlm_head: vocab_parallel\\n').body))" % (site, site, site, site))
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(site)})
     assert out.returncode == 0, out.stderr

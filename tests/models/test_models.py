@@ -161,7 +161,8 @@ def test_unknown_model_spec(tmp_path):
     with pytest.raises(UsageError) as info:
         models.resolve("gpt3")
     assert str(info.value) == (f"unknown model 'gpt3': give a zoo name ({', '.join(ZOO)}), a path to a model YAML "
-                               "file, or package.module:factory")
+                               "file, package.module:factory, or a Hugging Face model directory (config.json + "
+                               "safetensors)")
     with pytest.raises(UsageError) as info:
         models.resolve(str(tmp_path / "absent.yaml"))
     assert str(info.value) == f"model config {tmp_path / 'absent.yaml'} does not exist"
