@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from dtp.errors import UsageError
+from dtp.files import load_json
 
 FORMAT = "dtp-checkpoint"
 VERSION = 1
@@ -123,21 +124,12 @@ def _missing(directory: Path) -> CheckpointError:
 
 
 def read_json(path: Path, what: str) -> dict:
-    """A JSON object from a regular file of at most MAX_META_BYTES (no FIFO, device or endless file)."""
-    corrupt = f"checkpoint {path.parent} is corrupt: cannot read its {what} {path.name}"
+    """A JSON object from a regular file of at most MAX_META_BYTES (dtp.files' bounded loader: no FIFO, device or
+    endless file, nesting bounded), or a CheckpointError naming the checkpoint."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once instead of waiting for a writer
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise CheckpointError(f"{corrupt} (not a regular file)")
-            raw = f.read(MAX_META_BYTES + 1)
-        if len(raw) > MAX_META_BYTES:
-            raise CheckpointError(f"{path} is larger than {MAX_META_BYTES >> 20} MiB: not a dtp {what}")
-        data = json.loads(raw.decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{corrupt} ({getattr(err, 'strerror', None) or err})") from None
-    except RecursionError:
-        raise CheckpointError(f"{corrupt} (nested too deeply: not dtp's)") from None
+        data = load_json(path, what, MAX_META_BYTES, path.name)
+    except UsageError as err:
+        raise CheckpointError(f"checkpoint {path.parent} is corrupt: cannot read its {what} {path.name} ({err})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"checkpoint {path.parent} is corrupt: its {what} {path.name} is not a JSON object")
     return data

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from dtp.cost.schedule import schedule, summarize
@@ -19,11 +18,7 @@ from dtp.hf.plan import PLANS
 from dtp.lang.parse import load as load_plan
 from dtp.runtime.comm import CommCounter
 from dtp.verify.parity import ParityCheck
-from dtp.verify.reference import copy_in
-
-
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
+from dtp.verify.reference import copy_in, full_value
 
 
 def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq: int = 8, seed: int = 0,
@@ -68,8 +63,8 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
     true_logits = truth(inputs).logits
     true_loss = F.cross_entropy(true_logits.flatten(0, 1), targets.flatten())
     true_loss.backward()
-    parity.compare("logits", "logits", _full(logits), true_logits, ref_logits)
-    parity.compare("loss", "loss", _full(loss), true_loss, ref_loss)
+    parity.compare("logits", "logits", full_value(logits), true_logits, ref_logits)
+    parity.compare("loss", "loss", full_value(loss), true_loss, ref_loss)
     ref_params, true_params = dict(reference.named_parameters()), dict(truth.named_parameters())
     for name, p in model.named_parameters():
         got = applied.full(name, p.grad) if p.grad is not None else None

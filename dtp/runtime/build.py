@@ -124,7 +124,8 @@ def build_sharded(plan: Checked, source: models.ModelSource | Callable[[], nn.Mo
                   seed: int, device: torch.device, dp: int = 1, dtype: torch.dtype | None = torch.float32,
                   full: nn.Module | None = None, from_rank0: bool = False, pretrained: bool = False) -> Applied:
     """The one way to build a sharded model: meta (buffers real) → shard on `mesh`'s tp dimension →
-    materialise this rank's shards (keyed init, scattered from rank 0's `full` model when `from_rank0`, read
+    materialise this rank's shards (keyed init, scattered from rank 0's `full` model when `from_rank0` — every
+    rank then continues from rank 0's CPU generator state —, read
     from a pretrained directory's files when `pretrained`) → FSDP2 over dp (which shards the materialised tp-local tensors again)."""
     from dtp.runtime.data_parallel import data_parallel
 
@@ -135,6 +136,11 @@ def build_sharded(plan: Checked, source: models.ModelSource | Callable[[], nn.Mo
         if (dist.get_rank() == 0) != (full is not None):
             raise AssertionError("build_sharded(from_rank0=True) takes the full model on rank 0 only")
         scatter_from(full, applied, device)
+        # Only rank 0 drew the weights: every rank continues from its generator state, so a stream the ranks
+        # share (dropout on replicated activations) starts equal everywhere, as if each had built the model.
+        state = [torch.get_rng_state()]
+        dist.broadcast_object_list(state, src=0)
+        torch.set_rng_state(state[0])
     elif pretrained:
         if not isinstance(source, models.ModelSource) or source.pretrained is None:
             raise AssertionError("build_sharded(pretrained=True) takes a pretrained directory's ModelSource")
@@ -159,9 +165,4 @@ def build_from_model(plan: Checked, source: models.ModelSource, mesh: DeviceMesh
     applied = build_sharded(plan, source, mesh, seed=seed, device=device, dp=dp, dtype=dtype, full=full,
                             from_rank0=True)
     del full
-    # Only rank 0 drew: every rank continues from its generator state, so a stream the ranks share (dropout on
-    # replicated activations) starts equal everywhere, as if each had built the model.
-    state = [torch.get_rng_state()]
-    dist.broadcast_object_list(state, src=0)
-    torch.set_rng_state(state[0])
     return applied

@@ -20,12 +20,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from dtp import models
 from dtp.runtime.replicas import check_replicas, replica_rtol, replicated_tensors
 from dtp.verify.parity import ParityCheck
-from dtp.verify.reference import Reference, logits_of, own_rng
+from dtp.verify.reference import Reference, full_value, logits_of, own_rng
 
 MAX_PROBE_SEQ = 2048  # the longest probe by default: attention's cost grows as seq², and float64 runs it too
 
@@ -42,10 +41,6 @@ class Probe:
     def label(self) -> str:
         """How the report names it."""
         return f"{self.mode}, {self.batch}×{self.seq}"
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _longest(truth: Reference, cap: int, tp: int, seq: int, vocab: int, device: torch.device) -> int | None:
@@ -95,7 +90,7 @@ def run_probes(parity: ParityCheck, *, sharded: nn.Module, refs: list[Reference]
             torch.randint(0, vocab, (probe.batch, probe.seq), generator=gen).to(device)
         for m in [sharded] + [r.model for r in refs]:
             m.train(probe.mode == "train")
-        got = _full(logits_of(sharded(ids)))
+        got = full_value(logits_of(sharded(ids)))
         if refs:
             outs = []
             for ref in refs:  # the generator state as the sharded forward left it: a shared dropout stream
@@ -108,7 +103,7 @@ def run_probes(parity: ParityCheck, *, sharded: nn.Module, refs: list[Reference]
 
 def compare_buffers(parity: ParityCheck, sharded: nn.Module, refs: list[Reference], when: str) -> None:
     """Every buffer of the sharded model (gathered: a collective on every rank) against the references'."""
-    mine = {n: _full(b) for n, b in sharded.named_buffers()}
+    mine = {n: full_value(b) for n, b in sharded.named_buffers()}
     if not refs:
         return
     theirs = [dict(r.model.named_buffers()) for r in refs]

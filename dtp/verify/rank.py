@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from dtp import models
@@ -33,6 +32,7 @@ from dtp.verify.reference import (
     LOW_PRECISION,
     MixedSGD,
     cross_entropy,
+    full_value,
     logits_of,
     own_rng,
     reference_step,
@@ -66,10 +66,6 @@ class RunConfig:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _device(cfg: RunConfig) -> torch.device:
@@ -177,11 +173,6 @@ def _build(cfg: RunConfig, plan, mesh: DeviceMesh, device: torch.device, dtype: 
                             full=full, from_rank0=True)
     del full
     applied.model.train()
-    # Only rank 0 drew the weights: every rank continues from its generator state, so the shared dropout
-    # stream (colwise(output=replicate) regions) is the same on every rank, as if each had built the model.
-    state = [torch.get_rng_state()]
-    dist.broadcast_object_list(state, src=0)
-    torch.set_rng_state(state[0])
     dropout = dropout_sources(applied.model)
     trail.attach(applied.model)
     return _Built(applied, meta, refs, dropout)
@@ -202,7 +193,7 @@ def _batch(cfg: RunConfig, mesh: DeviceMesh, vocab: int, device: torch.device) -
 def _compare_step(parity: ParityCheck, built: _Built, step: int, logits: torch.Tensor, loss: torch.Tensor,
                   batch: tuple[torch.Tensor, torch.Tensor, slice], cfg: RunConfig, device: torch.device) -> None:
     """Logits, loss and every gradient of this step against the references (rank 0), then the references step."""
-    full_logits, full_loss = _full(logits), _full(loss)
+    full_logits, full_loss = full_value(logits), full_value(loss)
     grads = {n: (built.applied.full(n, p.grad) if p.grad is not None else None)
              for n, p in built.applied.model.named_parameters()}
     if not built.refs:

@@ -12,6 +12,7 @@ import copy
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 MOMENTUM = 0.9
@@ -81,6 +82,11 @@ class Reference:
         """A parameter's gradient."""
         p = self.opt.params.get(name)
         return p.grad if p is not None else None
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole (a collective: every rank calls it); a plain tensor as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def logits_of(output: object) -> torch.Tensor:
