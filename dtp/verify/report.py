@@ -93,9 +93,12 @@ def _low_precision(par: dict, dtype: str) -> list[str]:
     elif low["ok"]:
         verdict = f"within {dtype}'s rounding"
     else:
-        verdict = (f"BEYOND {dtype}'s rounding, margin {low[low['worst_quantity']]['margin']:.2g} at "
-                   f"{low['worst_tensor']} — not the verdict: the float32 run computes the same function right, so "
-                   f"this is {dtype}'s precision (sums rounded in another order, MoE routing flipped by a rounding)")
+        proof_holds = all(par[q]["ok"] for q in QUANTITIES) and par["nonfinite"] is None
+        why = ("the float32 run holds, so either the model takes another path in this dtype or the difference is "
+               "this dtype's precision (an MoE router whose top-k choice a rounding flips)" if proof_holds
+               else "the float32 run fails too")
+        verdict = (f"FAILED, beyond {dtype}'s rounding: margin {low[low['worst_quantity']]['margin']:.2g} at "
+                   f"{low['worst_tensor']}; {why}")
     return [f"{dtype} run vs its unsharded {dtype} run: {verdict}  (the same rule in {dtype}: relative errors below "
             f"{coarsest[0]:.2g} of a tensor ({coarsest[1]}) could pass it unseen, which is why float32 decides)"
             ] + _quantities(low)

@@ -71,6 +71,12 @@ def test_case_3_bfloat16_is_decided_on_a_float32_run(tmp_path, repo):
     assert control["low_precision"]["ok"] and control["low_precision"]["logits"]["compared"] == 3
 
 
+def test_a_path_taken_in_bfloat16_only_fails_although_float32_holds(tmp_path, repo):
+    parity = _apply(tmp_path, "bfloat16_path", dtype="bfloat16")
+    assert not parity["ok"] and _failing(parity) == {}  # the float32 run cannot see it
+    assert not parity["low_precision"]["ok"] and parity["low_precision"]["params"]["margin"] > 5
+
+
 def test_case_4_an_eval_branch_fails_in_eval_mode(tmp_path, repo):
     parity = _apply(tmp_path, "eval_path")
     failing = _failing(parity)
@@ -97,12 +103,13 @@ def test_max_seq_is_bounded(tmp_path, repo, max_seq):
     assert ("--max-seq 8 is shorter than --seq 16" in proc.stderr) == (max_seq == "8")
 
 
-def test_a_low_precision_run_fails_on_non_finite_values_only():
+def test_a_low_precision_run_must_hold_in_its_own_dtype_too():
     from dtp.verify.rank import decided_by
 
     proof = {"ok": True, "nonfinite": None, "worst_tensor": "a", "worst_quantity": "grads"}
     beyond = {"ok": False, "nonfinite": None, "worst_tensor": "b", "worst_quantity": "probes"}
-    nan = {"ok": False, "nonfinite": {"tensor": "c"}, "worst_tensor": "c", "worst_quantity": "logits"}
-    assert decided_by(proof, beyond)["ok"]  # reported beside the verdict: bfloat16's precision, not the plan
-    assert not decided_by(proof, nan)["ok"] and decided_by(proof, nan)["worst_tensor"] == "c"
-    assert not decided_by({**proof, "ok": False}, beyond)["ok"]
+    within = {"ok": True, "nonfinite": None, "worst_tensor": "c", "worst_quantity": "logits"}
+    # the float32 run cannot speak for a path the model takes in bfloat16 only
+    assert not decided_by(proof, beyond)["ok"] and decided_by(proof, beyond)["worst_tensor"] == "b"
+    assert decided_by(proof, within)["ok"]
+    assert not decided_by({**proof, "ok": False}, within)["ok"]
