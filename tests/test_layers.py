@@ -21,7 +21,7 @@ ORDER: list[tuple[str, ...]] = [  # lower first; one tuple per level
     ("cost", "compiler"),
     ("runtime",),
     ("verify", "checkpoint", "simulate"),
-    ("train", "hf", "fuzz"),
+    ("train", "hf", "fuzz", "auto"),
     ("bench",),
     ("cli",),
 ]

@@ -7,10 +7,10 @@ import signal
 import sys
 from typing import NoReturn
 
-from dtp.cli import apply, bench, check, explain, export, fmt, fuzz, plan, plans, simulate, train
+from dtp.cli import apply, bench, check, explain, export, fmt, fuzz, plan, plans, search, simulate, train
 from dtp.errors import DtpError, Terminated
 
-COMMANDS = (check, fmt, explain, apply, fuzz, simulate, train, export, bench, plan, plans)  # in `dtp --help`'s order
+COMMANDS = (check, fmt, explain, apply, fuzz, simulate, search, train, export, bench, plan, plans)  # in `dtp --help`'s order
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,16 +21,26 @@ def add_parser(sub) -> None:
     s.add_argument("--global-batch", type=bounded(LIMITS["global_batch"]), help="sequences per iteration (default micro-batch × dp)")
     s.add_argument("--seq", type=bounded(LIMITS["seq"]), help="tokens per sequence (default: the model's block size)")
     s.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
-    s.add_argument("--recompute", choices=("none", "full", "selective"), default="full",
-                   help="activation checkpointing (default full, as the paper: every layer)")
+    s.add_argument("--recompute", choices=("none", "full", "selective", "op"), default="full",
+                   help="activation checkpointing: full (default, every layer, as the paper), selective (Megatron's "
+                        "attention core), op (per-op: every other matmul and the attention output kept), none")
     s.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     s.add_argument("--dp-overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap the gradient all-reduce with backward (default: the profile's dp_overlap)")
+    s.add_argument("--fsdp", action="store_true",
+                   help="data parallel as FSDP2/ZeRO-3: per-block all-gathers and reduce-scatters, sharded state")
+    s.add_argument("--tp-overlap", action="store_true",
+                   help="input-gradient TP collectives run during the weight-gradient GEMMs (Megatron's async all-reduce)")
+    s.add_argument("--compile", action="store_true", help="torch.compile: fused elementwise ops move fewer bytes")
+    s.add_argument("--attention", choices=("flash", "fused", "unfused"), help="flash (default; --sweep: unfused): scores never in memory; fused: Megatron's fused softmax; "
+                        "unfused: 2019's kernels")
+    s.add_argument("--reproduce", metavar="SOURCE",
+                   help="predicted vs published for a source's rows: megatron2019, a100, torchtitan, torchtitan-a100, all")
     s.add_argument("--sweep", action="store_true",
                    help="the paper's weak-scaling experiment (Table-1 models) and MODEL's strong scaling")
     s.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     s.add_argument("--plot", metavar="PATH", help="with --sweep: write the scaling plot (PNG)")
-    s.add_argument("--markdown", metavar="PATH", help="with --sweep: write the tables as Markdown")
+    s.add_argument("--markdown", metavar="PATH", help="with --sweep or --reproduce: write the tables as Markdown")
     s.add_argument("--calibrate", action="store_true", help="measure this machine and write a profile (-o)")
     s.add_argument("-o", "--output", metavar="PROFILE", help="with --calibrate: the profile file to write")
     s.set_defaults(func=run)

@@ -204,3 +204,13 @@ def branch_sources(modules: dict[str, nn.Module], leaves: list[str], skippable: 
     if not result:
         return None
     return BranchSources(parent, tuple(reads), tuple(p for p in walked if name[p] in result))
+
+
+def is_self_attribute(node: ast.AST) -> bool:
+    """Whether `node` is `self.NAME`."""
+    return _is_self_attr(node)
+
+
+def method_ast(cls: type, name: str) -> ast.FunctionDef | None:
+    """The parsed source of `cls.name` (cached); None without Python source."""
+    return _method(cls, name)

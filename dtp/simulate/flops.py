@@ -16,7 +16,7 @@ from dtp.layout.resolve import Resolution
 from dtp.simulate.ops import Recorder, summarize
 
 SHARDING_STYLES = ("colwise", "rowwise", "vocab_parallel")
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full", "op")
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,8 @@ class Flops:
         """Forward FLOPs of one sequence that activation checkpointing runs again in backward."""
         if recompute == "none":
             return 0.0
-        pick = (lambda m: m.gemm + m.attention) if recompute == "full" else (lambda m: m.attention)
+        pick = {"full": lambda m: m.gemm + m.attention, "selective": lambda m: m.attention,
+                "op": lambda m: m.gemm / 2}[recompute]  # op: every other matrix multiply runs again
         return sum(pick(m) / (tp if m.sharded else 1) for m in self.modules if m.in_block)
 
     def iteration(self, batch: int, recompute: str, tp: int = 1) -> float:

@@ -1,7 +1,7 @@
-"""Memory per GPU: parameters, gradients and optimizer state from the plan's placements, activations
-from Korthikanti et al. 2022 (Table 2), generalised to any element size, dropout on or off and attention
-that does or does not keep its s × s scores (a fused/flash kernel keeps only q, k, v, the output and a
-row statistic).
+"""Memory per GPU: parameters, gradients and optimizer state from the plan's placements (sharded again over
+dp with FSDP), activations from Korthikanti et al. 2022 (Table 2), generalised to any element size, dropout
+on or off, grouped-query attention, a gated (SwiGLU) MLP, attention that does or does not keep its s × s
+scores (a fused/flash kernel keeps only its output and a row statistic), and four recompute policies.
 """
 from __future__ import annotations
 
@@ -37,34 +37,65 @@ class Shape:
     hidden: int
     heads: int
     vocab: int
+    kv_heads: int = 0  # 0: as many as heads (no grouped-query attention)
+    ffn: int = 0  # the MLP's inner width; 0: 4 × hidden (a GPT's)
+    gated: bool = False  # SwiGLU: gate and up matrices, four ffn-wide tensors saved instead of two
+    fused_qkv: bool = False  # one q/k/v matrix (GPT-2's c_attn): one GEMM instead of three
+    dropout: bool = True  # the model runs dropout (its masks are kept for backward)
+
+    def mm_outputs(self, tp: int) -> list[float]:
+        """Elements per token of each matrix multiply's output in one layer, in forward order (per rank:
+        a rowwise layer's output is a full-width partial sum on every rank)."""
+        h = self.hidden
+        kv = h * (self.kv_heads or self.heads) // self.heads
+        f = self.ffn or 4 * h
+        attn = [(h + 2 * kv) / tp] if self.fused_qkv else [h / tp, kv / tp, kv / tp]
+        mlp = [f / tp, f / tp] if self.gated else [f / tp]
+        return [*attn, float(h), *mlp, float(h)]
 
 
 def activation_bytes(shape: Shape, batch: int, seq: int, tp: int, *, elem: int, recompute: str,
                      sequence_parallel: bool = False, dropout: bool = True, flash: bool = False) -> float:
     """Bytes of activations one rank keeps for backward (Korthikanti et al. 2022, Table 2 and §4.3).
 
-    With elem=2, dropout and stored scores this is K22's sbh(10 + 24/t + 5as/(ht)) per layer (TP),
-    sbh(34/t + 5as/(ht)) with sequence parallelism, the score terms dropped with selective recompute,
-    and 2sbh per layer with full recompute plus one layer's working set while it is recomputed."""
-    sbh = seq * batch * shape.hidden
+    With elem=2, dropout, stored scores and a GPT's MLP this is K22's sbh(10 + 24/t + 5as/(ht)) per layer
+    (TP), sbh(34/t + 5as/(ht)) with sequence parallelism, the score terms dropped with selective
+    recompute, and 2sbh per layer with full recompute plus one layer's working set while it is recomputed.
+    `op` is per-op selective checkpointing (torchtitan's): each layer keeps its input, every other matrix
+    multiply's output and the attention output (with its row statistic); the rest is recomputed."""
+    sb = seq * batch
+    h = shape.hidden
     mask = 1 if dropout else 0
     rep_div = tp if sequence_parallel else 1
-    # replicated: 2 LayerNorm inputs, the attention and MLP inputs (4 elements), 2 dropout masks
-    replicated = (4 * elem + 2 * mask) * sbh / rep_div
-    # split over tp: q, k, v, the projection input (4), GeLU input and output (8)
-    split = 12 * elem * sbh / tp
-    scores_elems = shape.heads * seq * seq * batch
+    kv = h * (shape.kv_heads or shape.heads) // shape.heads
+    f = shape.ffn or 4 * h
+    # replicated: 2 norm inputs, the attention and MLP inputs (4 elements), 2 dropout masks
+    replicated = (4 * elem + 2 * mask) * sb * h / rep_div
+    # split over tp: q, k, v, the attention output (= projection input), the MLP's saved inner tensors
+    # (a GPT: GeLU input and output; SwiGLU: gate, up, silu(gate) and the product)
+    split = elem * sb * (2 * h + 2 * kv + (4 if shape.gated else 2) * f) / tp
+    lse = 4 * shape.heads * sb / tp  # flash attention's log-sum-exp row statistic, fp32
     if flash:
-        scores = 4 * shape.heads * seq * batch / tp  # the log-sum-exp row statistic, fp32
+        scores = lse
     else:  # softmax output, its dropout mask and dropout output
-        scores = ((2 * elem + mask) if dropout else elem) * scores_elems / tp
+        scores = ((2 * elem + mask) if dropout else elem) * shape.heads * seq * sb / tp
     layer = replicated + split + scores
     if recompute == "selective":
         layer -= scores
-    outside = (2 * elem * sbh + mask * sbh) / rep_div + 4 * seq * batch * shape.vocab / tp  # final LN, head input, fp32 logits
+    outside = (2 * elem + mask) * sb * h / rep_div + 4 * sb * shape.vocab / tp  # final LN, head input, fp32 logits
     if recompute == "full":
-        return shape.layers * elem * sbh / rep_div + layer + outside
+        return shape.layers * elem * sb * h / rep_div + layer + outside
+    if recompute == "op":  # and while one layer's backward runs, its recomputed tensors are all back
+        saved = shape.mm_outputs(tp)[0::2]  # the 1st, 3rd, … matrix multiply of the layer
+        kept = elem * sb * (h / rep_div + sum(saved) + h / tp) + lse
+        return shape.layers * kept + (layer - kept) + outside
     return shape.layers * layer + outside
+
+
+def loss_bytes(shape: Shape, batch: int, seq: int, tp: int, elem: int) -> float:
+    """The cross-entropy's transient peak beyond the fp32 logits counted in the activations: the logits in
+    the training precision and the fp32 log-softmax next to them (the vocabulary split over tp)."""
+    return (elem + 4) * seq * batch * shape.vocab / tp
 
 
 @dataclass(frozen=True)
@@ -77,11 +108,12 @@ class Memory:
     optimizer: float
     activations: float
     capacity: float
+    buffers: float = 0.0  # transient: FSDP's unsharded units, the loss's working set
 
     @property
     def total(self) -> float:
         """Everything the model keeps (no allocator fragmentation or workspace)."""
-        return self.weights + self.grads + self.optimizer + self.activations
+        return self.weights + self.grads + self.optimizer + self.activations + self.buffers
 
     @property
     def fits(self) -> bool:
@@ -89,8 +121,17 @@ class Memory:
         return self.total <= self.capacity
 
 
-def memory(params: float, elem: int, optimizer: str, activations: float, capacity_GiB: float) -> Memory:
+def memory(params: float, elem: int, optimizer: str, activations: float, capacity_GiB: float, *,
+           fsdp_dp: int = 1, unit_params: float = 0.0, transient: float = 0.0) -> Memory:
     """Weights and gradients in the training precision, fp32 optimizer state (and a master copy when the
-    precision is below fp32: mixed precision, 16 bytes per parameter with Adam)."""
-    state = OPTIMIZER_BYTES[optimizer] + (4 if elem < 4 else 0)  # below fp32: an fp32 master copy too
-    return Memory(params, params * elem, params * elem, params * state, activations, capacity_GiB * GiB)
+    precision is below fp32: mixed precision, 16 bytes per parameter with Adam). With FSDP over `fsdp_dp`
+    ranks (FSDP2's mixed precision): fp32 sharded weights, fp32 sharded gradients and the optimizer state,
+    all divided by dp, plus the all-gathered low-precision copies of two units at once (the one computing
+    and the one prefetched) and one unit's unsharded gradient before its reduce-scatter."""
+    state = OPTIMIZER_BYTES[optimizer]
+    if fsdp_dp > 1:
+        shard = params / fsdp_dp
+        buffers = unit_params * (2 * elem + 4) + transient
+        return Memory(params, shard * 4, shard * 4, shard * state, activations, capacity_GiB * GiB, buffers)
+    state += 4 if elem < 4 else 0  # below fp32: an fp32 master copy too
+    return Memory(params, params * elem, params * elem, params * state, activations, capacity_GiB * GiB, transient)

@@ -23,7 +23,14 @@ def shape_of(model: nn.Module) -> Shape:
     if not (hidden and heads and vocab and layers):
         raise UsageError("dtp simulate needs a transformer whose config gives its hidden size and heads "
                          "(n_embd/hidden_size, n_head/num_attention_heads) and a ModuleList of blocks")
-    return Shape(layers, int(hidden), int(heads), int(vocab))
+    kv = getattr(cfg, "n_kv_head", None) or getattr(cfg, "num_key_value_heads", None) or heads
+    ffn = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * hidden
+    names = {path.rsplit(".", 1)[-1] for path, _ in model.named_modules()}
+    gated = bool(names & {"gate_proj", "gate_up_proj", "w1", "w3"})  # SwiGLU's gate matrix
+    fused = bool(names & {"c_attn", "qkv_proj", "query_key_value", "Wqkv"})  # one q/k/v matrix
+    dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()) or \
+        float(getattr(cfg, "dropout", 0.0) or 0.0) > 0
+    return Shape(layers, int(hidden), int(heads), int(vocab), int(kv), int(ffn), gated, fused, dropout)
 
 
 @dataclass

@@ -7,17 +7,25 @@ import time
 from pathlib import Path
 
 from dtp.errors import UsageError
-from dtp.files import write_text
+from dtp.simulate.report import write_output
 
 
 def simulate_command(args: argparse.Namespace) -> int:
     """`dtp simulate PLAN MODEL --profile P [...]` or `dtp simulate --calibrate -o PROFILE`."""
     if args.calibrate:
         return _calibrate(args)
+    if getattr(args, "reproduce", None):
+        if args.plan or args.model or args.sweep or args.plot:
+            raise UsageError("--reproduce SOURCE takes no PLAN, MODEL, --sweep or --plot: each row brings its own")
+        from dtp.simulate.cli_reproduce import reproduce_command
+
+        return reproduce_command(args)
     if not (args.plan and args.model and args.profile):
-        raise UsageError("dtp simulate needs PLAN, MODEL and --profile (or --calibrate -o PROFILE)")
-    if (args.plot or args.markdown) and not args.sweep:
-        raise UsageError("--plot and --markdown write the --sweep tables; add --sweep")
+        raise UsageError("dtp simulate needs PLAN, MODEL and --profile (or --calibrate -o PROFILE, or --reproduce SOURCE)")
+    if args.plot and not args.sweep or args.markdown and not args.sweep:
+        raise UsageError("--plot and --markdown write the --sweep (or --reproduce) tables; add --sweep")
+    if args.fsdp and args.dp_overlap is False:
+        raise UsageError("--fsdp always overlaps its collectives with compute; drop --no-dp-overlap")
     from dtp.simulate import profile
 
     prof = profile.load(args.profile)
@@ -38,11 +46,13 @@ def _single(args: argparse.Namespace, prof) -> int:
                          f"{args.micro_batch * args.dp}")
     prepared = Prepared(args.plan, args.model, args.seq)
     run = Run(args.tp, args.dp, args.micro_batch, global_batch, prepared.seq, args.precision, args.recompute,
-              args.optimizer, prof.dp_overlap if args.dp_overlap is None else args.dp_overlap)
+              args.optimizer, prof.dp_overlap if args.dp_overlap is None else args.dp_overlap,
+              fsdp=args.fsdp, compile=args.compile, attention=args.attention or "flash",
+              tp_overlap=args.tp_overlap)
     result = simulate(prepared.workload(args.tp, args.micro_batch, args.precision), run, prof)
     print(render(result, prepared, args, prof, time.perf_counter() - start))
     if args.json:
-        _write(args.json, json.dumps({"profile": prof.name, "model": args.model, "plan": args.plan,
+        write_output(args.json, json.dumps({"profile": prof.name, "model": args.model, "plan": args.plan,
                                       **result.to_json()}, indent=2) + "\n")
     return 0
 
@@ -50,13 +60,14 @@ def _single(args: argparse.Namespace, prof) -> int:
 def _sweep(args: argparse.Namespace, prof) -> int:
     from dtp.simulate import sweep
 
-    rows = sweep.paper_sweep(args.plan, args.model, prof, args.precision, args.recompute, args.dp_overlap)
+    rows = sweep.paper_sweep(args.plan, args.model, prof, args.precision, args.recompute, args.dp_overlap,
+                             args.attention or "unfused")
     text = sweep.markdown(rows, prof)
     print(text, end="")
     if args.markdown:
-        _write(args.markdown, text)
+        write_output(args.markdown, text)
     if args.json:
-        _write(args.json, json.dumps({"profile": prof.name, "plan": args.plan, "efficiency": "flop",
+        write_output(args.json, json.dumps({"profile": prof.name, "plan": args.plan, "efficiency": "flop",
                                       "rows": [r.to_json() for r in rows]}, indent=2) + "\n")
     if args.plot:
         try:
@@ -75,14 +86,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     name = Path(args.output).name.rsplit(".", 1)[0] or "this-machine"
     text, raw = profile_yaml(name)
     parse(text, args.output)  # what we write must load
-    _write(args.output, text)
+    write_output(args.output, text)
     print(text, end="")
     print(f"wrote {args.output}")
     return 0
-
-
-def _write(path: str, text: str) -> None:
-    try:
-        write_text(path, text)  # a regular file only, replaced atomically (dtp.files)
-    except OSError as err:
-        raise UsageError(f"cannot write {path}: {err.strerror}") from None

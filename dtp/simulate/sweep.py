@@ -46,8 +46,9 @@ class Row:
 
 
 def paper_sweep(plan: str, strong_model: str, prof: Profile, precision: str = "fp16", recompute: str = "full",
-                dp_overlap: bool | None = None) -> list[Row]:
-    """Every configuration of the paper's experiment, simulated with the same profile and plan."""
+                dp_overlap: bool | None = None, attention: str = "unfused") -> list[Row]:
+    """Every configuration of the paper's experiment, simulated with the same profile and plan (the 2019
+    code's unfused attention kernels unless told otherwise)."""
     overlap = prof.dp_overlap if dp_overlap is None else dp_overlap
     prepared = {name: Prepared(plan, name, 1024) for name, _ in TABLE1}
     if strong_model not in prepared:
@@ -55,7 +56,8 @@ def paper_sweep(plan: str, strong_model: str, prof: Profile, precision: str = "f
 
     def run(name: str, tp: int, dp: int, batch: int) -> Result:
         work = prepared[name].workload(tp, 8, precision)
-        return simulate(work, Run(tp, dp, 8, batch, 1024, precision, recompute, "adam", overlap), prof)
+        return simulate(work, Run(tp, dp, 8, batch, 1024, precision, recompute, "adam", overlap,
+                                  attention=attention), prof)
 
     base = run(TABLE1[0][0], 1, 1, 8)
     base_params = prepared[TABLE1[0][0]].workload(1, 8, precision).params_total

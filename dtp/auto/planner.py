@@ -1,0 +1,228 @@
+"""`dtp plan --auto`: write a plan from a model's structure, then let `dtp check` judge it.
+
+The draft (dtp/auto/attention.py, ffn.py) is written for one tp. The checker then runs on it; every unit a
+diagnostic points into is left replicated with the checker's own words as the reason, and the plan is checked
+again, until it passes. What reaches the user is a plan the checker accepts at every tp its header names;
+`--verify` adds the parity proof of `dtp apply`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from dtp.auto.attention import attention_unit
+from dtp.auto.ffn import experts_unit, mlp_unit
+from dtp.auto.rules import Line, Unit
+from dtp.auto.structure import Ends, blocks, ends, experts, pairs
+from dtp.checks.checker import check
+from dtp.checks.messages import MAX_TP_SHOWN
+from dtp.errors import PlanError
+from dtp.lang.parse import parse
+from dtp.layout.attention import attention_like
+from dtp.layout.modules import is_linear
+from dtp.layout.norms import is_norm
+
+_MAX_ROUNDS = 64  # each round replicates at least one unit; a model has few kinds of unit
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """The plan text, the tp it was written for, and every tp `dtp check` accepts it at."""
+
+    text: str
+    tp: int
+    checked_tp: tuple[int, ...]
+    refused: tuple[str, ...]  # "PATH: why" of every part left replicated
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Consecutive blocks with the same rules: `prefix` is their pattern (`model.layers.*`, `h.[0..3]`)."""
+
+    prefix: str
+    units: tuple[Unit, ...]
+
+
+def block_units(model: nn.Module, path: str, tp: int, sp: bool = False) -> list[Unit]:
+    """The units of block `path`: each attention and MLP pair, each experts module (and, with `sp`, its
+    residual-stream norms)."""
+    block = model.get_submodule(path)
+    units = []
+    if sp:
+        norms = tuple(Line(n, "sequence_parallel", f"residual-stream {'norm' if is_norm(c) else 'dropout'}: runs on "
+                           "this rank's tokens") for n, c in block.named_children() if is_norm(c) or _dropout(c))
+        units.append(Unit("", "sequence", norms))
+    for pair in pairs(block):
+        module = block.get_submodule(pair.owner) if pair.owner else block
+        owner = f"{path}.{pair.owner}" if pair.owner else path
+        if attention_like(module):
+            units.append(attention_unit(model, owner, module, pair, tp))
+        else:
+            units.append(mlp_unit(module, pair, tp))
+    units += [experts_unit(p, block.get_submodule(p), tp) for p in experts(block)]
+    owners = {u.owner for u in units}
+    for sub, module in block.named_modules():  # an attention whose linears form no pair: say so, never guess
+        if (sub and sub not in owners and attention_like(module)
+                and any(is_linear(c) for c in module.children())):
+            units.append(Unit(sub, "attention", (), "its linear layers form no colwise → rowwise pair that its "
+                              "forward's source shows (e.g. low-rank or latent projections)"))
+    return units
+
+
+def _groups(model: nn.Module, tp: int, sp: bool) -> list[_Group]:
+    out: list[_Group] = []
+    runs: list[tuple[str, list[int], tuple[Unit, ...]]] = []
+    for path in blocks(model):
+        parent, _, index = path.rpartition(".")
+        units = tuple(block_units(model, path, tp, sp))
+        if runs and runs[-1][0] == parent and runs[-1][2] == units and runs[-1][1][-1] == int(index) - 1:
+            runs[-1][1].append(int(index))
+        else:
+            runs.append((parent, [int(index)], units))
+    for parent, indices, units in runs:
+        every = len(model.get_submodule(parent)) == len(indices)
+        segment = "*" if every else str(indices[0]) if len(indices) == 1 else f"[{indices[0]}..{indices[-1]}]"
+        out.append(_Group(f"{parent}.{segment}", units))
+    return out
+
+
+def _dropout(module: nn.Module) -> bool:
+    return isinstance(module, nn.Dropout)
+
+
+def _top(model: nn.Module, e: Ends, sp: bool) -> list[Line]:
+    lines = []
+    inside = tuple(blocks(model))
+    outside = [(p, m) for p, m in model.named_modules() if p and not any(p.startswith(b + ".") or p == b for b in inside)]
+    positions = [p for p, m in outside if isinstance(m, nn.Embedding) and p != e.embedding]
+    if e.embedding:
+        tied = f", tied to {e.head}" if e.tied else ""
+        if sp and positions:  # the position embedding is added to whole rows: sequence parallelism starts after
+            lines.append(Line(e.embedding, "vocab_parallel(output=replicate, local=true)",
+                              f"input embedding of {e.vocab} rows{tied}: rows split; whole output, to add "
+                              f"{positions[0]} to"))
+        else:
+            lines.append(Line(e.embedding, "vocab_parallel", f"input embedding of {e.vocab} rows{tied}: rows split, "
+                              "output all-reduced"))
+    if e.head:
+        lines.append(Line(e.head, "vocab_parallel", f"{e.vocab} logits: they stay sharded, the cross-entropy is "
+                          "vocabulary-parallel"))
+    if sp:
+        lines += _sequence_parallel(model, e)
+    return lines
+
+
+def _sequence_parallel(model: nn.Module, e: Ends) -> list[Line]:
+    """`sequence_parallel` on every norm and dropout outside the blocks (the blocks' own are their units)."""
+    inside = tuple(blocks(model))
+    return [Line(path, "sequence_parallel", f"{'norm' if is_norm(module) else 'dropout'} of the residual stream: runs "
+                 "on this rank's tokens") for path, module in model.named_modules()
+            if (is_norm(module) or _dropout(module)) and not any(path.startswith(b + ".") for b in inside)]
+
+
+def render(name: str, model_name: str, tp: int, top: list[Line], groups: list[_Group], checked: str,
+           sp: bool) -> tuple[str, dict[int, tuple]]:
+    """The plan text and, per line number, which part wrote it (("top", i) or ("unit", group, unit))."""
+    text = [f"# Written by `dtp plan --auto` for {model_name} at tp {tp}{' with sequence parallelism' if sp else ''}.",
+            f"# {checked}",
+            "# Each rule says what it was found from; what could not be split stays replicated, with the reason.",
+            "dtp 1", f"plan {name} version 1", ""]
+    where: dict[int, tuple] = {}
+    body_top = [(i, line) for i, line in enumerate(top)]
+    for i, line in body_top[:1]:
+        where[len(text) + 1] = ("top", i)
+        text.append(line.render())
+    for g, group in enumerate(groups):
+        text += ["", f"{group.prefix} {{"]
+        for u, unit in enumerate(group.units):
+            for row in unit.render():
+                where[len(text) + 1] = ("unit", g, u)
+                text.append("    " + row)
+        text.append("}")
+    text.append("")
+    for i, line in body_top[1:]:
+        where[len(text) + 1] = ("top", i)
+        text.append(line.render())
+    return "\n".join(text) + "\n", where
+
+
+def auto_plan(model: nn.Module, model_name: str, tp: int, sp: bool = False, scan: bool = True) -> AutoPlan:
+    """The plan for `model` at `tp` that `dtp check` accepts, each part it could not split left replicated;
+    `scan`: also find every other tp the checker accepts it at (else only `tp` is claimed)."""
+    e = ends(model)
+    top, groups = _top(model, e, sp), _groups(model, tp, sp)
+    name = "auto-" + re.sub(r"[^A-Za-z0-9_.\-]", "-", model_name.rsplit("/", 1)[-1].rsplit(":", 1)[-1]) or "auto"
+    refused_sp = ""
+    for _ in range(_MAX_ROUNDS):
+        text, where = render(name, model_name, tp, top, groups, "Checked by dtp check at tp {tp}.", sp)
+        try:
+            check(parse(text, "<auto>"), model, tp)
+            break
+        except PlanError as err:
+            sp_hit = next((d for d in err.diagnostics if _is_sequence(where.get(d.pos.line), top, groups)), None)
+            if sp and sp_hit:  # sequence parallelism is all or nothing: without it, the rest is judged again
+                refused_sp, sp = _first_sentence(sp_hit.message), False
+                top, groups = _top(model, e, False), _groups(model, tp, False)
+                continue
+            top, groups = _replicate(err, where, top, groups)
+    else:
+        raise RuntimeError("dtp plan --auto did not converge")  # each round removes a unit: unreachable
+    tps = range(1, max(MAX_TP_SHOWN, tp) + 1) if scan else (tp,)
+    mine = _rules(groups)  # another tp is claimed only where auto would write the same rules and check accepts them
+    admitted = tuple(t for t in tps if t == tp or (_rules(_groups(model, t, sp)) == mine and _passes(text, model, t)))
+    shown = ", ".join(map(str, admitted))
+    text, _ = render(name, model_name, tp, top, groups, f"`dtp check` accepts it at tp {shown}.", sp)
+    refused = [f"{g.prefix}.{u.owner}: {u.refused}" for g in groups for u in g.units if u.refused]
+    if refused_sp:
+        refused.insert(0, f"sequence parallelism: dtp check: {refused_sp}")
+        text = text.replace("\ndtp 1\n", f"\n# Without sequence parallelism: {refused_sp}\ndtp 1\n", 1)
+    return AutoPlan(text, tp, admitted, tuple(refused))
+
+
+def _is_sequence(key: tuple | None, top: list[Line], groups: list[_Group]) -> bool:
+    """Whether the statement at `key` is one of sequence parallelism's."""
+    if key is None:
+        return False
+    if key[0] == "top":
+        return "sequence_parallel" in top[key[1]].text or "local=true" in top[key[1]].text
+    return groups[key[1]].units[key[2]].kind == "sequence"
+
+
+def _rules(groups: list[_Group]) -> list:
+    """The statements of `groups` without their comments (which name tp-specific sizes)."""
+    return [(g.prefix, [(u.owner, bool(u.refused), [(x.path, x.text, x.is_set) for x in u.lines]) for u in g.units])
+            for g in groups]
+
+
+def _passes(text: str, model: nn.Module, tp: int) -> bool:
+    try:
+        check(parse(text, "<auto>"), model, tp)
+    except PlanError:
+        return False
+    return True
+
+
+def _replicate(err: PlanError, where: dict[int, tuple], top: list[Line], groups: list[_Group]):
+    """Every part a diagnostic points into, left replicated with the checker's reason."""
+    hit_top: dict[int, str] = {}
+    hit_units: dict[tuple[int, int], str] = {}
+    for d in err.diagnostics:
+        key = where.get(d.pos.line)
+        reason = _first_sentence(d.message)
+        if key is None:
+            raise RuntimeError(f"dtp plan --auto wrote a plan the checker refuses outside any rule: {d.message}")
+        if key[0] == "top":
+            hit_top.setdefault(key[1], reason)
+        else:
+            hit_units.setdefault((key[1], key[2]), reason)
+    top = [line for i, line in enumerate(top) if i not in hit_top]
+    groups = [_Group(g.prefix, tuple(u.refuse(f"dtp check: {hit_units[(gi, ui)]}") if (gi, ui) in hit_units else u
+                                     for ui, u in enumerate(g.units))) for gi, g in enumerate(groups)]
+    return top, groups
+
+
+def _first_sentence(message: str) -> str:
+    head = message.split("; ")[0]
+    return head if len(head) <= 240 else head[:240] + " …"

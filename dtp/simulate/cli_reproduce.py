@@ -1,0 +1,40 @@
+"""`dtp simulate --reproduce SOURCE`: each published row of a source, predicted, with its error."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from dtp.errors import UsageError
+
+
+def reproduce_command(args: argparse.Namespace) -> int:
+    """Print (and with --markdown/--json write) predicted vs published for SOURCE, or for `all`."""
+    from dtp.simulate import reproduce, sweep
+    from dtp.simulate.profile import load
+    from dtp.simulate.report import write_output
+
+    name = args.reproduce
+    names = list(reproduce.NAMES) if name == "all" else [name]
+    if name != "all" and name not in reproduce.NAMES:
+        raise UsageError(f"--reproduce: unknown source '{name[:60]}' (sources: {', '.join(reproduce.NAMES)}, all)")
+    texts, data = [], {}
+    for one in names:
+        if one == "megatron2019":  # the paper's own experiment, as --sweep runs it
+            prof = load("dgx2h-v100")
+            rows = sweep.paper_sweep("plans/gpt2.tp", "megatron-1.2b", prof)
+            texts.append(f"## megatron2019: Shoeybi et al. 2019, Fig. 5 and Table 8\n\n{sweep.markdown(rows, prof)}")
+            data[one] = [r.to_json() for r in rows]
+            continue
+        src = reproduce.source(one)
+        outcomes = reproduce.predict(src)
+        texts.append(f"## {one}\n\n{reproduce.markdown(src, outcomes)}")
+        data[one] = [{"label": o.row.label, "model": o.row.model, "plan": o.row.plan, "published": o.row.published,
+                      "published_s": o.row.published_s, "published_GiB": o.row.published_GiB, "fitted": o.row.fitted,
+                      "error": o.error, "simulation": o.result.to_json()} for o in outcomes]
+    text = "\n".join(texts)
+    print(text, end="")
+    if args.markdown:
+        write_output(args.markdown, text)
+    if args.json:
+        write_output(args.json, json.dumps(data, indent=2) + "\n")
+    return 0
