@@ -46,6 +46,8 @@ def add_parser(sub) -> None:
     t.add_argument("--max-rank-memory", type=memory_size, metavar="BYTES",
                    help="refuse a tp whose per-rank parameters + gradients + AdamW state exceed BYTES (e.g. 1.5MiB)")
     t.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    t.add_argument("--threads", type=positive_int, metavar="N", help="intra-op threads per rank (default: "
+                   "OMP_NUM_THREADS if set, else the cores divided among the ranks)")
     t.add_argument("--timeout", type=timeout_seconds, default=900.0, help="seconds before every rank is stopped (default 900)")
     t.add_argument("--out", default="dtp-train", help="directory for metrics.jsonl, summary.json, loss.png")
     t.add_argument("--json", metavar="PATH", help="also write the summary as JSON")

@@ -122,15 +122,17 @@ def scatter_from(full: nn.Module | None, applied: Applied, device: torch.device)
 
 def build_sharded(plan: Checked, source: models.ModelSource | Callable[[], nn.Module], mesh: DeviceMesh, *,
                   seed: int, device: torch.device, dp: int = 1, dtype: torch.dtype | None = torch.float32,
-                  full: nn.Module | None = None, from_rank0: bool = False, pretrained: bool = False) -> Applied:
+                  full: nn.Module | None = None, from_rank0: bool = False, pretrained: bool = False,
+                  plain: bool = False) -> Applied:
     """The one way to build a sharded model: meta (buffers real) → shard on `mesh`'s tp dimension →
     materialise this rank's shards (keyed init, scattered from rank 0's `full` model when `from_rank0` — every
     rank then continues from rank 0's CPU generator state —, read
-    from a pretrained directory's files when `pretrained`) → FSDP2 over dp (which shards the materialised tp-local tensors again)."""
+    from a pretrained directory's files when `pretrained`) → FSDP2 over dp (which shards the materialised tp-local tensors again).
+    `plain`: on a one-rank world (tp 1, dp 1) the model stays plain PyTorch (dtp.runtime.shard.apply)."""
     from dtp.runtime.data_parallel import data_parallel
 
     model = build_on_meta(source, dtype)
-    applied = apply(plan, model, mesh, seed)
+    applied = apply(plan, model, mesh, seed, plain=plain and dp == 1)
     allocate(model, device)
     if from_rank0:
         if (dist.get_rank() == 0) != (full is not None):
@@ -153,16 +155,18 @@ def build_sharded(plan: Checked, source: models.ModelSource | Callable[[], nn.Mo
 
 
 def build_from_model(plan: Checked, source: models.ModelSource, mesh: DeviceMesh, *, seed: int,
-                     device: torch.device, dp: int = 1, dtype: torch.dtype = torch.float32) -> Applied:
+                     device: torch.device, dp: int = 1, dtype: torch.dtype = torch.float32,
+                     plain: bool = False) -> Applied:
     """The model's own initialisation, sharded: rank 0 seeds torch's generators with `seed` and builds the whole
     model on the CPU (what `torch.manual_seed(seed); models.build(source, device="cpu", dtype=dtype)` gives,
     at any tp and dp), every rank receives its blocks; rank 0 holds the whole model until they are scattered.
     A pretrained directory's own initialisation is its weights: every rank reads its slices, none the whole."""
     torch.manual_seed(seed)
     if source.pretrained is not None:  # every rank seeded alike and draws nothing: no state to share
-        return build_sharded(plan, source, mesh, seed=seed, device=device, dp=dp, dtype=dtype, pretrained=True)
+        return build_sharded(plan, source, mesh, seed=seed, device=device, dp=dp, dtype=dtype, pretrained=True,
+                             plain=plain)
     full = models.build(source, device="cpu", dtype=dtype) if dist.get_rank() == 0 else None
     applied = build_sharded(plan, source, mesh, seed=seed, device=device, dp=dp, dtype=dtype, full=full,
-                            from_rank0=True)
+                            from_rank0=True, plain=plain)
     del full
     return applied

@@ -23,6 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from dtp.errors import RunError, Terminated, UsageError
+from dtp.runtime.threads import threads_per_rank
 
 GRACE_S = 3.0  # after a first failure, how long the other ranks get to report theirs before they are stopped
 RENDEZVOUS = "rendezvous"  # where a rank failed that never joined the process group
@@ -57,8 +58,9 @@ def serve_store(sock: socket.socket, world: int, timeout: float):
                     timeout=timedelta(seconds=timeout), master_listen_fd=sock.detach())
 
 
-def init_rank(rank: int, world: int, port: int, device: str, timeout: float) -> None:
-    """In a started rank: die with the parent, leave signals to it, join the process group over loopback."""
+def init_rank(rank: int, world: int, port: int, device: str, timeout: float, threads: int = 1) -> None:
+    """In a started rank: die with the parent, leave signals to it, use `threads` intra-op threads, join the
+    process group over loopback."""
     import torch
     import torch.distributed as dist
 
@@ -66,8 +68,9 @@ def init_rank(rank: int, world: int, port: int, device: str, timeout: float) -> 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops every rank, once
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo")
-    torch.set_num_threads(1)
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS=str(threads), GLOO_SOCKET_IFNAME="lo",
+                      NCCL_SOCKET_IFNAME="lo")
+    torch.set_num_threads(threads)
     if device == "cuda":
         torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout))
@@ -86,7 +89,8 @@ def error_summary(err: BaseException, rank: int) -> dict:
             "at": f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""}
 
 
-def _child(rank: int, world: int, port: int, device: str, timeout: float, out: str, fn, args: tuple) -> None:
+def _child(rank: int, world: int, port: int, device: str, timeout: float, out: str, fn, args: tuple,
+           threads: int = 1) -> None:
     code = 1
     try:
         import faulthandler
@@ -97,7 +101,7 @@ def _child(rank: int, world: int, port: int, device: str, timeout: float, out: s
         stacks = open(Path(out, f"stack-{rank}.txt"), "w")
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
         try:
-            init_rank(rank, world, port, device, timeout)
+            init_rank(rank, world, port, device, timeout, threads)
         except Exception as err:
             err.__dtp_where__ = RENDEZVOUS
             raise
@@ -245,7 +249,8 @@ def _wait(procs: list, out: Path, left: float, timeout: float) -> list[RunError]
     return [err for _, _, _, err in sorted(failures, key=lambda f: f[:3])]
 
 
-def launch_local(fn, world: int, *args, timeout: float, device: str = "cpu", prefix: str = "dtp-") -> list:
+def launch_local(fn, world: int, *args, timeout: float, device: str = "cpu", prefix: str = "dtp-",
+                 threads: int | None = None) -> list:
     """Start `world` local ranks (fork+gloo on CPU, spawn+NCCL on CUDA), rendezvous on loopback only,
     init the process group on each, call fn(rank, world, *args), return the results in rank order.
     Raises RunError (one paragraph naming the failing rank and what it raised, or the timeout) and
@@ -253,11 +258,14 @@ def launch_local(fn, world: int, *args, timeout: float, device: str = "cpu", pre
 
     A launch whose first failure is a rank that could not join the process group is started once more,
     within what is left of `timeout`: gloo's loopback connect fails now and then (about once in a few
-    thousand starts here). The failed rank never ran `fn`; ranks that had begun it are stopped first."""
+    thousand starts here). The failed rank never ran `fn`; ranks that had begun it are stopped first.
+    Each rank runs `threads_per_rank(world, threads)` intra-op threads."""
+    threads = threads_per_rank(world, threads)
     deadline = time.monotonic() + timeout
     with terminate_as_interrupt():
         for attempt in (1, 2):
-            failures, results = _launch_once(fn, world, args, timeout, deadline - time.monotonic(), device, prefix)
+            failures, results = _launch_once(fn, world, args, timeout, deadline - time.monotonic(), device, prefix,
+                                             threads)
             if not failures:
                 return results
             first = failures[0]
@@ -271,15 +279,15 @@ def launch_local(fn, world: int, *args, timeout: float, device: str = "cpu", pre
 
 
 def _launch_once(fn, world: int, args: tuple, timeout: float, left: float, device: str,
-                 prefix: str) -> tuple[list[RunError], list]:
+                 prefix: str, threads: int = 1) -> tuple[list[RunError], list]:
     """One start of the ranks: (failures, results in rank order); `left` is the time this start may take."""
     procs: list = []
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         sock, store = loopback_listener(world), None
         try:
             # Ranks' own process-group timeout is longer than ours: the parent always decides, with one message.
-            procs = start_ranks(_child, world, (world, sock.getsockname()[1], device, timeout + 30, tmp, fn, args),
-                                device)
+            procs = start_ranks(_child, world, (world, sock.getsockname()[1], device, timeout + 30, tmp, fn, args,
+                                                threads), device)
             store = serve_store(sock, world, timeout + 30)
             failures = _wait(procs, Path(tmp), left, timeout)
         finally:

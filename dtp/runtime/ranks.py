@@ -8,6 +8,7 @@ from __future__ import annotations
 from dtp.runtime.launcher import launch_local
 
 
-def on_ranks(fn, world: int, *args, timeout: float = 120) -> list:
-    """fn(rank, world, *args) on every rank; the list of return values in rank order (RunError on failure)."""
-    return launch_local(fn, world, *args, timeout=timeout, prefix="dtp-ranks-")
+def on_ranks(fn, world: int, *args, timeout: float = 120, threads: int = 1) -> list:
+    """fn(rank, world, *args) on every rank; the list of return values in rank order (RunError on failure).
+    One intra-op thread per rank unless told: the benchmark's arms and utilization assume it."""
+    return launch_local(fn, world, *args, timeout=timeout, prefix="dtp-ranks-", threads=threads)

@@ -11,6 +11,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from dtp.checks.checker import Checked, checked_for
 from dtp.compiler.compiler import Compiled, compile_plan, tp_mesh
+from dtp.compiler.local_pair import hook_ids, localize, pair_side
 from dtp.compiler.placed import unpack_placed
 from dtp.lang import ir
 from dtp.runtime.rng import TensorParallelRNG, track
@@ -41,6 +42,12 @@ class Applied:
     compiled: Compiled
     tp: int
     checked: Checked
+    plain: bool = False  # a one-rank mesh left as plain PyTorch: no DTensor, no collectives (see `apply`)
+
+    @property
+    def loss_parallel(self) -> bool:
+        """Whether the loss must run under loss_parallel (never on a plain model: its logits are whole)."""
+        return self.compiled.loss_parallel and not self.plain
 
     def full(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (a parameter or its gradient) gathered to the model's unsharded layout (a collective)."""
@@ -49,22 +56,35 @@ class Applied:
         return unpack_placed(full, placed, self.tp) if placed is not None else full
 
 
-def apply(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh, seed: int = 0) -> Applied:
+def apply(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh, seed: int = 0, *,
+          plain: bool = False) -> Applied:
     """Shard `model` in place under `plan` on `mesh` (its `tp` dimension); returns how to read it back.
 
     Dropout inside the sharded regions draws from a per-rank generator seeded from `seed` (see dtp.runtime.rng).
+    `plain` with a one-rank tp mesh leaves the model as plain PyTorch: on one rank every style is the identity,
+    so DTensor would only add its per-op cost and the vocabulary-parallel loss its 3 all-reduces. Only a caller
+    whose mesh has no other dimension may ask (FSDP2 over dp expects tp DTensors), and a checkpoint of a plain
+    model goes through dtp.train.plain_view.as_dtensors (packed parameters are stored in the tp layout).
     """
     mesh = tp_mesh(mesh)
     checked = checked_for(plan, model, mesh.size())
     compiled = compile_plan(checked, model, mesh)
-    groups = tied_groups(model)
-    parallelize_module(model, mesh, compiled.styles)
-    # parallelize_module gives each owner of a tied weight its own DTensor; `check` guaranteed equal
-    # placements, so pointing every owner at the first one's keeps one parameter, one gradient, one update.
-    retie(model, groups)
+    plain = plain and mesh.size() == 1
+    if not plain:
+        groups = tied_groups(model)
+        # Megatron's colwise → rowwise pairs: torch's styles shard them, then they compute on local tensors
+        pairs = {path: side for path, style in compiled.styles.items()
+                 if (side := pair_side(style, model.get_submodule(path))) is not None}
+        before = {path: hook_ids(model.get_submodule(path)) for path in pairs}
+        parallelize_module(model, mesh, compiled.styles)
+        # parallelize_module gives each owner of a tied weight its own DTensor; `check` guaranteed equal
+        # placements, so pointing every owner at the first one's keeps one parameter, one gradient, one update.
+        retie(model, groups)
+        for path, side in pairs.items():
+            localize(model.get_submodule(path), side, mesh, before[path])
     for path, rewrite in compiled.rewrites.items():
         rewrite._apply(model.get_submodule(path), mesh)
     modules = compiled.lowered.modules
     rng = TensorParallelRNG(seed, mesh.get_local_rank(), torch.device(mesh.device_type))
     track(model, modules, rng)
-    return Applied(model, compiled, mesh.size(), checked)
+    return Applied(model, compiled, mesh.size(), checked, plain)

@@ -69,6 +69,10 @@ class TrainConfig:
     convert: bool = False  # resume from a checkpoint of another plan (dtp.checkpoint.dcp's convert=True)
     init: str = "model"  # "model": the model's own init, built on rank 0 and scattered; "keyed": drawn per shard
     check_replicas: int = 10  # compare the tp ranks' replicated tensors every N steps (0: at the end and saves only)
+    threads: int | None = None  # intra-op threads per local rank (None: dtp.runtime.threads.threads_per_rank)
+
+
+COMM_SAMPLE = 10  # time collectives on every 10th step only: the timer's dispatch mode sees every op and slows it
 
 
 def _checkpoint_blocks(model: torch.nn.Module) -> list[str]:
@@ -97,12 +101,13 @@ class Trainer:
         self.checked = check(load_plan(cfg.plan), models.build(self.source, device="meta"), cfg.tp)
         # The seed drives the model's own init (rank 0) and the stream replicated dropout shares.
         torch.manual_seed(cfg.seed)
+        # plain: at tp 1 dp 1 the model stays plain PyTorch (no DTensor, no collectives; dtp.runtime.shard.apply)
         if cfg.init == "model":
             self.applied = build_from_model(self.checked, self.source, mesh, seed=cfg.seed, device=self.device,
-                                            dp=cfg.dp)
+                                            dp=cfg.dp, plain=True)
         else:
             self.applied = build_sharded(self.checked, self.source, mesh, seed=cfg.seed, device=self.device,
-                                         dp=cfg.dp)
+                                         dp=cfg.dp, plain=True)
         self.model = self.applied.model
         rows = shared_rows(self.applied)  # k/v rows every rank holds: counted once in the clip norm
         self.shared_rows = {id(p): rows[n] for n, p in self.model.named_parameters() if n in rows}
@@ -112,7 +117,7 @@ class Trainer:
         self.tokens = corpus.tokens()
         self.dp_rank = mesh["dp"].get_local_rank() if cfg.dp > 1 else 0
         self.dp_group = mesh["dp"].get_group() if cfg.dp > 1 else None
-        self.loss_ctx = loss_parallel if self.applied.compiled.loss_parallel else contextlib.nullcontext
+        self.loss_ctx = loss_parallel if self.applied.loss_parallel else contextlib.nullcontext
         self.step = 0
         self.param_bytes = local_param_bytes(self.model)
         self.val = data.val_batches(corpus, self.tokens, cfg.batch, cfg.seq, cfg.dp, self.dp_rank, cfg.eval_batches)
@@ -188,7 +193,8 @@ class Trainer:
             steps = schedule(self.checked, self.cfg.tp, self.cfg.batch // self.cfg.dp, self.cfg.seq, dtype=dtype,
                              lowered=self.applied.compiled.lowered, dp=self.cfg.dp,
                              model=models.build(self.source, device="meta"), checkpoint_activations=self.cfg.checkpoint_activations)
-            return summarize(steps, self.cfg.tp, self.cfg.dp)
+            # A plain model (tp 1 dp 1) issues none; the schedule models DTensor's one-rank loss_parallel.
+            return summarize([] if self.applied.plain else steps, self.cfg.tp, self.cfg.dp)
         except NotModeled as err:
             return {"not_modeled": str(err)}
 
@@ -207,6 +213,8 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
     warnings.filterwarnings("ignore", message=".*(backward hook|returned a view tensor).*")
     # The clip norm of FSDP2 + tp gradients reduces over dp then tp, which torch calls suboptimal; it is one scalar.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    if cfg.threads:  # local ranks got it at start-up; a torchrun rank gets it here
+        torch.set_num_threads(cfg.threads)
     trainer = Trainer(cfg, corpus, make_mesh(cfg.tp, cfg.dp, cfg.device))
     resumed = resume.restore(trainer, cfg) if cfg.resume else None
     start, saves = trainer.step, []
@@ -226,7 +234,10 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
             bar.update(start)
         for step in range(start, cfg.steps):
             first = step == start  # collectives are counted, not timed, on this run's first step
-            row = trainer.train_step(counters if first else None, None if first else CommTimer())
+            # a plain model has no collectives to time; else every COMM_SAMPLE-th step is timed, and left out of
+            # the step-time median (the timer's dispatch mode slows every op of that step)
+            sampled = not first and not trainer.applied.plain and (step - start) % COMM_SAMPLE == 1
+            row = trainer.train_step(counters if first else None, CommTimer() if sampled else None)
             if not math.isfinite(row["loss"]):
                 raise FloatingPointError(f"the loss became {row['loss']} at step {row['step']}; lower --lr "
                                          "or keep --clip on")
@@ -248,9 +259,10 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
                 saves.append(resume.save(trainer, cfg))
                 row["checkpoint_bytes"], row["checkpoint_seconds"] = saves[-1]["bytes"], saves[-1]["seconds"]
             losses.append(row["loss"])
-            if not first:
-                times.append(row["step_time_ms"])
+            if sampled:
                 shares.append(row["comm_share"])
+            elif not first:
+                times.append(row["step_time_ms"])
             if log:
                 log.write(json.dumps(row) + "\n")
                 log.flush()
@@ -262,7 +274,7 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
                       f"{row['tokens_per_s']:.0f} tokens/s", flush=True)
     peak, kind = peak_memory(trainer.device)
     out = {"rank": rank, "param_bytes": trainer.param_bytes, "peak_memory_bytes": peak, "peak_memory_kind": kind,
-           "replicas": replicas.record()}
+           "replicas": replicas.record(), "threads": torch.get_num_threads(), "plain": trainer.applied.plain}
     if rank == 0 and not stopped:
         times = times or [row["step_time_ms"]]
         median = sorted(times)[len(times) // 2]

@@ -7,6 +7,7 @@ the step and the RNG states are all a resume needs, since batches and the learni
 from __future__ import annotations
 
 import argparse
+import contextlib
 import warnings
 from pathlib import Path
 
@@ -111,13 +112,24 @@ def validate(args: argparse.Namespace) -> None:
                          f"{args.steps}: nothing left to train (raise --steps)")
 
 
+def _stored(trainer, plan_text: str):
+    """The model as the checkpoint stores it: a plain tp-1 model's packed tensors as DTensors (dtp.train.plain_view)."""
+    if not trainer.applied.plain:
+        return contextlib.nullcontext()
+    from dtp.train.plain_view import as_dtensors
+
+    return as_dtensors(trainer.model, trainer.optimizer, trainer.mesh, plan_text)
+
+
 def restore(trainer, cfg) -> dict:
     """Load cfg.resume into the rank's sharded model and optimizer, set its step and RNG; the load's stats."""
     from dtp.checkpoint.dcp import load_checkpoint
 
     stats: dict = {}
-    extra = load_checkpoint(cfg.resume, trainer.model, trainer.optimizer, mesh=trainer.mesh,
-                            plan_text=_plan_text(cfg.plan), convert=cfg.convert, stats=stats)
+    text = _plan_text(cfg.plan)
+    with _stored(trainer, text):
+        extra = load_checkpoint(cfg.resume, trainer.model, trainer.optimizer, mesh=trainer.mesh, plan_text=text,
+                                convert=cfg.convert, stats=stats)
     trainer.step = extra["step"]
     torch.set_rng_state(extra["rng_cpu"])
     if trainer.device.type == "cuda" and extra.get("rng_cuda") is not None:
@@ -141,8 +153,10 @@ def save(trainer, cfg) -> dict:
     for module in trainer.model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-    stats = save_checkpoint(cfg.checkpoint, trainer.model, trainer.optimizer, mesh=trainer.mesh,
-                            plan_text=_plan_text(cfg.plan), extra=trainer.train_state())
+    text = _plan_text(cfg.plan)
+    with _stored(trainer, text):
+        stats = save_checkpoint(cfg.checkpoint, trainer.model, trainer.optimizer, mesh=trainer.mesh,
+                                plan_text=text, extra=trainer.train_state())
     return {"step": trainer.step, "bytes": stats["bytes"], "seconds": stats["seconds"]}
 
 

@@ -24,6 +24,7 @@ from dtp.lang.parse import load
 from dtp.runtime import preflight
 from dtp.runtime.keyed_init import init_rule
 from dtp.runtime.launcher import launch_local, pick_device
+from dtp.runtime.threads import cores
 from dtp.runtime.torchrun import torchrun_group, torchrun_world, under_torchrun
 from dtp.train import data, replica_checks, resume
 from dtp.train.budget import check_budget, check_init_memory, check_train_memory
@@ -114,7 +115,8 @@ def _config(args, tp: int, out: Path, device: str):
                        checkpoint_activations=args.checkpoint_activations, seed=args.seed, device=device,
                        timeout=args.timeout, out=str(out), progress=sys.stderr.isatty(),
                        checkpoint=args.checkpoint, save_every=args.save_every or 0, resume=args.resume,
-                       convert=args.convert, init=args.init, check_replicas=args.check_replicas)
+                       convert=args.convert, init=args.init, check_replicas=args.check_replicas,
+                       threads=getattr(args, "threads", None))
 
 
 def run_training(cfg, corpus) -> list[dict]:
@@ -136,7 +138,7 @@ def run_training(cfg, corpus) -> list[dict]:
     # what a killed save left (CHECKPOINT.tmp-*) is removed on the way out, after Ctrl-C or SIGTERM too.
     with held(cfg.checkpoint):
         results = launch_local(train, cfg.tp * cfg.dp, cfg, corpus, timeout=cfg.timeout, device=cfg.device,
-                               prefix="dtp-train-")
+                               prefix="dtp-train-", threads=cfg.threads)
     return _replicas_held(cfg, results)
 
 
@@ -165,7 +167,8 @@ def summary(cfg, corpus, results: list[dict]) -> dict:
             "peak_memory_kind": first["peak_memory_kind"], "collectives": first["collectives"],
             "analytic_collectives": first["analytic_collectives"], "losses": first["losses"],
             "val_losses": first["val_losses"], "start_step": first["start_step"], "resumed": first["resumed"],
-            "checkpoints": first["saves"], "replicas": first["replicas"]}
+            "checkpoints": first["saves"], "replicas": first["replicas"],
+            "threads_per_rank": first["threads"], "ranks": len(results), "cores": cores(), "plain": first["plain"]}
 
 
 def render(s: dict) -> str:
@@ -185,7 +188,7 @@ def render(s: dict) -> str:
         f"  validation loss {s['val_loss']:.4f} nats/token (perplexity {s['perplexity']:.2f}); final training "
         f"loss {s['final_loss']:.4f}",
         f"  speed: {s['tokens_per_s']:.0f} tokens/s, {s['step_time_ms']:.1f} ms/step (median), "
-        f"communication {s['comm_share']:.0%} of the step",
+        f"communication {s['comm_share']:.0%} of the step; {_threads(s)}",
         f"  collectives per step: {coll['total']} ({ops}); {agree}",
         f"  parameters per rank: {', '.join(human_bytes(b) for b in s['param_bytes_per_rank'])} "
         f"(placement table: {', '.join(human_bytes(b) for b in s['param_bytes_table'])})",
@@ -193,6 +196,14 @@ def render(s: dict) -> str:
         *replica_checks.line(s["replicas"]),
         *saved_line(s),
     ])
+
+
+def _threads(s: dict) -> str:
+    """'2 ranks × 1 thread (2 cores)', and 'plain PyTorch' for a one-rank model left without DTensor."""
+    ranks, threads = s["ranks"], s["threads_per_rank"]
+    text = (f"{ranks} rank{'s' if ranks > 1 else ''} × {threads} thread{'s' if threads > 1 else ''} "
+            f"({s['cores']} core{'s' if s['cores'] > 1 else ''})")
+    return text + (", plain PyTorch (no DTensor)" if s.get("plain") else "")
 
 
 def train_command(args: argparse.Namespace) -> int:

@@ -171,7 +171,7 @@ def _build(cfg: RunConfig, plan, mesh: DeviceMesh, device: torch.device, dtype: 
     meta = models.build(source, device="meta", dtype=dtype)  # shapes for check, schedule and bytes
     checked = checked_for(plan, meta, cfg.tp)
     applied = build_sharded(checked, source, mesh, seed=cfg.seed, device=device, dp=cfg.dp, dtype=dtype,
-                            full=full, from_rank0=True)
+                            full=full, from_rank0=True, plain=True)  # tp 1 dp 1: plain PyTorch, no DTensor
     del full
     applied.model.train()
     dropout = dropout_sources(applied.model)
@@ -256,7 +256,8 @@ def _analytic(cfg: RunConfig, built: _Built, dtype: torch.dtype) -> dict:
     try:
         steps = schedule(built.applied.checked, cfg.tp, cfg.batch // cfg.dp, cfg.seq, dtype=dtype,
                          lowered=built.applied.compiled.lowered, dp=cfg.dp, model=built.meta)
-        return summarize(steps, cfg.tp, cfg.dp)
+        # A plain model (tp 1 dp 1) issues none; the schedule models DTensor's one-rank loss_parallel.
+        return summarize([] if built.applied.plain else steps, cfg.tp, cfg.dp)
     except NotModeled as err:
         return {"not_modeled": str(err)}
 
@@ -279,7 +280,7 @@ def _run(cfg: RunConfig, trails: list[ModuleTrail], mesh: DeviceMesh,
     opt = MixedSGD(model, cfg.lr)
     parity = ParityCheck(dtype)
     parity.dropout = built.dropout
-    loss_ctx = loss_parallel if built.applied.compiled.loss_parallel else contextlib.nullcontext
+    loss_ctx = loss_parallel if built.applied.loss_parallel else contextlib.nullcontext
     # One counter per phase (the comparisons run in between, uncounted).
     counters = {"forward": CommCounter(), "backward": CommCounter(), "optimizer": CommCounter()}
     step_times: list[float] = []

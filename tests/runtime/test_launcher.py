@@ -14,13 +14,13 @@ from dtp.runtime.launcher import launch_local
 def _flaky_join(marks: Path, fail_times: int):
     real = launcher.init_rank
 
-    def init_rank(rank, world, port, device, timeout):
+    def init_rank(rank, world, port, device, timeout, threads=1):
         if rank == 1:
             tries = len(list(marks.iterdir()))
             (marks / f"try-{tries}").touch()
             if tries < fail_times:
                 raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer")
-        real(rank, world, port, device, timeout)
+        real(rank, world, port, device, timeout, threads)
 
     return init_rank
 
@@ -129,3 +129,22 @@ def test_a_torchrun_rank_leaves_without_finalising_the_interpreter(repo, tmp_pat
                               text=True, timeout=120)
         assert proc.returncode == code, proc.stderr
         assert ("finalised" in proc.stdout) is not torchrun
+
+
+def _threads(rank, world):
+    import os
+
+    import torch
+
+    return torch.get_num_threads(), os.environ["OMP_NUM_THREADS"]
+
+
+def test_ranks_share_out_the_cores_unless_told(monkeypatch):
+    from dtp.runtime.threads import cores, threads_per_rank
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert threads_per_rank(1) == cores() and threads_per_rank(2 * cores()) == 1
+    assert threads_per_rank(1, 3) == 3  # --threads
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the test harness's, or the user's
+    assert threads_per_rank(1) == 1
+    assert launch_local(_threads, 2, timeout=60, threads=2) == [(2, "2"), (2, "2")]

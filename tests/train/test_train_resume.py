@@ -117,3 +117,22 @@ def test_checkpoint_of_another_model_is_refused_before_any_rank(repo, runs, tmp_
                                         "model/transformer.h.2.attn.c_attn.bias, ")
     assert "model/transformer.h.0.attn.c_attn.weight is [192, 64] in the checkpoint, [1536, 512] here" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_plain_tp1_checkpoints_reshard_both_ways(runs):
+    """tp 1 runs as plain PyTorch (no DTensor, no collective); its checkpoint stores the packed c_attn in the
+    tp layout all the same, so it resumes at tp 2, and a tp 2 checkpoint resumes at plain tp 1."""
+    root, _, _ = runs
+    _train("--tp", "1", "--steps", "6", "--out", str(root / "plain-full"))
+    _train("--tp", "1", "--steps", "3", "--save-every", "3", "--checkpoint", str(root / "ck1"),
+           "--out", str(root / "plain-first"))
+    _train("--tp", "2", "--steps", "6", "--resume", str(root / "ck1"), "--out", str(root / "from-tp1"))
+    _train("--tp", "1", "--steps", "6", "--resume", str(root / "ck"), "--out", str(root / "from-tp2"))
+    plain, full = _losses(root / "plain-full"), _losses(root / "full")
+    summary = json.loads((root / "plain-full" / "summary.json").read_text())
+    assert summary["plain"] and summary["collectives"]["total"] == 0
+    assert summary["analytic_collectives"]["total"] == 0
+    for s, loss in _losses(root / "from-tp1").items():
+        assert loss == pytest.approx(plain[s], rel=RTOL), s
+    for s, loss in _losses(root / "from-tp2").items():
+        assert loss == pytest.approx(full[s], rel=RTOL), s

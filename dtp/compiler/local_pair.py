@@ -1,0 +1,156 @@
+"""Megatron's column/row-parallel pair on local tensors: DTensor parameters, no DTensor arithmetic.
+
+Between a colwise and a rowwise layer the layout is known when the plan is compiled: the colwise input is
+replicated, its output is this rank's features, the rowwise layer's product is a partial sum. torch's styles
+still run each Linear as a DTensor op (sharding propagation and wrapping on every call, forward and backward).
+`localize` takes a module that torch's style (ColwiseParallel, RowwiseParallel, dtp's Placed* with packed
+parts) has already sharded — so checkpoints, gradients, clipping and the optimizer see the same DTensors —
+removes that style's input/output hooks and makes the module compute on `to_local()` views, with Megatron's
+conjugate operators as the only communication:
+
+- f (colwise input): identity forward, all-reduce of the input gradient in backward;
+- g (rowwise output): all-reduce forward, identity backward.
+
+The collectives are the functional all-reduces DTensor's own Partial → Replicate redistributions issue, so
+they are the same c10d calls, counts and bytes as torch's styles make (a DTensor input from a shared parent
+keeps DTensor's own path, so q/k/v siblings' gradients are still summed before one all-reduce); over a
+one-rank mesh there are none, as DTensor skips them there. The rowwise bias is added on the first rank only
+(elsewhere it adds zero with the same gradient, so it stays replicated without an all-reduce), as
+dtp.compiler.placed.ExpertsParallel does.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import _api as tensor_api
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from dtp.layout.modules import is_conv1d
+
+
+def _all_reduce(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    out = funcol.all_reduce(t.contiguous(), "sum", (mesh, 0))  # the c10d call DTensor's Partial → Replicate makes
+    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
+class _CopyToRanks(torch.autograd.Function):
+    """f: identity forward; the input gradient all-reduced in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        ctx.mesh = mesh
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce(grad, ctx.mesh), None
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """g: all-reduce forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        return _all_reduce(y, mesh)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def f(x: object, mesh: DeviceMesh) -> object:
+    """Megatron's f: this rank's copy of a replicated input whose gradient is all-reduced in backward."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, DTensor):  # a shared input (q/k/v siblings): their Partial gradients are summed first,
+        if x.placements != (Replicate(),):  # and reduced once where the parent made the DTensor
+            x = x.redistribute(placements=[Replicate()])
+        return x.to_local(grad_placements=[Partial()])
+    if not x.requires_grad:
+        return x
+    return _CopyToRanks.apply(x, mesh)
+
+
+def g(y: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Megatron's g: the sum of every rank's partial output (forward all-reduce; identity backward)."""
+    return _SumOverRanks.apply(y, mesh)
+
+
+def _sharded_last(x: object) -> object:
+    """A rowwise input as this rank's features (a DTensor sharded on the last dim, or already local)."""
+    if not isinstance(x, DTensor):
+        return x
+    if x.placements != (Shard(x.ndim - 1),) and x.placements != (Shard(-1),):
+        x = x.redistribute(placements=[Shard(x.ndim - 1)])
+    return x.to_local()
+
+
+def _local_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    # read on every call: FSDP2 and reduce_grad_on_use swap the parameter objects around a forward
+    return {n: (p.to_local() if isinstance(p, DTensor) else p) for n, p in module._parameters.items() if p is not None}
+
+
+def _run(module: nn.Module, x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    weight, bias = params["weight"], params.get("bias")
+    if type(module) is nn.Linear:
+        return F.linear(x, weight, bias)
+    # transformers' Conv1D: weight (in, out); its forward reads the global width from `nf`, so it is written here
+    y = x.reshape(-1, x.shape[-1]) @ weight
+    y = y if bias is None else y + bias
+    return y.view(*x.shape[:-1], weight.shape[-1])
+
+
+def pair_side(style: ParallelStyle, module: nn.Module) -> str | None:
+    """'colwise' or 'rowwise' when `style` is torch's column- or row-parallel style on a Linear or Conv1D with
+    Megatron's layouts (replicated input → local output features; local input features → replicated local
+    output); else None (sequence parallelism, DTensor outputs, partial outputs keep torch's style)."""
+    if type(module) is not nn.Linear and not is_conv1d(module) or not getattr(style, "use_local_output", False):
+        return None
+    layouts = (tuple(style.input_layouts), tuple(style.output_layouts))
+    last = (Shard(-1),)
+    if isinstance(style, ColwiseParallel) and layouts == ((Replicate(),), last):
+        return "colwise"
+    if isinstance(style, RowwiseParallel) and layouts == (last, (Replicate(),)):
+        return "rowwise"
+    return None
+
+
+def hook_ids(module: nn.Module) -> tuple[set[int], set[int]]:
+    """The module's forward pre-hooks and hooks now (taken before its style is applied)."""
+    return set(module._forward_pre_hooks), set(module._forward_hooks)
+
+
+def _from_distribute_module(hook: object) -> bool:
+    return getattr(hook, "__module__", None) == tensor_api.__name__  # its input/output lambdas
+
+
+def localize(module: nn.Module, side: str, mesh: DeviceMesh, before: tuple[set[int], set[int]]) -> None:
+    """Drop the input/output hooks the style's distribute_module added since `before` (hooks of dtp's own, such
+    as replicated packed rows' gradient reduction, stay) and compute `module` on local tensors (`side`)."""
+    pre, post = before
+    for key in [k for k, h in module._forward_pre_hooks.items() if k not in pre and _from_distribute_module(h)]:
+        del module._forward_pre_hooks[key]
+        module._forward_pre_hooks_with_kwargs.pop(key, None)
+    for key in [k for k, h in module._forward_hooks.items() if k not in post and _from_distribute_module(h)]:
+        del module._forward_hooks[key]
+        module._forward_hooks_with_kwargs.pop(key, None)
+        module._forward_hooks_always_called.pop(key, None)
+    alone = mesh.size() == 1  # tp 1 under FSDP2: nothing to communicate
+    if side == "colwise":
+        def forward(x):
+            x = x.to_local() if alone and isinstance(x, DTensor) else x if alone else f(x, mesh)
+            return _run(module, x, _local_params(module))
+    else:
+        first = mesh.get_local_rank() == 0
+
+        def forward(x):
+            params = _local_params(module)
+            if "bias" in params and not first:
+                params["bias"] = params["bias"] - params["bias"].detach()  # zero here, the same gradient
+            y = _run(module, _sharded_last(x), params)
+            return y if alone else g(y, mesh)  # a new tensor either way: it may be updated in place
+    module.forward = forward

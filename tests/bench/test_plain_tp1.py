@@ -1,0 +1,29 @@
+"""The tp 1 comparison's machinery (python -m dtp.bench.plain_tp1): both arms run and are interleaved; the
+timings mean nothing here."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+def test_arms_interleave_and_record_the_load(repo, tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    from dtp.bench import plain_tp1
+
+    monkeypatch.setattr(plain_tp1, "hf_loop_process", lambda steps, threads: 1.0)
+    monkeypatch.setattr(plain_tp1, "dtp_train", lambda steps, threads, plan, src: 2.0)
+    out = tmp_path / "tp1.json"
+    assert plain_tp1.main(["--repeats", "2", "--steps", "3", "--threads", "1", "--base", str(tmp_path),
+                           "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [s["arm"] for s in result["samples"]] == ["dtp", "hf-loop", "dtp-base", "hf-loop", "dtp-base", "dtp"]
+    assert all(len(s["load_before"].split()) == 3 for s in result["samples"])
+    assert result["median"] == {"dtp": 2.0, "hf-loop": 1.0, "dtp-base": 2.0}
+
+
+def test_the_loop_trains(repo):
+    pytest.importorskip("transformers")
+    from dtp.bench.plain_tp1 import hf_loop
+
+    assert hf_loop(3, 1) > 0
