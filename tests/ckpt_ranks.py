@@ -30,6 +30,9 @@ LLAMA_GQA = LlamaConfig(n_layer=2, n_head=8, n_kv_head=4, n_embd=64, intermediat
 
 
 def _factory(name: str) -> nn.Module:
+    if name == "hfgpt2":  # transformers' GPT-2: Conv1D, c_attn packed along its dim 1, tied head, odd vocabulary
+        from dtp.models import hf
+        return hf.build("gpt2", vocab_size=257)
     if name == "gpt":
         return GPT(GPT_ODD)
     if name == "llama":  # llama-tiny-packed (fused gate/up, packed=2) with GQA that tp 4 divides, uneven vocabulary
@@ -38,7 +41,7 @@ def _factory(name: str) -> nn.Module:
     return tiny_llama()
 
 
-PLANS = {"gpt": "plans/gpt2.tp", "llama": "plans/llama-packed.tp", "hf": "plans/hf-llama.tp"}
+PLANS = {"gpt": "plans/gpt2.tp", "hfgpt2": "plans/hf/gpt2.tp", "llama": "plans/llama-packed.tp", "hf": "plans/hf-llama.tp"}
 
 
 @dataclass

@@ -7,7 +7,8 @@ plain replicated tensors live on every rank. `view` turns each parameter or opti
 a DTensor on the tp mesh holding the model's own element order:
 
 - packed K: rank r's local rows are [part_0 chunk r; …; part_K-1 chunk r], so they are exactly chunk r
-  of the canonical (K, out/K, …) tensor sharded on dim 1 — a view, no copy, no `_StridedShard`;
+  of the canonical (K, out/K, …) tensor sharded on dim 1 — a view, no copy, no `_StridedShard` (a Conv1D
+  weight, (in, out), packs its columns: (in, K, out/K) sharded on dim 2);
 - FSDP2 (a mesh with a dp dimension): the dp shards are gathered into the tp-local tensor first and
   cut back (torch.chunk over dp, as FSDP2 cuts them) after a load;
 - vocabularies that do not divide tp keep torch.chunk's uneven layout, which DCP describes exactly.
@@ -28,6 +29,7 @@ except ImportError:  # pragma: no cover
 
 from dtp.lang.parse import parse
 from dtp.lang.vocabulary import packed
+from dtp.layout.modules import is_conv1d
 from dtp.layout.resolve import resolve
 
 
@@ -43,6 +45,14 @@ def packed_parts(plan_text: str, model: nn.Module) -> dict[str, int]:
     return out
 
 
+def packed_dims(plan_text: str, model: nn.Module) -> dict[str, int]:
+    """Parameter name → the dim its parts are packed along, where that is not 0: a packed Conv1D's weight (in, out)
+    packs its columns, dim 1 (GPT-2's c_attn)."""
+    res = resolve(parse(plan_text), model)
+    return {f"{path}.weight": 1 for path, rule in res.claims.items()
+            if rule.style.name == "colwise" and packed(rule.style) > 1 and is_conv1d(res.modules[path])}
+
+
 def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
     """(offset, length) of chunk `index` of `size` elements cut into `parts` as torch.chunk cuts (DTensor's Shard)."""
     step = -(-size // parts)
@@ -50,9 +60,12 @@ def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
     return start, min(size, start + step) - start
 
 
-def canonical_shape(shape: tuple[int, ...], parts: int) -> tuple[int, ...]:
-    """The stored shape of a tensor of the model's `shape` packed in `parts` parts: (K, out/K, …)."""
-    return (parts, shape[0] // parts, *shape[1:]) if parts > 1 else tuple(shape)
+def canonical_shape(shape: tuple[int, ...], parts: int, dim: int = 0) -> tuple[int, ...]:
+    """The stored shape of a tensor of the model's `shape` packed in `parts` parts along `dim`: (K, out/K, …),
+    or (in, K, out/K) for a Conv1D weight, whose outputs are its dim 1."""
+    if parts <= 1:
+        return tuple(shape)
+    return (*shape[:dim], parts, shape[dim] // parts, *shape[dim + 1:])
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -129,11 +142,12 @@ def view(t: torch.Tensor, parts: int, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh |
         tp_local = t.to_local()
     tp_placement = placements[dims["tp"]] if "tp" in dims else Replicate()
     shape = tuple(t.shape)
-    if parts > 1:
-        if not (isinstance(tp_placement, Shard) and tp_placement.dim == 0):
-            raise ValueError(f"a packed tensor must be sharded on dim 0, found {tp_placement}")
-        local = tp_local.view(parts, tp_local.shape[0] // parts, *tp_local.shape[1:])
-        placement, shape = Shard(1), canonical_shape(shape, parts)
+    if parts > 1:  # the packed dim: 0 for a Linear's rows, 1 for a transposed Conv1D weight (GPT-2's c_attn)
+        if not isinstance(tp_placement, Shard) or isinstance(tp_placement, _StridedShard):
+            raise ValueError(f"a packed tensor must be sharded on its output dim, found {tp_placement}")
+        d = tp_placement.dim
+        local = tp_local.view(canonical_shape(tuple(tp_local.shape), parts, d))
+        placement, shape = Shard(d + 1), canonical_shape(shape, parts, d)
     else:
         local, placement = tp_local, tp_placement
     stored = DTensor.from_local(local, tp_mesh, [placement], run_check=False, shape=torch.Size(shape),

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtp.checkpoint.canonical import View, chunk_range, packed_parts, view
+from dtp.checkpoint.canonical import View, chunk_range, packed_dims, packed_parts, view
 from dtp.checkpoint.files import (
     FORMAT,
     LAYOUT,
@@ -194,6 +194,7 @@ def _write(state: dict[str, Any], views: dict[str, View], tmp: Path, directory: 
         "objects": {**{k: v.numel() for k, v in state.items() if k in objects},
                     **{f"extra/rank{r}": n for r, n in enumerate(sizes)}},
         "packed": packed_parts(plan_text, model),
+        "packed_dims": packed_dims(plan_text, model),  # absent or {}: every packed tensor on dim 0
         "tied": [[f"{path}.{name}".lstrip(".") for path, name in g] for g in tied_groups(model)],
         "model_class": type(model).__name__, "hf_config": _hf_config(model),
         "optimizer": type(optimizer).__name__,
@@ -215,13 +216,17 @@ def check_plan_matches(meta: dict, plan_text: str, directory: Path, convert: boo
                           "to re-cut its tensors for this plan")
 
 
-def model_shape(key: str, shape: tuple[int, ...], parts: dict[str, int]) -> tuple[int, ...]:
-    """The shape in the model of the tensor stored under `key` with `shape`, under packing `parts`."""
+def model_shape(key: str, shape: tuple[int, ...], parts: dict[str, int], dims: dict[str, int]) -> tuple[int, ...]:
+    """The shape in the model of the tensor stored under `key` with `shape`, under packing `parts` along `dims`."""
     name = key.split("/")[1]
-    return (shape[0] * shape[1], *shape[2:]) if parts.get(name, 1) > 1 else shape
+    if parts.get(name, 1) <= 1:
+        return shape
+    d = dims.get(name, 0)
+    return (*shape[:d], shape[d] * shape[d + 1], *shape[d + 2:])
 
 
-def _match(meta: dict, views: dict[str, View], parts: dict[str, int], directory: Path, convert: bool) -> set[str]:
+def _match(meta: dict, views: dict[str, View], parts: dict[str, int], dims: dict[str, int], directory: Path,
+           convert: bool) -> set[str]:
     """Compare the checkpoint's tensors with the model's; the keys whose stored shape differs only by packing
     (re-cut when converting). Anything else that differs is a CheckpointError naming the tensors."""
     saved = meta["tensors"]
@@ -238,7 +243,8 @@ def _match(meta: dict, views: dict[str, View], parts: dict[str, int], directory:
         if saved[key]["dtype"] != dtype:
             problems.append(f"{key} is {saved[key]['dtype']} in the checkpoint, {dtype} here")
         elif s_shape != shape:
-            if convert and model_shape(key, s_shape, meta["packed"]) == model_shape(key, shape, parts):
+            if convert and (model_shape(key, s_shape, meta["packed"], meta.get("packed_dims", {}))
+                            == model_shape(key, shape, parts, dims)):
                 recut.add(key)  # packed differently: same elements in the model's order
             else:
                 problems.append(f"{key} has shape {list(s_shape)} in the checkpoint, {list(shape)} here")
@@ -275,7 +281,7 @@ def load_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimize
                               f"{type(optimizer).__name__}")
     init_state(optimizer, model, meta["tensors"])
     views, objects = _views(model, optimizer, plan_text, mesh)
-    recut = _match(meta, views, packed_parts(plan_text, model), directory, convert)
+    recut = _match(meta, views, packed_parts(plan_text, model), packed_dims(plan_text, model), directory, convert)
     state: dict[str, Any] = {k: v.stored for k, v in views.items() if k not in recut}
     for key in recut:  # read whole on every rank, then cut for this layout
         state[key] = torch.empty(meta["tensors"][key]["shape"], dtype=views[key].stored.dtype)

@@ -54,11 +54,11 @@ def read_model(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     out: dict[str, torch.Tensor] = {}
     for key, t in state.items():
         name = key.removeprefix("model/")
-        packed = meta["packed"].get(name, 1) > 1
-        if packed and (t.dim() < 2 or t.shape[0] != meta["packed"][name]):
+        packed, d = meta["packed"].get(name, 1) > 1, meta.get("packed_dims", {}).get(name, 0)
+        if packed and (t.dim() < d + 2 or t.shape[d] != meta["packed"][name]):
             raise CheckpointError(f"checkpoint {directory}: {name} is recorded as {meta['packed'][name]} packed "
                                   f"parts but has shape {list(t.shape)}")
-        out[name] = t.flatten(0, 1) if packed else t  # (K, out/K, …) → (out, …)
+        out[name] = t.flatten(d, d + 1) if packed else t  # (K, out/K, …) → (out, …); Conv1D (in, K, out/K) → (in, out)
     for first, *others in meta["tied"]:
         for name in others:
             out[name] = out[first]

@@ -172,6 +172,10 @@ def _check_schema(meta: dict, directory: Path, on_disk: int) -> None:
     packed, tied = meta.get("packed"), meta.get("tied")
     if not (isinstance(packed, dict) and all(isinstance(k, str) and _is_int(v, 1) for k, v in packed.items())):
         raise bad("no valid table of packed parts")
+    dims = meta.get("packed_dims", {})
+    if not (isinstance(dims, dict) and all(isinstance(k, str) and k in packed and _is_int(v) and 0 <= v < 8
+                                           for k, v in dims.items())):
+        raise bad("no valid table of packed dims")
     if not (isinstance(tied, list) and all(isinstance(g, list) and g and all(isinstance(n, str) for n in g)
                                            for g in tied)):
         raise bad("no valid list of tied weights")

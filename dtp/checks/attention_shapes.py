@@ -15,6 +15,9 @@ from dtp.layout.resolve import Resolution, generic_path
 
 ALIBI_INPUTS = ("alibi", "position_bias")  # Bloom, Falcon-RW; MPT
 _SIZE_NAMES = ("head_dim", "head_size")  # a head's size does not change when heads are split
+# n_rep, num_key_value_groups: a ratio of head counts, unchanged where tp splits both (equal to a head count
+# only by coincidence, 4 heads over 2 key/value heads); repeat(kv)'s hint rewrites it where it must change
+_RATIO_WORDS = ("group", "rep")
 
 
 def check_attention_shapes(res: Resolution, model: nn.Module, tp: int | None, rep: Reporter) -> None:
@@ -56,6 +59,8 @@ def _head_attributes(res: Resolution, path: str, module: nn.Module, info: Heads,
     for attr in sorted(facts.shape_attrs):
         value = getattr(module, attr, None)
         if attr in _SIZE_NAMES or isinstance(value, bool) or not isinstance(value, int) or value not in counts:
+            continue
+        if any(w in attr.lower() for w in _RATIO_WORDS):  # query heads per key/value head: the same on every rank
             continue
         if (path, attr) in res.sets:
             continue

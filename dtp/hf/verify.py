@@ -18,7 +18,7 @@ from dtp.hf.plan import PLANS
 from dtp.lang.parse import load as load_plan
 from dtp.runtime.comm import CommCounter
 from dtp.verify.parity import ParityCheck
-from dtp.verify.reference import copy_in, full_value
+from dtp.verify.reference import copy_in, forward_as, full_value
 
 
 def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq: int = 8, seed: int = 0,
@@ -60,7 +60,7 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
     ref_logits = reference(inputs).logits
     ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten())
     ref_loss.backward()
-    true_logits = truth(inputs).logits
+    true_logits = forward_as(truth, torch.float64, inputs).logits
     true_loss = F.cross_entropy(true_logits.flatten(0, 1), targets.flatten())
     true_loss.backward()
     parity.compare("logits", "logits", full_value(logits), true_logits, ref_logits)

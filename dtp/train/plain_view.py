@@ -18,10 +18,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dtp.checkpoint.canonical import packed_parts
 from dtp.compiler.compiler import tp_mesh
+from dtp.layout.modules import is_conv1d
 
 
-def _wrap(t: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-    return DTensor.from_local(t, mesh, [Shard(0)], run_check=False)  # a view: same storage, no copy
+def _wrap(t: torch.Tensor, mesh: DeviceMesh, dim: int = 0) -> DTensor:
+    return DTensor.from_local(t, mesh, [Shard(dim)], run_check=False)  # a view: same storage, no copy
 
 
 @contextlib.contextmanager
@@ -34,8 +35,10 @@ def as_dtensors(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Device
         yield
         return
     mesh = tp_mesh(mesh)
-    news = {i: nn.Parameter(_wrap(p.detach(), mesh), requires_grad=p.requires_grad) for i, p in olds.items()}
     owners = [(m, k, id(p)) for m in model.modules() for k, p in m._parameters.items() if p is not None and id(p) in olds]
+    # the packed dim, as colwise shards it: a Conv1D weight (in, out) packs its columns
+    dims = {i: 1 if is_conv1d(m) and k == "weight" else 0 for m, k, i in owners}
+    news = {i: nn.Parameter(_wrap(p.detach(), mesh, dims[i]), requires_grad=p.requires_grad) for i, p in olds.items()}
     for module, key, i in owners:  # every owner: a tied packed weight stays one parameter
         module._parameters[key] = news[i]
     for group in optimizer.param_groups:
@@ -43,7 +46,7 @@ def as_dtensors(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Device
     for i, p in olds.items():
         if p in optimizer.state:
             state = optimizer.state.pop(p)
-            optimizer.state[news[i]] = {k: _wrap(v, mesh) if isinstance(v, torch.Tensor) and v.shape == p.shape
+            optimizer.state[news[i]] = {k: _wrap(v, mesh, dims[i]) if isinstance(v, torch.Tensor) and v.shape == p.shape
                                         and v.dim() else v for k, v in state.items()}
     try:
         yield

@@ -72,7 +72,7 @@ def _check_model(meta: dict, spec: str, directory: Path) -> None:
     persistent = model.state_dict(keep_vars=True).keys()
     here = {f"model/{n}": tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]
             if n in persistent}
-    saved = {k: model_shape(k, tuple(v["shape"]), meta.get("packed", {}))
+    saved = {k: model_shape(k, tuple(v["shape"]), meta.get("packed", {}), meta.get("packed_dims", {}))
              for k, v in meta["tensors"].items() if k.startswith("model/")}
     problems = [f"it has no {some(sorted(set(here) - set(saved)))}"] if set(here) - set(saved) else []
     if set(saved) - set(here):

@@ -20,7 +20,7 @@ from dtp.checks.checker import check, sequence_shape_problem
 from dtp.cost.explain import human_bytes
 from dtp.cost.param_bytes import param_bytes_per_rank
 from dtp.errors import RunError, Terminated, UsageError
-from dtp.lang.parse import load
+from dtp.lang.parse import load, resolve_plan
 from dtp.runtime import preflight
 from dtp.runtime.keyed_init import init_rule
 from dtp.runtime.launcher import launch_local, pick_device
@@ -108,8 +108,8 @@ def _preflight(args, tps: list[int], device: str, local: bool):
 
 
 def _config(args, tp: int, out: Path, device: str):
-
-    return TrainConfig(plan=args.plan, model=args.model, tp=tp, dp=args.dp, batch=args.batch, seq=args.seq,
+    # ranks read the plan themselves: a shipped plan's name (`hf/gpt2`) becomes its file's absolute path
+    return TrainConfig(plan=str(resolve_plan(args.plan).absolute()), model=args.model, tp=tp, dp=args.dp, batch=args.batch, seq=args.seq,
                        steps=args.steps, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup,
                        weight_decay=args.weight_decay, clip=args.clip, dtype=args.dtype, eval_every=args.eval_every,
                        checkpoint_activations=args.checkpoint_activations, seed=args.seed, device=device,

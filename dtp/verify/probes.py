@@ -95,7 +95,7 @@ def run_probes(parity: ParityCheck, *, sharded: nn.Module, refs: list[Reference]
             outs = []
             for ref in refs:  # the generator state as the sharded forward left it: a shared dropout stream
                 with own_rng(device):
-                    outs.append(logits_of(ref.model(ids)))
+                    outs.append(logits_of(ref.run(ids)))
             parity.compare("probes", f"logits ({probe.label})", got, outs[0], outs[1] if len(outs) > 1 else None)
     for m in [sharded] + [r.model for r in refs]:
         m.train()

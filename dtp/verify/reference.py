@@ -73,6 +73,11 @@ class Reference:
     def __init__(self, model: nn.Module, lr: float, dtype: torch.dtype | None = None):
         self.model = copy_in(model, dtype) if dtype is not None else copy.deepcopy(model)
         self.opt = MixedSGD(self.model, lr)
+        self.dtype = dtype
+
+    def run(self, inputs: torch.Tensor) -> object:
+        """The model's forward (the float64 truth's in float64 by default: `forward_as`)."""
+        return forward_as(self.model, self.dtype, inputs)
 
     def param(self, name: str) -> torch.Tensor | None:
         """A parameter as trained (its master copy)."""
@@ -82,6 +87,19 @@ class Reference:
         """A parameter's gradient."""
         p = self.opt.params.get(name)
         return p.grad if p is not None else None
+
+
+def forward_as(model: nn.Module, dtype: torch.dtype | None, inputs: torch.Tensor) -> object:
+    """`model(inputs)`; for the float64 truth with float64 as torch's default dtype, so that a tensor the model
+    makes without a dtype (XGLM's `torch.full((), finfo(weights.dtype).min)`) is float64 too, not an overflow."""
+    if dtype != torch.float64:
+        return model(inputs)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        return model(inputs)
+    finally:
+        torch.set_default_dtype(before)
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:
@@ -116,11 +134,11 @@ def reference_step(ref: Reference, inputs: torch.Tensor, targets: torch.Tensor, 
 
     On its own copy of the generator state: the shared dropout stream stays in step with the other ranks."""
     with own_rng(device):
-        logits = logits_of(ref.model(inputs))
+        logits = logits_of(ref.run(inputs))
         loss = cross_entropy(logits, targets)
         loss.backward()
         if split:
             with torch.no_grad():
-                logits = logits_of(ref.model(inputs[mine]))
+                logits = logits_of(ref.run(inputs[mine]))
                 loss = cross_entropy(logits, targets[mine])
     return logits, loss

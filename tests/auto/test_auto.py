@@ -69,7 +69,8 @@ def test_auto_plans_cost_what_every_shipped_plan_costs():
 
 # Families transformers defines that dtp ships no plan for (tiny configs: 4 heads, 2 key/value heads)
 UNSHIPPED = ["mpt", "codegen", "cohere", "gemma3_text", "persimmon", "starcoder2", "granite", "olmo", "biogpt",
-             "smollm3", "arcee", "glm4", "granitemoe", "olmoe", "ernie4_5", "cohere2", "helium", "seed_oss", "phimoe"]
+             "smollm3", "arcee", "glm4", "granitemoe", "olmoe", "ernie4_5", "cohere2", "helium", "seed_oss", "phimoe",
+             "xglm"]  # XGLM makes a float32 constant from the float64 truth's finfo: run under float64 default
 # Where the checker refuses what auto wrote, the part stays replicated, with its reason in the plan
 REFUSED = {"codegen": "mp_num"}  # the tiny config's mp_num 4 equals its head count: check asks for a set
 
@@ -178,3 +179,15 @@ def test_cli_writes_checks_and_verifies(tmp_path):
     assert r.returncode == 2 and "go with --auto MODEL" in r.stderr
     r = dtp_cli("plan", "--auto", "no-such-model")
     assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_a_ratio_of_head_counts_is_never_asked_to_be_set():
+    """4 query heads over 2 key/value heads: n_rep (2) equals the key/value head count by coincidence; split
+    over tp 2 it stays 2, so neither auto nor check may divide it (before, check refused the attention)."""
+    from fixtures.auto_models import Structure, build
+
+    for qkv in ("packed", "interleaved", "separate"):
+        model = build(Structure(qkv=qkv, n_head=4, n_kv_head=2, heads_from="attribute"))
+        found = auto_plan(model, f"auto_models:{qkv}", 2)
+        assert not found.refused, (qkv, found.refused)
+        assert "set attn.n_rep" not in found.text and "attn.o_proj: rowwise" in found.text, found.text

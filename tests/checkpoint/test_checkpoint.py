@@ -23,7 +23,7 @@ from dtp.layout.parts import equal_parts
 from dtp.runtime.ranks import on_ranks
 
 RTOL = 1e-4  # float32 parity tolerance (README): resuming at another tp reorders sums
-NAMES = ("gpt", "llama")
+NAMES = ("gpt", "llama", "hfgpt2")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -49,12 +49,12 @@ def test_check_and_apply_read_a_pretrained_directory(repo, tmp_path):
     assert main(["apply", "plans/hf/llama.tp", model, "--tp", "2", "--steps", "1"]) == 0  # parity OK
 
 
-# gpt2 trains but is not checkpointed: dtp's checkpoints do not yet take a packed tensor sharded on dim 1 (Conv1D)
-@pytest.mark.parametrize("family,export", [("llama", True), ("llama_tied", True), ("gpt2", False)])
+# gpt2: a packed Conv1D c_attn, sharded on its dim 1, stored as (in, 3, out/3)
+@pytest.mark.parametrize("family,export", [("llama", True), ("llama_tied", True), ("gpt2", True)])
 def test_train_at_tp_2_starts_from_the_files_and_exports_back_bit_exact(repo, tmp_path, tokens, family, export):
     model = _save(tmp_path, family)
     out, ckpt, back = tmp_path / "out", tmp_path / "ckpt", tmp_path / "back"
-    plan = f"plans/hf/{family.removesuffix('_tied')}.tp"
+    plan = f"hf/{family.removesuffix('_tied')}"  # a shipped plan's name: the ranks must find its file too
     # lr 1e-30 moves no float32 weight (far below half an ulp): the checkpoint holds the initial weights
     assert main(["train", plan, str(model), "--tp", "2", "--steps", "1", "--batch", "2", "--seq", "16",
                  "--warmup", "0", "--lr", "1e-30", "--min-lr", "0", "--data", str(tokens), "--out", str(out),
@@ -72,8 +72,9 @@ def test_train_at_tp_2_starts_from_the_files_and_exports_back_bit_exact(repo, tm
     assert main(["export", str(ckpt), "--hf-dir", str(back)]) == 0
     original, exported = load_file(model / "model.safetensors"), load_file(back / "model.safetensors")
     assert original.keys() <= exported.keys()  # a tied head is written under both names
-    for name, value in original.items():
-        assert torch.equal(exported[name], value), name
+    for name, value in original.items():  # a weight of 0 (GPT-2's biases) moves by lr itself: 1e-30, no more
+        got, zero = exported[name], value == 0
+        assert torch.equal(got[~zero], value[~zero]) and bool((got[zero].abs() <= 1e-29).all()), name
     assert type(transformers.AutoModelForCausalLM.from_pretrained(back)).__name__ == type(reference).__name__
 
 
