@@ -156,6 +156,8 @@ def render(ex: Explanation) -> str:
     if ex.schedule is None:
         lines.append(f"  not modeled: {ex.not_modeled}")
         return "\n".join(lines)
+    if not ex.schedule and ex.tp == 1:
+        lines.append("  tp 1: apply and train run the model as plain PyTorch (no DTensor), so nothing is communicated")
     groups: dict[tuple, list[Collective]] = {}
     for c in ex.schedule:  # one line per kind of collective, layers folded together
         key = (c.phase, c.op, generic_path(c.module), c.reason, c.buffer_bytes)

@@ -62,10 +62,14 @@ class NotModeled(Exception):
 
 def schedule(checked: Checked, tp: int, batch: int, seq: int, *, dtype: torch.dtype = torch.float32,
              lowered: Lowered | None = None, dp: int = 1, model: nn.Module | None = None,
-             checkpoint_activations: bool = False) -> list[Collective]:
+             checkpoint_activations: bool = False, plain: bool | None = None) -> list[Collective]:
     """Every collective of one forward + backward pass of the plan at `tp` on `batch` × `seq` tokens per
     data-parallel rank; with dp > 1 (give `model`) also FSDP2's parameter all-gathers and gradient
-    reduce-scatters; with `checkpoint_activations`, each block's forward collectives again in backward."""
+    reduce-scatters; with `checkpoint_activations`, each block's forward collectives again in backward.
+    `plain` (default: tp 1 and dp 1, as `apply` and `train` run it): the model is plain PyTorch, no collective;
+    False: a one-rank DTensor model, whose vocabulary-parallel loss still issues its collectives."""
+    if tp == 1 and dp == 1 if plain is None else plain:
+        return []
     out = _tensor_parallel(checked, tp, batch, seq, dtype, lowered)
     if checkpoint_activations:
         out += recomputed(out, units(checked.resolution.modules[""]))

@@ -70,7 +70,8 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
         got = applied.full(name, p.grad) if p.grad is not None else None
         parity.compare("grads", f"{name}.grad", got, true_params[name].grad, ref_params[name].grad)
     tp = mesh.size()
-    analytic = summarize(schedule(applied.checked, tp, batch, seq, dtype=dtype, lowered=applied.compiled.lowered), tp)
+    analytic = summarize(schedule(applied.checked, tp, batch, seq, dtype=dtype, lowered=applied.compiled.lowered,
+                                  plain=applied.plain), tp)
     measured = {"forward": fwd.get_comm_counts(), "backward": bwd.get_comm_counts(),
                 "bytes": dict(Counter(fwd.comm_bytes) + Counter(bwd.comm_bytes))}
     report = parity.to_json()

@@ -226,7 +226,7 @@ def workload(checked, model, tp: int, *, seq: int, micro_batch: int, precision: 
     from dtp.cost.fsdp import unit_bytes
 
     low = lower(checked.resolution, tp)
-    colls = schedule(checked, tp, micro_batch, seq, dtype=DTYPE[precision], lowered=low)
+    colls = schedule(checked, tp, micro_batch, seq, dtype=DTYPE[precision], lowered=low, plain=False)
     total = float(sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()))
     units = tuple(float(n) for _, n in unit_bytes(checked, model, tp, 1, 1))
     return Workload(flops, params_per_rank, total, shape, low.sequence_parallel, tuple(colls),

@@ -192,9 +192,9 @@ class Trainer:
             dtype = torch.bfloat16 if self.cfg.dtype == "bfloat16" else torch.float32
             steps = schedule(self.checked, self.cfg.tp, self.cfg.batch // self.cfg.dp, self.cfg.seq, dtype=dtype,
                              lowered=self.applied.compiled.lowered, dp=self.cfg.dp,
-                             model=models.build(self.source, device="meta"), checkpoint_activations=self.cfg.checkpoint_activations)
-            # A plain model (tp 1 dp 1) issues none; the schedule models DTensor's one-rank loss_parallel.
-            return summarize([] if self.applied.plain else steps, self.cfg.tp, self.cfg.dp)
+                             model=models.build(self.source, device="meta"),
+                             checkpoint_activations=self.cfg.checkpoint_activations, plain=self.applied.plain)
+            return summarize(steps, self.cfg.tp, self.cfg.dp)
         except NotModeled as err:
             return {"not_modeled": str(err)}
 

@@ -255,9 +255,9 @@ def _analytic(cfg: RunConfig, built: _Built, dtype: torch.dtype) -> dict:
     """dtp.cost.schedule's prediction of one step's collectives, to set beside the measurement."""
     try:
         steps = schedule(built.applied.checked, cfg.tp, cfg.batch // cfg.dp, cfg.seq, dtype=dtype,
-                         lowered=built.applied.compiled.lowered, dp=cfg.dp, model=built.meta)
-        # A plain model (tp 1 dp 1) issues none; the schedule models DTensor's one-rank loss_parallel.
-        return summarize([] if built.applied.plain else steps, cfg.tp, cfg.dp)
+                         lowered=built.applied.compiled.lowered, dp=cfg.dp, model=built.meta,
+                         plain=built.applied.plain)
+        return summarize(steps, cfg.tp, cfg.dp)
     except NotModeled as err:
         return {"not_modeled": str(err)}
 

@@ -112,3 +112,11 @@ def test_bfloat16_run_matches_its_schedule(repo):
     activation = 2 * 8 * 64 * 2
     assert report.collectives["bytes"] == {"all_reduce": 10 * activation + 2 * (16 * 4) + 16 * 2}
     assert report.collectives["bytes"] == report.analytic_collectives["bytes"]
+
+
+def test_tp_1_is_plain_pytorch_unless_a_one_rank_dtensor_model_is_asked_for():
+    model = models.build(models.resolve("gpt2-tiny"), device="meta")
+    checked = check(load(str(REPO / "plans/gpt2.tp")), model, 1)
+    assert schedule(checked, 1, 2, 16) == []  # apply and train at tp 1, dp 1: no DTensor, no collective
+    one_rank = summarize(schedule(checked, 1, 2, 16, plain=False), 1)
+    assert (one_rank["forward"], one_rank["backward"]) == ({"all_reduce": 3}, {})  # loss_parallel on one rank
