@@ -31,7 +31,7 @@ _WORDS = ("head", "kv", "key_value", "group", "rep", "embed_dim", "split_size") 
 def attention_unit(model: nn.Module, owner_path: str, module: nn.Module, pair: Pair, tp: int) -> Unit:
     """The rules for attention `module` (at `owner_path` in the model) at `tp`, or why it stays whole."""
     unit = Unit(pair.owner, "attention")
-    info = heads(model, owner_path, module)
+    info = _own_heads(module, pair, heads(model, owner_path, module))
     if info is None:
         return unit.refuse("neither the config nor the module states its head count")
     if info.n_head % tp:
@@ -72,6 +72,22 @@ def attention_unit(model: nn.Module, owner_path: str, module: nn.Module, pair: P
     if isinstance(sets, str):
         return unit.refuse(sets)
     return Unit(pair.owner, "attention", tuple(lines + sets))
+
+
+def _own_heads(module: nn.Module, pair: Pair, info: Heads | None) -> Heads | None:
+    """The config's head counts, unless they do not make the output projection's width and the module's own
+    attributes do (BART's decoder: `config.num_attention_heads` is the encoder's count)."""
+    width = features(module.get_submodule(pair.second))[0]
+    if info is not None and info.n_head * info.head_dim == width:
+        return info
+    count = next(((n, getattr(module, n)) for n in ("num_heads", "n_heads", "n_head", "num_attention_heads")
+                  if isinstance(getattr(module, n, None), int)), None)
+    size = getattr(module, "head_dim", None)
+    if count is None or not isinstance(size, int) or count[1] * size != width:
+        return info
+    kv = next((getattr(module, n) for n in ("num_key_value_heads", "num_kv_heads", "n_kv_head")
+               if isinstance(getattr(module, n, None), int)), count[1])
+    return Heads(count[1], kv, size, f"{pair.owner or 'attention'}.{count[0]}")
 
 
 def _kv_mode(info: Heads, tp: int) -> str | None:

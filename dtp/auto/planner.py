@@ -18,7 +18,7 @@ from dtp.auto.rules import Line, Unit
 from dtp.auto.structure import Ends, blocks, ends, experts, pairs
 from dtp.checks.checker import check
 from dtp.checks.messages import MAX_TP_SHOWN
-from dtp.errors import PlanError
+from dtp.errors import PlanError, UsageError
 from dtp.lang.parse import parse
 from dtp.layout.attention import attention_like
 from dtp.layout.modules import is_linear
@@ -106,6 +106,8 @@ def _top(model: nn.Module, e: Ends, sp: bool) -> list[Line]:
         else:
             lines.append(Line(e.embedding, "vocab_parallel", f"input embedding of {e.vocab} rows{tied}: rows split, "
                               "output all-reduced"))
+    lines += [Line(path, "vocab_parallel", f"holds {e.embedding}'s weight: the same rows split")
+              for path in e.also if not sp]
     if e.head:
         lines.append(Line(e.head, "vocab_parallel", f"{e.vocab} logits: they stay sharded, the cross-entropy is "
                           "vocabulary-parallel"))
@@ -211,8 +213,8 @@ def _replicate(err: PlanError, where: dict[int, tuple], top: list[Line], groups:
     for d in err.diagnostics:
         key = where.get(d.pos.line)
         reason = _first_sentence(d.message)
-        if key is None:
-            raise RuntimeError(f"dtp plan --auto wrote a plan the checker refuses outside any rule: {d.message}")
+        if key is None:  # not a rule auto wrote: the model itself (a problem no plan avoids) — say so, exit 2
+            raise UsageError(f"dtp plan --auto: dtp check refuses every plan for this model: {d.message}")
         if key[0] == "top":
             hit_top.setdefault(key[1], reason)
         else:

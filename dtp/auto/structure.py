@@ -38,6 +38,7 @@ class Ends:
     embedding: str | None
     head: str | None
     tied: bool
+    also: tuple[str, ...] = ()  # other embeddings holding the same weight (ProphetNet's decoder): vocab_parallel too
 
 
 def ends(model: nn.Module) -> Ends:
@@ -58,7 +59,10 @@ def ends(model: nn.Module) -> Ends:
     heads = [n for n, m in model.named_modules() if is_linear(m) and features(m)[1] == vocab]
     head = heads[-1] if heads else None
     tied = bool(embedding and head) and model.get_submodule(embedding).weight is model.get_submodule(head).weight
-    return Ends(vocab, embedding, head, tied)
+    weight = model.get_submodule(embedding).weight if embedding else None
+    also = tuple(n for n, m in model.named_modules() if n not in (embedding, head) and weight is not None
+                 and isinstance(m, nn.Embedding) and m.weight is weight)
+    return Ends(vocab, embedding, head, tied, also)
 
 
 def blocks(model: nn.Module) -> list[str]:

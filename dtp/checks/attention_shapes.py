@@ -18,6 +18,7 @@ _SIZE_NAMES = ("head_dim", "head_size")  # a head's size does not change when he
 # n_rep, num_key_value_groups: a ratio of head counts, unchanged where tp splits both (equal to a head count
 # only by coincidence, 4 heads over 2 key/value heads); repeat(kv)'s hint rewrites it where it must change
 _RATIO_WORDS = ("group", "rep")
+_INDEX_WORDS = ("layer", "idx", "index")  # a layer's index (BART's layer_idx 4 in a 4-head model) is no size
 
 
 def check_attention_shapes(res: Resolution, model: nn.Module, tp: int | None, rep: Reporter) -> None:
@@ -60,7 +61,7 @@ def _head_attributes(res: Resolution, path: str, module: nn.Module, info: Heads,
         value = getattr(module, attr, None)
         if attr in _SIZE_NAMES or isinstance(value, bool) or not isinstance(value, int) or value not in counts:
             continue
-        if any(w in attr.lower() for w in _RATIO_WORDS):  # query heads per key/value head: the same on every rank
+        if any(w in attr.lower() for w in _RATIO_WORDS + _INDEX_WORDS):  # the same on every rank
             continue
         if (path, attr) in res.sets:
             continue

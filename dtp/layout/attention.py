@@ -94,19 +94,28 @@ def fused_parts(attention: nn.Module, linear: nn.Linear, info: Heads) -> tuple[i
     return None
 
 
+def _read(config: object, key: str) -> object:
+    """`config.key`, or None: a config may refuse a global read of a per-layer value (transformers'
+    heterogeneous configs raise their own error, not AttributeError)."""
+    try:
+        return getattr(config, key, None)
+    except Exception:  # noqa: BLE001 - whatever a config raises, it does not state this value
+        return None
+
+
 def config_heads(model: nn.Module) -> Heads | None:
     """Head counts from the model's config object (`config`, `model_args` or `args`), if it has one."""
     for attr in CONFIG_ATTRS:  # the first config that gives a head count (a model may hold several objects)
         config = getattr(model, attr, None)
         if config is None:
             continue
-        n_head = next(((k, getattr(config, k)) for k in _CONFIG_HEAD_KEYS if isinstance(getattr(config, k, None), int)), None)
+        n_head = next(((k, _read(config, k)) for k in _CONFIG_HEAD_KEYS if isinstance(_read(config, k), int)), None)
         if n_head is None:
             continue
-        kv = next(((k, getattr(config, k)) for k in _KV_ATTRS if isinstance(getattr(config, k, None), int)), None)
-        head_dim = getattr(config, "head_dim", None)
+        kv = next(((k, _read(config, k)) for k in _KV_ATTRS if isinstance(_read(config, k), int)), None)
+        head_dim = _read(config, "head_dim")
         if not isinstance(head_dim, int):
-            hidden = next((getattr(config, k) for k in _HIDDEN_KEYS if isinstance(getattr(config, k, None), int)), None)
+            hidden = next((_read(config, k) for k in _HIDDEN_KEYS if isinstance(_read(config, k), int)), None)
             if hidden is None:
                 continue
             head_dim = hidden // n_head[1]
