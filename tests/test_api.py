@@ -4,12 +4,13 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 import dtp
 from dtp.compiler.placed import (
     PlacedColwise,
     PlacedRowwise,  # RowwiseParallel whose local output may be updated in place
+    VocabParallelEmbedding,  # RowwiseParallel on an embedding, the same
 )
 from dtp.compiler.styles import SharedInput
 from dtp.models.gpt import GPT, GPTConfig
@@ -35,7 +36,7 @@ def test_compile_uses_torch_styles_and_apply_shards_in_place(repo):
     r0, r1 = on_ranks(_compile_and_apply, 2)
     assert r0 == r1
     assert r0["styles"] == {
-        "transformer.wte": RowwiseParallel.__name__, "transformer.h.0.attn.c_attn": PlacedColwise.__name__,
+        "transformer.wte": VocabParallelEmbedding.__name__, "transformer.h.0.attn.c_attn": PlacedColwise.__name__,
         "transformer.h.0.attn.c_proj": PlacedRowwise.__name__, "transformer.h.0.mlp.c_fc": ColwiseParallel.__name__,
         "transformer.h.0.mlp.c_proj": PlacedRowwise.__name__, "lm_head": ColwiseParallel.__name__}
     assert SharedInput.__name__ not in r0["styles"].values()  # c_attn is alone under attn: nothing to share

@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch.nn as nn
 
 from dtp.auto.rules import Line, Unit
-from dtp.auto.sizes import fused_view, size_reads
+from dtp.auto.sizes import fused_view, input_width_sizes, size_reads
 from dtp.auto.structure import Pair
 from dtp.checks.attention_shapes import ALIBI_INPUTS
 from dtp.layout.attention import Heads, fused_parts, heads
@@ -42,6 +42,10 @@ def attention_unit(model: nn.Module, owner_path: str, module: nn.Module, pair: P
     if any(isinstance(c, nn.ModuleList) and len(c) in (info.n_head, info.n_kv_head) and len(c) > 1
            for c in module.modules()):
         return unit.refuse("it keeps one module per head in a list, which split heads would pair with other heads")
+    width = input_width_sizes(module)
+    if width:
+        return unit.refuse(f"its forward sizes the heads' output with `{width}`, its input's whole width, read from "
+                           "the tensor: no `set` can make that this rank's")
     kv = _kv_mode(info, tp)
     rel = (lambda c: f"{pair.owner}.{c}" if pair.owner else c)
     lines: list[Line] = []

@@ -216,3 +216,29 @@ def _walk_flagged(body: list[ast.stmt], flags: dict) -> list[ast.stmt]:
         else:
             out.append(stmt)
     return out
+
+
+def input_width_sizes(module: nn.Module) -> str | None:
+    """The name the forward gives its input's feature width and then sizes a tensor with (TrOCR's `bsz, tgt_len,
+    embed_dim = hidden_states.size()` … `reshape(bsz, tgt_len, embed_dim)`): split heads would be reshaped to the
+    whole width, which no `set` can fix. None when it does no such thing or has no source."""
+    fn = _method(type(module), "forward")
+    if fn is None or len(fn.args.args) < 2:
+        return None
+    first = fn.args.args[1].arg
+    width = None
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Tuple):
+            value, last = node.value, node.targets[0].elts[-1]
+            if isinstance(value, ast.Call):
+                value = value.func
+            if (isinstance(value, ast.Attribute) and value.attr in ("size", "shape") and isinstance(value.value, ast.Name)
+                    and value.value.id == first and isinstance(last, ast.Name)):
+                width = last.id
+    if width is None:
+        return None
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in SHAPE_METHODS:
+            if any(isinstance(n, ast.Name) and n.id == width for a in node.args for n in ast.walk(a)):
+                return width
+    return None

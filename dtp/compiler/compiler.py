@@ -26,11 +26,17 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from dtp.checks.checker import Checked, checked_for
 from dtp.compiler.head_slices import SliceHeadsInput, SliceHeadsParams
-from dtp.compiler.placed import ExpertsParallel, PlacedColwise, PlacedRowwise, ReplicateReduceGrad
+from dtp.compiler.placed import (
+    ExpertsParallel,
+    PlacedColwise,
+    PlacedRowwise,
+    ReplicateReduceGrad,
+    VocabParallelEmbedding,
+)
 from dtp.compiler.sharded_norm import ShardedNorm
 from dtp.compiler.styles import (
     Chained,
@@ -83,7 +89,7 @@ def _style(m: ModuleLayout) -> ParallelStyle:
     if m.style == "sharded_norm":
         return ShardedNorm(dict(m.placements)["weight"])
     if m.style == "vocab_parallel" and m.embedding:
-        return RowwiseParallel(input_layouts=m.input, output_layouts=m.output, use_local_output=m.local)
+        return VocabParallelEmbedding(input_layouts=m.input, output_layouts=m.output, use_local_output=m.local)
     if m.style == "vocab_parallel":
         return ColwiseParallel(input_layouts=m.input, output_layouts=m.output, use_local_output=False)
     return SequenceParallelFromReplicated()
