@@ -17,7 +17,7 @@ from dtp.auto.rules import Line, Unit
 from dtp.auto.sizes import fused_view, input_width_sizes, size_reads
 from dtp.auto.structure import Pair
 from dtp.checks.attention_shapes import ALIBI_INPUTS
-from dtp.layout.attention import Heads, fused_parts, heads
+from dtp.layout.attention import Heads, fused_parts, heads, module_heads
 from dtp.layout.forward_source import forward_facts
 from dtp.layout.modules import features, forward_inputs
 from dtp.layout.norms import is_norm, norm_width
@@ -31,7 +31,7 @@ _WORDS = ("head", "kv", "key_value", "group", "rep", "embed_dim", "split_size") 
 def attention_unit(model: nn.Module, owner_path: str, module: nn.Module, pair: Pair, tp: int) -> Unit:
     """The rules for attention `module` (at `owner_path` in the model) at `tp`, or why it stays whole."""
     unit = Unit(pair.owner, "attention")
-    info = _own_heads(module, pair, heads(model, owner_path, module))
+    info = _own_heads(module, owner_path, pair, heads(model, owner_path, module))
     if info is None:
         return unit.refuse("neither the config nor the module states its head count")
     if info.n_head % tp:
@@ -78,20 +78,14 @@ def attention_unit(model: nn.Module, owner_path: str, module: nn.Module, pair: P
     return Unit(pair.owner, "attention", tuple(lines + sets))
 
 
-def _own_heads(module: nn.Module, pair: Pair, info: Heads | None) -> Heads | None:
+def _own_heads(module: nn.Module, path: str, pair: Pair, info: Heads | None) -> Heads | None:
     """The config's head counts, unless they do not make the output projection's width and the module's own
     attributes do (BART's decoder: `config.num_attention_heads` is the encoder's count)."""
     width = features(module.get_submodule(pair.second))[0]
     if info is not None and info.n_head * info.head_dim == width:
         return info
-    count = next(((n, getattr(module, n)) for n in ("num_heads", "n_heads", "n_head", "num_attention_heads")
-                  if isinstance(getattr(module, n, None), int)), None)
-    size = getattr(module, "head_dim", None)
-    if count is None or not isinstance(size, int) or count[1] * size != width:
-        return info
-    kv = next((getattr(module, n) for n in ("num_key_value_heads", "num_kv_heads", "n_kv_head")
-               if isinstance(getattr(module, n, None), int)), count[1])
-    return Heads(count[1], kv, size, f"{pair.owner or 'attention'}.{count[0]}")
+    own = module_heads(path, module)
+    return own if own is not None and own.n_head * own.head_dim == width else info
 
 
 def _kv_mode(info: Heads, tp: int) -> str | None:

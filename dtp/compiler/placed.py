@@ -180,9 +180,10 @@ class PlacedColwise(ColwiseParallel):
         return f"PlacedColwise({ {k: str(v) for k, v in self.placements.items()} })"
 
 
-class VocabParallelEmbedding(RowwiseParallel):
-    """torch's RowwiseParallel on an nn.Embedding (rows split by vocabulary, output all-reduced), whose local
-    output may be updated in place (CTRL's `inputs_embeds *= sqrt(d_model)`): as PlacedRowwise, a copy."""
+class CopiedOutputRowwise(RowwiseParallel):
+    """torch's RowwiseParallel whose local output may be updated in place (Falcon's `mlp_output +=
+    attention_output`, CTRL's `inputs_embeds *= sqrt(d_model)`): torch's `to_local()` hands out a view that
+    autograd forbids modifying, so the output is a copy."""
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
@@ -190,15 +191,13 @@ class VocabParallelEmbedding(RowwiseParallel):
         return out.clone() if use_local_output and not isinstance(out, DTensor) else out
 
 
-class PlacedRowwise(RowwiseParallel):
-    """RowwiseParallel that also takes transformers' Conv1D (weight (in, out) sharded on dim 0, bias
-    replicated), and whose local output may be updated in place (Falcon's `mlp_output += attention_output`):
-    torch's `to_local()` hands out a view that autograd forbids modifying, so the output is a copy."""
+class VocabParallelEmbedding(CopiedOutputRowwise):
+    """An nn.Embedding's rows split by vocabulary, its output all-reduced (and copied when local)."""
 
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
-        return out.clone() if use_local_output and not isinstance(out, DTensor) else out
+
+class PlacedRowwise(CopiedOutputRowwise):
+    """A rowwise layer that also takes transformers' Conv1D (weight (in, out) sharded on dim 0, bias
+    replicated), its local output copied."""
 
     def _partition(self, name, module, mesh):
         distribute_param(module, "weight", ParamPlacement(0), mesh)

@@ -56,7 +56,6 @@ class Heads:
 def heads(model: nn.Module, path: str, module: nn.Module) -> Heads | None:
     """The heads of attention module `path`: the model's config first, the module's own attributes second."""
     cfg = config_heads(model)
-    name = path.rsplit(".", 1)[-1] or "attention"
     size = _int_attr(module, _SIZE_ATTRS)
     if cfg is not None:
         n_kv, kv_source = cfg.n_kv_head, cfg.kv_source
@@ -64,6 +63,14 @@ def heads(model: nn.Module, path: str, module: nn.Module) -> Heads | None:
         if kv_source == cfg.source and getattr(config, "multi_query", False) is True:
             n_kv, kv_source = 1, f"{cfg.source.split('.')[0]}.multi_query"
         return Heads(cfg.n_head, n_kv, size[1] if size else cfg.head_dim, cfg.source, kv_source)
+    return module_heads(path, module)
+
+
+def module_heads(path: str, module: nn.Module) -> Heads | None:
+    """The heads of attention module `path` from its own attributes alone (a head count, a key/value count, a
+    head size or the projections' width)."""
+    name = path.rsplit(".", 1)[-1] or "attention"
+    size = _int_attr(module, _SIZE_ATTRS)
     count = _int_attr(module, _COUNT_ATTRS)
     if count is None:
         return None
