@@ -11,6 +11,7 @@ gradient norm² and the collectives of one forward + backward — what parity is
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Callable
@@ -22,10 +23,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 from dtp.bench.megatron import MegatronGPT
+from dtp.compiler.local_vocab import cross_entropy
 from dtp.compiler.placed import pack_parts
 from dtp.cost.param_bytes import local_param_bytes
 from dtp.layout.parts import equal_parts
 from dtp.models.gpt import GPT, GPTConfig
+from dtp.train.optim import LocalSGD
 
 # plans/gpt2.tp, shipped inside the package so `dtp bench` runs from any install (a test keeps them equal).
 PLAN = """\
@@ -71,36 +74,46 @@ class Arm:
     extra: dict  # what else the arm knows (dtp: its checked plan for the analytic schedule)
 
 
+LR = 0.01
+
+
 def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=0.01)
+    return torch.optim.SGD(model.parameters(), lr=LR)
 
 
-def _dtensor_arm(name: str, model: torch.nn.Module, x, y, extra: dict | None = None) -> Arm:
-    """An arm over a DTensor-sharded GPT (logits Shard(-1), loss under `loss_parallel`)."""
+def _torch_loss(logits, y) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _dtensor_arm(name: str, model: torch.nn.Module, x, y, extra: dict | None = None, local_loss: bool = False) -> Arm:
+    """An arm over a DTensor-sharded GPT (logits Shard(-1)): torch's `loss_parallel` and SGD, or dtp's local
+    vocabulary-parallel cross-entropy and local SGD (`local_loss`)."""
     from dtp.runtime.comm import CommCounter, merge
 
-    opt = _sgd(model)
+    # dtp's own: the local loss and SGD's update on the local tensors (dtp.train.optim, as its AdamW)
+    opt = LocalSGD(model.parameters(), lr=LR) if local_loss else _sgd(model)
+    loss_fn, ctx = (cross_entropy, contextlib.nullcontext) if local_loss else (_torch_loss, loss_parallel)
 
     def step() -> None:
-        logits = model(x)
-        with loss_parallel():
-            F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+        with ctx():
+            loss_fn(model(x), y).backward()
         opt.step()
         opt.zero_grad()
 
     def probe() -> Probe:
         counters = {"forward": CommCounter(), "backward": CommCounter()}
-        with loss_parallel():
+        with ctx():
             with counters["forward"]:
                 logits = model(x)
-                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+                loss = loss_fn(logits, y)
             with counters["backward"]:
                 loss.backward()
         counted = merge(counters)
         grad_sq = sum(float((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).double().pow(2).sum())
                       for p in model.parameters())
         opt.zero_grad()
-        return Probe(logits.full_tensor().detach(), loss.full_tensor().item(), grad_sq, dict(counted["by_op"]),
+        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        return Probe(logits.full_tensor().detach(), loss.item(), grad_sq, dict(counted["by_op"]),
                      dict(counted["bytes"]))
 
     return Arm(name, step, probe, local_param_bytes(model), extra or {})
@@ -125,7 +138,7 @@ def _dtp_model(base: GPT, mesh):
 def build_dtp(base: GPT, mesh, x, y) -> Arm:
     """dtp's compiled plan."""
     model, checked = _dtp_model(base, mesh)
-    return _dtensor_arm("dtp", model, x, y, extra={"checked": checked})
+    return _dtensor_arm("dtp", model, x, y, extra={"checked": checked}, local_loss=True)
 
 
 def build_dtp_compiled(base: GPT, mesh, x, y) -> Arm:
@@ -135,7 +148,7 @@ def build_dtp_compiled(base: GPT, mesh, x, y) -> Arm:
     model, _ = _dtp_model(base, mesh)
     for block in model.transformer.h:
         block.compile()
-    return _dtensor_arm("dtp-compile", model, x, y)
+    return _dtensor_arm("dtp-compile", model, x, y, local_loss=True)
 
 
 def handwritten(model: GPT, mesh) -> None:

@@ -3,7 +3,8 @@
 
 1. `dtp apply` parity on NCCL at tp = min(GPUs, 2) (the real command line, gpt2-tiny);
 2. a bf16 (autocast) training step of gpt2-medium at tp 1: step time, tokens/s, model FLOP utilisation;
-3. dtp ÷ Megatron-style step time on GPU, arms interleaved, parity enforced first (tp = min(GPUs, 2)).
+3. dtp ÷ Megatron-style step time on GPU, arms interleaved, parity enforced first (tp = min(GPUs, 2)): dtp eager
+   and dtp with every block under torch.compile, beside the hand-written plan.
 
 `--dry-run` runs the same logic on CPU with tiny sizes (gloo, gpt2-tiny): what CI can check without a GPU.
 """
@@ -130,11 +131,12 @@ def main(root: Path, dry_run: bool = False) -> int:
     result["apply"] = _apply_parity(out, tp, device)
     if dry_run:
         result["train"] = train_step_mfu("gpt2-tiny", "cpu", batch=2, seq=32, steps=2, warmup=1)
-        cfg = Config(n_layer=1, n_head=4, n_embd=32, vocab_size=64, seq=8, batch=2, tp=tp, warmup=1, samples=3)
+        cfg = Config(n_layer=1, n_head=4, n_embd=32, vocab_size=64, seq=8, batch=2, tp=tp, warmup=1, samples=3,
+                     arms=("dtp", "hand", "megatron", "dtp-compile"))
     else:
         result["train"] = train_step_mfu("gpt2-medium", "cuda", batch=8, seq=1024)
         cfg = Config(n_layer=8, n_head=16, n_embd=1024, vocab_size=32768, seq=1024, batch=8, tp=tp, warmup=3,
-                     samples=20, device="cuda")
+                     samples=20, device="cuda", arms=("dtp", "hand", "megatron", "dtp-compile"))
     ratio = _ratio_on(cfg)
     result["ratio"] = {"config": ratio["config"], "ok": ratio["ok"], "error": ratio.get("error"),
                        "times_ms": ratio.get("times_ms"), "parity": ratio.get("parity"),
@@ -149,6 +151,10 @@ def main(root: Path, dry_run: bool = False) -> int:
     if ratio["ok"]:
         v = result["ratio"]["dtp_vs_megatron"]
         lines.append(f"dtp/Megatron-style at tp={tp}: {v['value']:.3f} [{v['low']:.3f}, {v['high']:.3f}] ({v['verdict']})")
+        if "dtp_compile_vs_megatron" in result["ratio"]:
+            c = result["ratio"]["dtp_compile_vs_megatron"]
+            lines.append(f"dtp under torch.compile/Megatron-style at tp={tp}: {c['value']:.3f} "
+                         f"[{c['low']:.3f}, {c['high']:.3f}] ({c['verdict']})")
     else:
         lines.append(f"ratio: FAILED: {ratio['error']}")
     lines += [f"note: {n}" for n in result["notes"]] + [f"written to {out}/ in {result['seconds']:.0f} s"]

@@ -1,12 +1,14 @@
 """tp 1 against plain PyTorch: `dtp train PLAN gpt2-tiny --tp 1` beside a single-process training loop on
 transformers' GPT2LMHeadModel with the same dimensions, batch, optimizer and threads.
 
-    python -m dtp.bench.plain_tp1 [--repeats 3] [--steps 200] [--threads N] [--base DIR] [--out FILE]
+    python -m dtp.bench.plain_tp1 [--repeats 3] [--steps 200] [--threads N] [--base DIR] [--out FILE] [--apply]
 
 Each arm is a fresh process, the arms interleaved and their order rotated per repeat; the machine's load
 (`/proc/loadavg`) is recorded before every run, since a shared machine's numbers mean little without it.
 `--base DIR` adds the arm `dtp train` from another source tree (e.g. `git archive HEAD`), for before/after.
 Tokens/s are per-step medians after the first step (dtp's own summary; the loop measures the same way).
+`--apply` compares `dtp apply PLAN gpt2-tiny --tp 1` instead (its report's median step time, batch 2 × 16, SGD)
+with the same loop at apply's shape and optimizer (forward, loss, backward, SGD step: what apply times).
 """
 from __future__ import annotations
 
@@ -24,10 +26,10 @@ from dtp.runtime.threads import cores
 
 DIMS = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=64)  # gpt2-tiny
 BATCH, SEQ = 8, 64
+APPLY_BATCH, APPLY_SEQ, APPLY_LR = 2, 16, 0.1  # dtp apply's defaults (dtp.verify.rank.RunConfig)
 
 
-def hf_loop(steps: int, threads: int) -> float:
-    """tokens/s of a plain loop: GPT2LMHeadModel, torch AdamW (β 0.9/0.95, decay on matrices), clip 1.0."""
+def _hf_model(threads: int):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -36,7 +38,32 @@ def hf_loop(steps: int, threads: int) -> float:
     cfg = GPT2Config(n_layer=DIMS["n_layer"], n_head=DIMS["n_head"], n_embd=DIMS["n_embd"],
                      vocab_size=DIMS["vocab_size"], n_positions=DIMS["block_size"], resid_pdrop=0.0, embd_pdrop=0.0,
                      attn_pdrop=0.0, tie_word_embeddings=True)
-    model = GPT2LMHeadModel(cfg).train()
+    return GPT2LMHeadModel(cfg).train()
+
+
+def hf_apply_loop(steps: int, threads: int) -> float:
+    """tokens/s of a plain loop at `dtp apply`'s shape: GPT2LMHeadModel, forward, loss, backward, torch SGD."""
+    import torch
+
+    model = _hf_model(threads)
+    opt = torch.optim.SGD(model.parameters(), lr=APPLY_LR)
+    data = torch.randint(0, DIMS["vocab_size"], (steps, APPLY_BATCH, APPLY_SEQ + 1))
+    times = []
+    for s in range(steps):
+        t0 = time.perf_counter()
+        logits = model(data[s, :, :-1]).logits
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), data[s, :, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return APPLY_BATCH * APPLY_SEQ / statistics.median(times[1:])
+
+
+def hf_loop(steps: int, threads: int) -> float:
+    """tokens/s of a plain loop: GPT2LMHeadModel, torch AdamW (β 0.9/0.95, decay on matrices), clip 1.0."""
+    import torch
+
+    model = _hf_model(threads)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -57,12 +84,25 @@ def hf_loop(steps: int, threads: int) -> float:
     return BATCH * SEQ / statistics.median(times[1:])
 
 
-def hf_loop_process(steps: int, threads: int) -> float:
-    """`hf_loop` in a fresh process, as every arm runs."""
+def hf_loop_process(steps: int, threads: int, apply: bool = False) -> float:
+    """`hf_loop` (or `hf_apply_loop`) in a fresh process, as every arm runs."""
     done = subprocess.run([sys.executable, "-m", "dtp.bench.plain_tp1", "--hf-loop", "--steps", str(steps),
-                           "--threads", str(threads)], capture_output=True, text=True, check=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+                           "--threads", str(threads)] + (["--apply"] if apply else []), capture_output=True,
+                          text=True, check=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     return float(done.stdout.split()[-1])
+
+
+def dtp_apply(steps: int, threads: int, plan: str, src: str | None) -> float:
+    """tokens/s from `dtp apply PLAN gpt2-tiny --tp 1`'s median step time (from `src`'s dtp when given)."""
+    with tempfile.TemporaryDirectory(prefix="dtp-bench-tp1-") as tmp:
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), **({"PYTHONPATH": src} if src else {})}
+        report = Path(tmp, "apply.json")
+        cmd = [sys.executable, "-m", "dtp", "apply", plan, "gpt2-tiny", "--tp", "1", "--steps", str(steps),
+               "--batch", str(APPLY_BATCH), "--seq", str(APPLY_SEQ), "--json", str(report)]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=src or None, timeout=900)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr[-2000:]}")
+        return APPLY_BATCH * APPLY_SEQ / (json.loads(report.read_text())["step_time_ms"] / 1e3)
 
 
 def dtp_train(steps: int, threads: int, plan: str, src: str | None) -> float:
@@ -96,15 +136,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plan", default=str(Path(__file__).resolve().parents[2] / "plans" / "gpt2.tp"))
     ap.add_argument("--base", help="a dtp source tree to run as the arm 'dtp-base'")
     ap.add_argument("--out", help="write every sample as JSON here")
+    ap.add_argument("--apply", action="store_true", help="compare dtp apply's step time instead of dtp train's")
     ap.add_argument("--hf-loop", action="store_true", help=argparse.SUPPRESS)  # the child process of the loop arm
     args = ap.parse_args(argv)
     if args.hf_loop:
-        print(hf_loop(args.steps, args.threads))
+        print((hf_apply_loop if args.apply else hf_loop)(args.steps, args.threads))
         return 0
-    arms = {"dtp": lambda: dtp_train(args.steps, args.threads, args.plan, None),
-            "hf-loop": lambda: hf_loop_process(args.steps, args.threads)}
+    run = dtp_apply if args.apply else dtp_train
+    arms = {"dtp": lambda: run(args.steps, args.threads, args.plan, None),
+            "hf-loop": lambda: hf_loop_process(args.steps, args.threads, args.apply)}
     if args.base:
-        arms["dtp-base"] = lambda: dtp_train(args.steps, args.threads, args.plan, str(Path(args.base).resolve()))
+        arms["dtp-base"] = lambda: run(args.steps, args.threads, args.plan, str(Path(args.base).resolve()))
     names = list(arms)
     samples: list[dict] = []
     for r in range(args.repeats):
@@ -118,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in names:
         print(f"| {n} | {med[n]:.0f} | {med[n] / med['hf-loop']:.2f} |")
     if args.out:
-        Path(args.out).write_text(json.dumps({"threads": args.threads, "steps": args.steps, "samples": samples,
+        Path(args.out).write_text(json.dumps({"threads": args.threads, "steps": args.steps, "apply": args.apply,
+                                              "samples": samples,
                                               "median": med}, indent=2) + "\n")
     return 0
 

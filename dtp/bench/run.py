@@ -28,13 +28,14 @@ KINDS = {  # per kind: strong model, weak head size and shape, warm-up rounds, t
 }
 
 
-def configs(kind: str, arms: tuple[str, ...], only_tp: tuple[int, ...] = ()) -> dict[str, list[Config]]:
+def configs(kind: str, arms: tuple[str, ...], only_tp: tuple[int, ...] = (), samples: int | None = None
+            ) -> dict[str, list[Config]]:
     """Strong scaling (a fixed GPT at tp 1, 2, 4) and weak scaling (the paper's recipe scaled down: the
     hidden size grows with tp at a fixed head size, n_embd ≈ 4·head·√tp, heads divisible by tp)."""
     k = KINDS[kind]
     tps = TPS[:2] if kind == "smoke" else TPS
     heads = {1: 4, 2: 6, 4: 8}
-    common = dict(warmup=k["warmup"], samples=k["samples"], arms=arms)
+    common = dict(warmup=k["warmup"], samples=samples or k["samples"], arms=arms)
     tps = tuple(tp for tp in tps if not only_tp or tp in only_tp)
     return {"strong": [Config(tp=tp, **k["strong"], **common) for tp in tps],
             "weak": [Config(tp=tp, n_head=heads[tp], n_embd=heads[tp] * k["head"], **k["weak"], **common)
@@ -97,6 +98,16 @@ def machine() -> dict:
             "python": platform.python_version(), "load_average": os.getloadavg()}
 
 
+def _samples(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 3 <= n <= 1000:
+        raise argparse.ArgumentTypeError(f"must be an integer from 3 to 1000, got {text!r}")
+    return n
+
+
 def parser() -> argparse.ArgumentParser:
     """`dtp bench` options."""
     p = argparse.ArgumentParser(prog="dtp bench", description="scaling benchmarks next to a Megatron-style baseline "
@@ -111,6 +122,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true", help="instead of timing: profile one step of every arm "
                    "(strong model, tp 2 or --tp) and group its CPU time (GEMM, communication, DTensor, other)")
     p.add_argument("--compile", action="store_true", help="add an arm: dtp's sharded model under torch.compile")
+    p.add_argument("--samples", type=_samples, help="timed rounds per configuration (default: 20; 3 with --smoke); "
+                   "more samples narrow the intervals")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: the GPU check instead (NCCL parity, bf16 MFU, dtp/Megatron on GPU; see --dry-run)")
     p.add_argument("--dry-run", action="store_true", help="with --device cuda: run the GPU check's logic on CPU, tiny")
@@ -131,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
     kind = "smoke" if args.smoke else "quick" if args.quick else "full"
     arms = ("dtp", "hand", "megatron") + (("dtp-compile",) if args.compile else ())
-    cfgs = configs(kind, arms, tuple(args.tp or ()))
+    cfgs = configs(kind, arms, tuple(args.tp or ()), args.samples)
     if args.profile:
         return _profile(cfgs["strong"], Path(args.out), kind, tuple(args.tp or (2,)))
     peak = gemm_peak()

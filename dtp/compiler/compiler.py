@@ -8,7 +8,7 @@ checker and `explain` read the same decisions); `compile_plan` turns them into s
 | colwise                    | ColwiseParallel (PlacedColwise with packed=K, each part sharded alone)     |
 | rowwise                    | RowwiseParallel                                                            |
 | vocab_parallel, Embedding  | RowwiseParallel: rows sharded, output all-reduced (VocabParallelEmbedding) |
-| vocab_parallel, Linear     | ColwiseParallel(output Shard(-1), DTensor output) + loss under loss_parallel |
+| vocab_parallel, Linear     | ColwiseParallel(output Shard(-1), DTensor output) + a vocabulary-parallel loss |
 | sequence_parallel          | SequenceParallel (a plain input read as replicated); switches to Megatron-SP |
 | replicate                  | nothing (the module stays a plain replicated module)                       |
 | replicate(reduce_grad=true) | ReplicateReduceGrad: whole parameters, gradients all-reduced              |

@@ -5,23 +5,23 @@ replicated, its output is this rank's features, the rowwise layer's product is a
 still run each Linear as a DTensor op (sharding propagation and wrapping on every call, forward and backward).
 `localize` takes a module that torch's style (ColwiseParallel, RowwiseParallel, dtp's Placed* with packed
 parts) has already sharded — so checkpoints, gradients, clipping and the optimizer see the same DTensors —
-removes that style's input/output hooks and makes the module compute on `to_local()` views, with Megatron's
+removes that style's input/output hooks and makes the module compute on its parameters' local shards (plain
+autograd leaves whose gradients the DTensors' `.grad` wrap: dtp/compiler/local_leaves.py), with Megatron's
 conjugate operators as the only communication:
 
 - f (colwise input): identity forward, all-reduce of the input gradient in backward;
 - g (rowwise output): all-reduce forward, identity backward.
 
-The collectives are the functional all-reduces DTensor's own Partial → Replicate redistributions issue, so
-they are the same c10d calls, counts and bytes as torch's styles make (a DTensor input from a shared parent
-keeps DTensor's own path, so q/k/v siblings' gradients are still summed before one all-reduce); over a
-one-rank mesh there are none, as DTensor skips them there. The rowwise bias is added on the first rank only
-(elsewhere it adds zero with the same gradient, so it stays replicated without an all-reduce), as
-dtp.compiler.placed.ExpertsParallel does.
+The collectives are c10d all-reduces as Megatron makes them, the same counts and bytes as torch's styles
+make (a DTensor input from a shared parent keeps DTensor's own path, so q/k/v siblings' gradients are still
+summed before one all-reduce); over a one-rank mesh there are none, as DTensor skips them there. The rowwise bias is added after the sum, on every
+rank (Megatron's RowParallelLinear): its gradient is the same everywhere without an all-reduce, and every rank
+does the same work before the all-reduce, so none waits for another. The vocabulary-parallel ends are dtp/compiler/local_vocab.py.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed._functional_collectives as funcol
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
@@ -29,16 +29,29 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor import _api as tensor_api
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from dtp.compiler.local_leaves import LocalLeaves, owned_params
 from dtp.layout.modules import is_conv1d
 
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
-def _all_reduce(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    out = funcol.all_reduce(t.contiguous(), "sum", (mesh, 0))  # the c10d call DTensor's Partial → Replicate makes
-    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+def all_reduce(t: torch.Tensor, mesh: DeviceMesh, op: str = "sum", *, inplace: bool = False) -> torch.Tensor:
+    """`t` reduced over the 1-D `mesh` (into `t` itself when `inplace` and `t` is contiguous, else a copy).
+
+    Megatron's call: c10d's all-reduce on the tensor, waited at once, which communication counters see as the
+    all-reduce DTensor's Partial → Replicate makes (same count and bytes). The functional form DTensor uses
+    copies the input and passes every call through Python autograd wrappers (about 25 µs each, more than a
+    small all-reduce on CPU); under torch.compile it is the one that traces, so it is kept there."""
+    if torch.compiler.is_compiling():
+        out = torch.ops._c10d_functional.all_reduce(t.contiguous(), op, mesh.get_group(0).group_name)
+        return torch.ops._c10d_functional.wait_tensor(out)
+    buf = t if inplace and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(buf, op=_REDUCE_OPS[op], group=mesh.get_group(0))
+    return buf
 
 
 class _CopyToRanks(torch.autograd.Function):
-    """f: identity forward; the input gradient all-reduced in backward."""
+    """f: identity forward; the input gradient all-reduced in backward (into a copy: autograd may share it)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -47,15 +60,18 @@ class _CopyToRanks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_reduce(grad, ctx.mesh), None
+        return all_reduce(grad, ctx.mesh), None
 
 
 class _SumOverRanks(torch.autograd.Function):
-    """g: all-reduce forward; identity backward."""
+    """g: all-reduce forward (in place: every caller hands over a tensor it just made); identity backward."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        return _all_reduce(y, mesh)
+        out = all_reduce(y, mesh, inplace=True)
+        if out is y:
+            ctx.mark_dirty(y)
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -76,7 +92,8 @@ def f(x: object, mesh: DeviceMesh) -> object:
 
 
 def g(y: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """Megatron's g: the sum of every rank's partial output (forward all-reduce; identity backward)."""
+    """Megatron's g: the sum of every rank's partial output (forward all-reduce; identity backward). `y` must be
+    a tensor the caller just made and reads no more: it is reduced in place."""
     return _SumOverRanks.apply(y, mesh)
 
 
@@ -87,11 +104,6 @@ def _sharded_last(x: object) -> object:
     if x.placements != (Shard(x.ndim - 1),) and x.placements != (Shard(-1),):
         x = x.redistribute(placements=[Shard(x.ndim - 1)])
     return x.to_local()
-
-
-def _local_params(module: nn.Module) -> dict[str, torch.Tensor]:
-    # read on every call: FSDP2 and reduce_grad_on_use swap the parameter objects around a forward
-    return {n: (p.to_local() if isinstance(p, DTensor) else p) for n, p in module._parameters.items() if p is not None}
 
 
 def _run(module: nn.Module, x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -128,9 +140,9 @@ def _from_distribute_module(hook: object) -> bool:
     return getattr(hook, "__module__", None) == tensor_api.__name__  # its input/output lambdas
 
 
-def localize(module: nn.Module, side: str, mesh: DeviceMesh, before: tuple[set[int], set[int]]) -> None:
+def drop_style_hooks(module: nn.Module, before: tuple[set[int], set[int]]) -> None:
     """Drop the input/output hooks the style's distribute_module added since `before` (hooks of dtp's own, such
-    as replicated packed rows' gradient reduction, stay) and compute `module` on local tensors (`side`)."""
+    as replicated packed rows' gradient reduction, stay)."""
     pre, post = before
     for key in [k for k, h in module._forward_pre_hooks.items() if k not in pre and _from_distribute_module(h)]:
         del module._forward_pre_hooks[key]
@@ -139,18 +151,24 @@ def localize(module: nn.Module, side: str, mesh: DeviceMesh, before: tuple[set[i
         del module._forward_hooks[key]
         module._forward_hooks_with_kwargs.pop(key, None)
         module._forward_hooks_always_called.pop(key, None)
+
+
+def localize(module: nn.Module, side: str, mesh: DeviceMesh, before: tuple[set[int], set[int]],
+             leaves: LocalLeaves) -> None:
+    """Drop the style's input/output hooks (see `drop_style_hooks`) and compute `module` on local tensors (`side`),
+    its parameters read through `leaves`."""
+    drop_style_hooks(module, before)
+    owned = owned_params(module)
     alone = mesh.size() == 1  # tp 1 under FSDP2: nothing to communicate
     if side == "colwise":
         def forward(x):
             x = x.to_local() if alone and isinstance(x, DTensor) else x if alone else f(x, mesh)
-            return _run(module, x, _local_params(module))
+            return _run(module, x, leaves.params(module, owned))
     else:
-        first = mesh.get_local_rank() == 0
-
         def forward(x):
-            params = _local_params(module)
-            if "bias" in params and not first:
-                params["bias"] = params["bias"] - params["bias"].detach()  # zero here, the same gradient
+            params = leaves.params(module, owned)
+            bias = params.pop("bias", None)
             y = _run(module, _sharded_last(x), params)
-            return y if alone else g(y, mesh)  # a new tensor either way: it may be updated in place
+            y = y if alone else g(y, mesh)
+            return y if bias is None else y + bias  # a new tensor either way: it may be updated in place
     module.forward = forward

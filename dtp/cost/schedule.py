@@ -110,10 +110,10 @@ def _tensor_parallel(checked: Checked, tp: int, batch: int, seq: int, dtype: tor
 
     if low.loss_parallel:
         head = next(p for p, m in low.modules.items() if m.style == "vocab_parallel" and not m.embedding)
-        # torch's vocab-parallel log-softmax keeps its statistics in at least float32 (bf16 logits are
-        # upcast); the target logit travels in the logits' own dtype
+        # dtp's vocab-parallel cross-entropy (dtp.compiler.local_vocab) reads bf16 logits in float32: its
+        # three statistics travel in at least float32 (torch's loss_parallel sends the target logit in bf16)
         stats = max(elem, 4)
-        for what, size in (("max", stats), ("sum of exponentials", stats), ("target logit", elem)):
+        for what, size in (("max", stats), ("sum of exponentials", stats), ("target logit", stats)):
             add("all_reduce", "forward", 1, head, f"vocab-parallel cross-entropy: {what}", tokens * size)
     if tp == 1:
         return out  # DTensor skips redistributions over a one-rank mesh

@@ -5,14 +5,13 @@ schedule; several families can run in one rank launch.
 """
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor.parallel import loss_parallel
 
+from dtp.compiler.local_vocab import cross_entropy
 from dtp.cost.schedule import schedule, summarize
 from dtp.hf.plan import PLANS
 from dtp.lang.parse import load as load_plan
@@ -47,14 +46,12 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(seed + 1))
     inputs, targets = ids[:, :-1], ids[:, 1:]
-    ctx = loss_parallel if applied.compiled.loss_parallel else contextlib.nullcontext
     fwd, bwd = CommCounter(), CommCounter()
-    with ctx():
-        with fwd:
-            logits = model(inputs).logits
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        with bwd:
-            loss.backward()
+    with fwd:
+        logits = model(inputs).logits
+        loss = cross_entropy(logits, targets)
+    with bwd:
+        loss.backward()
     dtype = next(reference.parameters()).dtype  # a config may ask for bfloat16
     parity = ParityCheck(dtype)
     ref_logits = reference(inputs).logits

@@ -11,7 +11,9 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from dtp.checks.checker import Checked, checked_for
 from dtp.compiler.compiler import Compiled, compile_plan, tp_mesh
+from dtp.compiler.local_leaves import LocalLeaves
 from dtp.compiler.local_pair import hook_ids, localize, pair_side
+from dtp.compiler.local_vocab import localize_vocab, vocab_side
 from dtp.compiler.placed import unpack_placed
 from dtp.lang import ir
 from dtp.runtime.rng import TensorParallelRNG, track
@@ -75,13 +77,18 @@ def apply(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh, seed: int
         # Megatron's colwise → rowwise pairs: torch's styles shard them, then they compute on local tensors
         pairs = {path: side for path, style in compiled.styles.items()
                  if (side := pair_side(style, model.get_submodule(path))) is not None}
-        before = {path: hook_ids(model.get_submodule(path)) for path in pairs}
+        ends = {path: side for path, style in compiled.styles.items()  # the vocabulary-parallel embedding and head
+                if (side := vocab_side(style, model.get_submodule(path))) is not None}
+        before = {path: hook_ids(model.get_submodule(path)) for path in pairs | ends}
         parallelize_module(model, mesh, compiled.styles)
         # parallelize_module gives each owner of a tied weight its own DTensor; `check` guaranteed equal
         # placements, so pointing every owner at the first one's keeps one parameter, one gradient, one update.
         retie(model, groups)
+        leaves = LocalLeaves()  # one autograd leaf per local shard, shared by a tied weight's owners
         for path, side in pairs.items():
-            localize(model.get_submodule(path), side, mesh, before[path])
+            localize(model.get_submodule(path), side, mesh, before[path], leaves)
+        for path, side in ends.items():
+            localize_vocab(model.get_submodule(path), side, mesh, before[path], leaves)
     for path, rewrite in compiled.rewrites.items():
         rewrite._apply(model.get_submodule(path), mesh)
     modules = compiled.lowered.modules

@@ -17,14 +17,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
 
 from dtp import models
 from dtp.checks.checker import check
+from dtp.compiler.local_vocab import cross_entropy
 from dtp.cost.fsdp import units
 from dtp.cost.param_bytes import local_param_bytes
 from dtp.cost.schedule import NotModeled, schedule, summarize
@@ -117,7 +116,6 @@ class Trainer:
         self.tokens = corpus.tokens()
         self.dp_rank = mesh["dp"].get_local_rank() if cfg.dp > 1 else 0
         self.dp_group = mesh["dp"].get_group() if cfg.dp > 1 else None
-        self.loss_ctx = loss_parallel if self.applied.loss_parallel else contextlib.nullcontext
         self.step = 0
         self.param_bytes = local_param_bytes(self.model)
         self.val = data.val_batches(corpus, self.tokens, cfg.batch, cfg.seq, cfg.dp, self.dp_rank, cfg.eval_batches)
@@ -136,8 +134,8 @@ class Trainer:
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self._autocast():
             logits = _logits(self.model(inputs.to(self.device)))
-        # the loss in float32 from (possibly bf16) logits, as autocast does for cross-entropy
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device).flatten())
+        # in float32 from (possibly bf16) logits, as autocast does; vocabulary-parallel logits stay split
+        return cross_entropy(logits, targets.to(self.device))
 
     def _mean_over_dp(self, value: torch.Tensor) -> float:
         value = value.full_tensor() if isinstance(value, DTensor) else value
@@ -158,11 +156,10 @@ class Trainer:
         sync(self.device)
         t0 = time.perf_counter()
         with timer or contextlib.nullcontext():
-            with self.loss_ctx():
-                with counters["forward"] if counters else contextlib.nullcontext():
-                    loss = self._loss(inputs, targets)
-                with counters["backward"] if counters else contextlib.nullcontext():
-                    loss.backward()
+            with counters["forward"] if counters else contextlib.nullcontext():
+                loss = self._loss(inputs, targets)
+            with counters["backward"] if counters else contextlib.nullcontext():
+                loss.backward()
             norm = clip_(self.model.parameters(), cfg.clip, self.shared_rows)  # not counted: see analytic()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -179,8 +176,7 @@ class Trainer:
         self.model.eval()
         total = 0.0
         for inputs, targets in self.val:
-            with self.loss_ctx():
-                total += self._mean_over_dp(self._loss(inputs, targets))
+            total += self._mean_over_dp(self._loss(inputs, targets))
         return total / len(self.val)
 
     def analytic(self) -> dict:

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
+from torch.optim.sgd import sgd
 
 
 @dataclass(frozen=True)
@@ -54,30 +55,62 @@ class LocalAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102 - torch's signature
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+        return _local_steps(self, closure, self._update)
+
+    def _update(self, group: dict, params: list) -> None:
+        for p in params:
+            state = self.state[p]
+            if not state:  # as torch's Adam._init_group (scalar step on the CPU)
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        states = [self.state[p] for p in params]
+        beta1, beta2 = group["betas"]
+        adam([local(p) for p in params], [local(p.grad) for p in params],
+             [local(s["exp_avg"]) for s in states], [local(s["exp_avg_sq"]) for s in states], [],
+             [s["step"] for s in states], foreach=True, capturable=False, differentiable=False, fused=None,
+             grad_scale=None, found_inf=None, has_complex=False, decoupled_weight_decay=True, amsgrad=False,
+             beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+             maximize=False)
+
+
+class LocalSGD(torch.optim.SGD):
+    """torch's SGD (momentum, dampening, Nesterov, decay as configured; its state as torch keeps it) with the
+    update run by torch's foreach kernels on each parameter's local tensor, for the reason LocalAdamW gives."""
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D102 - torch's signature
+        return _local_steps(self, closure, self._update)
+
+    def _update(self, group: dict, params: list) -> None:
+        buffers = [self.state[p].get("momentum_buffer") for p in params]
+        local_buffers = [None if b is None else local(b) for b in buffers]
+        sgd([local(p) for p in params], [local(p.grad) for p in params], local_buffers, foreach=True,
+            weight_decay=group["weight_decay"], momentum=group["momentum"], lr=group["lr"],
+            dampening=group["dampening"], nesterov=group["nesterov"], maximize=group["maximize"],
+            has_sparse_grad=False)
+        for p, before, after in zip(params, buffers, local_buffers):
+            if group["momentum"] and before is None:  # torch's first step clones the gradient: keep p's type
+                self.state[p]["momentum_buffer"] = _like(p, after) if isinstance(p, DTensor) else after
+
+
+def _local_steps(opt: torch.optim.Optimizer, closure, update) -> object:
+    """torch's step protocol around `update(group, params)`: the closure under autograd, then each group's
+    parameters that have a gradient, their gradients settled to the parameters' placements first."""
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    for group in opt.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        if params:
             settle_grads(params)
-            for p in params:
-                state = self.state[p]
-                if not state:  # as torch's Adam._init_group (scalar step on the CPU)
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if not params:
-                continue
-            states = [self.state[p] for p in params]
-            beta1, beta2 = group["betas"]
-            adam([local(p) for p in params], [local(p.grad) for p in params],
-                 [local(s["exp_avg"]) for s in states], [local(s["exp_avg_sq"]) for s in states], [],
-                 [s["step"] for s in states], foreach=True, capturable=False, differentiable=False, fused=None,
-                 grad_scale=None, found_inf=None, has_complex=False, decoupled_weight_decay=True, amsgrad=False,
-                 beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-                 maximize=False)
-        return loss
+            update(group, params)
+    return loss
+
+
+def _like(p: DTensor, t: torch.Tensor) -> DTensor:
+    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def adamw(model: nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95)) -> torch.optim.AdamW:

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import loss_parallel
 
 from dtp import models
 from dtp.checks.checker import checked_for
+from dtp.compiler.local_vocab import cross_entropy as sharded_cross_entropy
 from dtp.cost.param_bytes import ideal_param_bytes, local_param_bytes
 from dtp.cost.schedule import NotModeled, schedule, summarize
 from dtp.lang.parse import load
@@ -31,7 +31,6 @@ from dtp.verify.probes import compare_buffers, compare_replicas, plan_probes, ru
 from dtp.verify.reference import (
     LOW_PRECISION,
     MixedSGD,
-    cross_entropy,
     full_value,
     logits_of,
     own_rng,
@@ -280,7 +279,6 @@ def _run(cfg: RunConfig, trails: list[ModuleTrail], mesh: DeviceMesh,
     opt = MixedSGD(model, cfg.lr)
     parity = ParityCheck(dtype)
     parity.dropout = built.dropout
-    loss_ctx = loss_parallel if built.applied.loss_parallel else contextlib.nullcontext
     # One counter per phase (the comparisons run in between, uncounted).
     counters = {"forward": CommCounter(), "backward": CommCounter(), "optimizer": CommCounter()}
     step_times: list[float] = []
@@ -292,16 +290,15 @@ def _run(cfg: RunConfig, trails: list[ModuleTrail], mesh: DeviceMesh,
         counting = step == 0
         _sync(device)
         t0 = time.perf_counter()
-        with loss_ctx():
-            with counters["forward"] if counting else contextlib.nullcontext(), \
-                    activations.recording() if counting else contextlib.nullcontext():
-                trail.phase = "forward"
-                logits = logits_of(model(inputs[mine]))
-                trail.phase = "loss"
-                loss = cross_entropy(logits, targets[mine])
-            with counters["backward"] if counting else contextlib.nullcontext():
-                trail.phase = "backward"
-                loss.backward()
+        with counters["forward"] if counting else contextlib.nullcontext(), \
+                activations.recording() if counting else contextlib.nullcontext():
+            trail.phase = "forward"
+            logits = logits_of(model(inputs[mine]))
+            trail.phase = "loss"
+            loss = sharded_cross_entropy(logits, targets[mine])
+        with counters["backward"] if counting else contextlib.nullcontext():
+            trail.phase = "backward"
+            loss.backward()
         # The optimizer step is applied after the gradients are compared, but timed as part of the step.
         _sync(device)
         t_fwd_bwd = time.perf_counter() - t0

@@ -186,6 +186,8 @@ def test_gpu_check_dry_run_on_cpu(repo, tmp_path):
     assert result["train"]["finite"] and result["train"]["mfu"] is None  # no known peak for a CPU
     assert result["ratio"]["ok"] and result["ratio"]["collectives_equal_megatron"]
     assert "dtp/Megatron-style at tp=2" in (folder / "results.md").read_text()
+    assert set(result["ratio"]["parity"]) == {"dtp", "hand", "megatron", "dtp-compile"}  # the compiled arm too
+    assert "dtp under torch.compile/Megatron-style at tp=2" in (folder / "results.md").read_text()
 
 
 def test_gpu_check_without_gpu_is_a_usage_error(tmp_path, capsys):

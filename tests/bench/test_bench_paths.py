@@ -17,3 +17,19 @@ def test_bench_refuses_outputs_before_running(capsys, argv, message):
     assert main(["bench", "--smoke", "--no-fuzz", *argv]) == 2
     assert capsys.readouterr().err.startswith(message)
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+@pytest.mark.parametrize("value", ["2", "1001", "many"])
+def test_bench_bounds_its_samples(capsys, value):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--smoke", "--no-fuzz", "--samples", value])
+    assert exit_.value.code == 2
+    assert f"--samples: must be an integer from 3 to 1000, got '{value}'" in capsys.readouterr().err
+
+
+def test_bench_samples_override_the_kind():
+    from dtp.bench.run import configs
+
+    cfgs = configs("quick", ("dtp", "megatron"), (2,), samples=60)
+    assert [c.samples for part in cfgs.values() for c in part] == [60, 60]
+    assert [c.samples for c in configs("quick", ("dtp",), (2,))["strong"]] == [20]

@@ -11,7 +11,7 @@ def test_arms_interleave_and_record_the_load(repo, tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     from dtp.bench import plain_tp1
 
-    monkeypatch.setattr(plain_tp1, "hf_loop_process", lambda steps, threads: 1.0)
+    monkeypatch.setattr(plain_tp1, "hf_loop_process", lambda steps, threads, apply=False: 1.0)
     monkeypatch.setattr(plain_tp1, "dtp_train", lambda steps, threads, plan, src: 2.0)
     out = tmp_path / "tp1.json"
     assert plain_tp1.main(["--repeats", "2", "--steps", "3", "--threads", "1", "--base", str(tmp_path),
@@ -22,8 +22,21 @@ def test_arms_interleave_and_record_the_load(repo, tmp_path, monkeypatch):
     assert result["median"] == {"dtp": 2.0, "hf-loop": 1.0, "dtp-base": 2.0}
 
 
-def test_the_loop_trains(repo):
+def test_apply_mode_times_dtp_apply_against_the_loop_at_its_shape(repo, tmp_path, monkeypatch):
     pytest.importorskip("transformers")
-    from dtp.bench.plain_tp1 import hf_loop
+    from dtp.bench import plain_tp1
 
-    assert hf_loop(3, 1) > 0
+    seen = []
+    monkeypatch.setattr(plain_tp1, "hf_loop_process", lambda steps, threads, apply=False: seen.append(apply) or 1.0)
+    monkeypatch.setattr(plain_tp1, "dtp_apply", lambda steps, threads, plan, src: 3.0)
+    out = tmp_path / "apply.json"
+    assert plain_tp1.main(["--apply", "--repeats", "1", "--steps", "3", "--threads", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert seen == [True] and result["apply"] and result["median"] == {"dtp": 3.0, "hf-loop": 1.0}
+
+
+def test_the_loops_train(repo):
+    pytest.importorskip("transformers")
+    from dtp.bench.plain_tp1 import hf_apply_loop, hf_loop
+
+    assert hf_loop(3, 1) > 0 and hf_apply_loop(3, 1) > 0

@@ -1,0 +1,127 @@
+"""The vocabulary-parallel ends on local tensors: Megatron's VocabParallelEmbedding, the head and the
+cross-entropy over logits split by vocabulary, with DTensor parameters and no DTensor arithmetic.
+
+torch gives these ends as DTensor programs: RowwiseParallel on an Embedding (a masked lookup whose partial
+sum is reduced), ColwiseParallel with `Shard(-1)` logits, and `loss_parallel`'s cross-entropy. Their layouts
+are fixed when the plan is compiled, so, as for the column/row pairs (dtp.compiler.local_pair), the hot path
+runs on local tensors and communicates only where torch's programs do, with all-reduces of the same count and
+bytes:
+
+- embedding: rows [start, start + n) of the vocabulary; ids outside them look up row 0 and are zeroed;
+  one all-reduce of the sum (forward), none in backward;
+- head: f on the input (its gradient all-reduced in backward), this rank's logits as a `Shard(-1)` DTensor,
+  so that every reader (parity, gathers, the loss) still sees the global logits;
+- cross-entropy: all-reduces of the row maxima, of the sums of exponentials and of the target logits (the
+  three loss_parallel makes, at the same (N, 1) shapes); its backward is local.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+
+from dtp.compiler.local_leaves import LocalLeaves, owned_params
+from dtp.compiler.local_pair import all_reduce, drop_style_hooks, f, g
+from dtp.compiler.placed import VocabParallelEmbedding
+
+IGNORE_INDEX = -100  # F.cross_entropy's default, which transformers' labels use
+
+
+def vocab_side(style: ParallelStyle, module: nn.Module) -> str | None:
+    """'embedding' or 'head' when `style` is the vocabulary-parallel style on a plain Embedding (replicated ids
+    → replicated local output) or Linear (replicated input → `Shard(-1)` DTensor logits); else None (sequence
+    parallelism, an embedding option that reads the whole table, a subclass with its own forward)."""
+    if not isinstance(style, (VocabParallelEmbedding, ColwiseParallel)):
+        return None
+    layouts = (tuple(style.input_layouts), tuple(style.output_layouts))
+    if isinstance(style, VocabParallelEmbedding) and type(module) is nn.Embedding and style.use_local_output:
+        whole_table = module.max_norm is not None or module.scale_grad_by_freq or module.sparse
+        return "embedding" if layouts == ((Replicate(),), (Replicate(),)) and not whole_table else None
+    if type(style) is ColwiseParallel and type(module) is nn.Linear and not style.use_local_output:
+        return "head" if layouts == ((Replicate(),), (Shard(-1),)) else None
+    return None
+
+
+def _first_row(weight: DTensor) -> int:
+    """This rank's first vocabulary row under `Shard(0)` (torch.chunk's split: ceil(V / tp) rows per rank)."""
+    mesh, rows = weight.device_mesh, weight.shape[0]
+    return min(mesh.get_local_rank() * -(-rows // mesh.size()), rows)
+
+
+def localize_vocab(module: nn.Module, side: str, mesh: DeviceMesh, before: tuple[set[int], set[int]],
+                   leaves: LocalLeaves) -> None:
+    """Drop the style's input/output hooks and compute `module` (see `vocab_side`) on local tensors, its
+    parameters read through `leaves`."""
+    drop_style_hooks(module, before)
+    owned = owned_params(module)
+    alone = mesh.size() == 1
+    if side == "embedding":
+        def forward(ids):
+            ids = ids.to_local() if isinstance(ids, DTensor) else ids
+            start, weight = _first_row(module.weight), leaves.params(module, owned)["weight"]
+            local = ids - start
+            inside = (local >= 0) & (local < weight.shape[0])
+            pad = module.padding_idx
+            pad = pad - start if pad is not None and 0 <= pad - start < weight.shape[0] else None
+            out = F.embedding(torch.where(inside, local, 0), weight, pad).masked_fill(~inside.unsqueeze(-1), 0.0)
+            return out if alone else g(out, mesh)  # g's output is new: it may be updated in place (CTRL)
+    else:
+        def forward(x):
+            x = x.to_local() if alone and isinstance(x, DTensor) else x if alone else f(x, mesh)
+            params = leaves.params(module, owned)
+            y = F.linear(x, params["weight"], params.get("bias"))
+            shape = (*y.shape[:-1], module.weight.shape[0])
+            return DTensor.from_local(y, mesh, [Shard(y.ndim - 1)], run_check=False, shape=shape,
+                                      stride=torch.empty(shape, device="meta").stride())
+    module.forward = forward
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of logits (N, V/tp) split by vocabulary; targets (N,) are global ids."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, start: int, mesh: DeviceMesh) -> torch.Tensor:
+        row_max = all_reduce(logits.detach().amax(dim=-1, keepdim=True), mesh, "max", inplace=True)
+        shifted = logits - row_max
+        exp = shifted.exp()
+        sum_exp = all_reduce(exp.sum(dim=-1, keepdim=True), mesh, inplace=True)
+        valid = targets != IGNORE_INDEX
+        local = targets - start
+        inside = valid & (local >= 0) & (local < logits.shape[-1])
+        local = torch.where(inside, local, 0).unsqueeze(-1)
+        picked = all_reduce(shifted.gather(-1, local).masked_fill_(~inside.unsqueeze(-1), 0.0), mesh, inplace=True)
+        count = valid.sum()
+        loss = (sum_exp.log() - picked).squeeze(-1).masked_fill(~valid, 0.0).sum() / count
+        ctx.save_for_backward(exp.div_(sum_exp), local, inside, valid, count)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, local, inside, valid, count = ctx.saved_tensors
+        scale = (grad / count).to(softmax.dtype)
+        out = softmax * scale
+        out.scatter_add_(-1, local, (inside.to(softmax.dtype) * -scale).unsqueeze(-1))  # − the target's one-hot
+        return out.masked_fill_(~valid.unsqueeze(-1), 0.0), None, None, None
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean token cross-entropy of logits (..., V) against `targets` (...), ignoring IGNORE_INDEX.
+
+    Logits split by vocabulary (a `Shard(-1)` DTensor on a 1-D mesh, the vocabulary-parallel head's output)
+    go through the local vocabulary-parallel loss; the loss is a plain tensor, equal on every rank. Other logits
+    take F.cross_entropy. Half-precision logits are read in float32, as autocast and loss_parallel compute it."""
+    if not isinstance(logits, DTensor):
+        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+    if logits.device_mesh.ndim != 1 or logits.placements not in ((Shard(-1),), (Shard(logits.ndim - 1),)):
+        raise ValueError(f"vocabulary-parallel logits must be Shard(-1) on a 1-D mesh, got {logits.placements}")
+    vocab = logits.shape[-1]
+    mesh = logits.device_mesh
+    local = logits.to_local()
+    if local.dtype in (torch.float16, torch.bfloat16):
+        local = local.float()
+    start = min(mesh.get_local_rank() * -(-vocab // mesh.size()), vocab)
+    return _VocabParallelCrossEntropy.apply(local.flatten(0, -2), targets.flatten(), start, mesh)
