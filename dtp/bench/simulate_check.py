@@ -1,8 +1,10 @@
-"""`python -m dtp.bench.simulate_check`: calibrate this machine, then run `dtp apply` (plans/gpt2.tp, fp32,
-SGD, batch 8 × 128) at tp 1, 2, 4 on two GPT sizes and set `dtp simulate`'s prediction next to each
-measured step time and activation size. Calibration and measurement run back to back so that they see
-the same machine; on a shared machine both carry its contention (the load average is recorded), and the
-CPU share the ranks actually got (their CPU seconds ÷ wall seconds × busy cores) scales a second column."""
+"""`python -m dtp.bench.simulate_check`: calibrate this machine (microbenchmarks only: dtp.simulate.calibrate), then
+run `dtp apply` (plans/gpt2.tp, fp32, SGD, batch 8 × 128, ranks on one thread each, as the calibration measures)
+at tp 1, 2, 4 on two GPT sizes and set `dtp simulate`'s prediction next to each measured step time and
+activation size, with the 1-minute load average before and after every row (and before the calibration).
+Nothing is fitted to the measured rows. The CPU share the ranks got (their CPU seconds ÷ wall seconds × busy
+cores) scales a second column, kept for comparison with earlier runs: at tp > 1 a rank waiting in gloo uses no
+CPU, so that share is low on an idle machine too."""
 from __future__ import annotations
 
 import json
@@ -29,6 +31,9 @@ BATCH, SEQ = 8, 128
 def main(out: str) -> None:
     """Measure, predict, write Markdown and JSON under `out`."""
     Path(out).mkdir(parents=True, exist_ok=True)
+    # One intra-op thread per rank, as the calibration measures (tp 1 would otherwise take both cores).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    calibration_load = os.getloadavg()[0]
     text, raw = profile_yaml("this-machine")
     Path(out, "this-machine.yaml").write_text(text)
     prof = parse(text, "this-machine")
@@ -43,24 +48,30 @@ def main(out: str) -> None:
                 before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
                 report = launch_apply(RunConfig("plans/gpt2.tp", str(spec), tp=tp, batch=BATCH, seq=SEQ, steps=5, timeout=900))
                 share = _cpu_share(before, time.perf_counter() - t0, min(tp, os.cpu_count() or 1))
+                load_after = os.getloadavg()[0]
                 work = prepared.workload(tp, BATCH, "fp32")
                 sim = simulate(work, Run(tp, 1, BATCH, BATCH, SEQ, "fp32", "none", "sgd"), prof)
                 acts = activation_bytes(work.shape, BATCH, SEQ, tp, elem=4, recompute="none", dropout=False, flash=True)
-                rows.append({"model": name, "tp": tp, "load": load, "measured_ms": report.step_time_ms,
+                rows.append({"model": name, "tp": tp, "load": load, "load_after": load_after,
+                             "measured_ms": report.step_time_ms, "optimizer_ms": sim.optimizer_s * 1e3,
                              "predicted_ms": sim.iteration_s * 1e3, "compute_ms": sim.compute_s * 1e3,
                              "tp_comm_ms": sim.tp_comm_s * 1e3, "cpu_share": share,
                              "adjusted_ms": sim.iteration_s * 1e3 / share, "measured_activation_bytes":
                              report.activation_bytes_per_rank[0], "predicted_activation_bytes": acts})
                 print(rows[-1], flush=True)
-    lines = ["| model | tp | load avg | measured ms | predicted ms (compute + TP comm) | error | CPU share | "
-             "predicted ÷ share | error | activations measured → predicted |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"calibration at load average {calibration_load:.2f}; ranks on {os.environ['OMP_NUM_THREADS']} thread(s)", "",
+             "| model | tp | load avg before → after | measured ms | predicted ms (compute + TP comm + optimizer) | error "
+             "| CPU share | predicted ÷ share | error | activations measured → predicted |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['tp']} | {r['load']:.1f} | {r['measured_ms']:.0f} | {r['predicted_ms']:.0f} "
-                     f"({r['compute_ms']:.0f} + {r['tp_comm_ms']:.0f}) | {100 * (r['predicted_ms'] / r['measured_ms'] - 1):+.0f} % "
+        lines.append(f"| {r['model']} | {r['tp']} | {r['load']:.2f} → {r['load_after']:.2f} | {r['measured_ms']:.0f} "
+                     f"| {r['predicted_ms']:.0f} ({r['compute_ms']:.0f} + {r['tp_comm_ms']:.0f} + {r['optimizer_ms']:.0f}) "
+                     f"| {100 * (r['predicted_ms'] / r['measured_ms'] - 1):+.0f} % "
                      f"| {r['cpu_share']:.2f} | {r['adjusted_ms']:.0f} | {100 * (r['adjusted_ms'] / r['measured_ms'] - 1):+.0f} % "
                      f"| {r['measured_activation_bytes'] / 2**20:.1f} → {r['predicted_activation_bytes'] / 2**20:.1f} MiB |")
     Path(out, "this-machine.md").write_text("\n".join(lines) + "\n")
-    Path(out, "this-machine.json").write_text(json.dumps({"calibration": raw, "rows": rows}, indent=2, default=str))
+    Path(out, "this-machine.json").write_text(json.dumps({"calibration": raw, "calibration_load": calibration_load,
+                                                          "rows": rows}, indent=2, default=str))
     print("\n".join(lines))
 
 

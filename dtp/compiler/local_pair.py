@@ -12,16 +12,19 @@ conjugate operators as the only communication:
 - f (colwise input): identity forward, all-reduce of the input gradient in backward;
 - g (rowwise output): all-reduce forward, identity backward.
 
-The collectives are c10d all-reduces as Megatron makes them, the same counts and bytes as torch's styles
-make (a DTensor input from a shared parent keeps DTensor's own path, so q/k/v siblings' gradients are still
-summed before one all-reduce); over a one-rank mesh there are none, as DTensor skips them there. The rowwise bias is added after the sum, on every
-rank (Megatron's RowParallelLinear): its gradient is the same everywhere without an all-reduce, and every rank
-does the same work before the all-reduce, so none waits for another. The vocabulary-parallel ends are dtp/compiler/local_vocab.py.
+The collectives are the functional all-reduces DTensor's own Partial → Replicate redistributions issue, the
+same c10d calls, counts and bytes as torch's styles make (a DTensor input from a shared parent keeps DTensor's
+own path, so q/k/v siblings' gradients are still summed before one all-reduce); over a one-rank mesh there are
+none, as DTensor skips them there. The rowwise bias is added after the sum, on every rank (Megatron's
+RowParallelLinear): its gradient is the same everywhere without an all-reduce, and every rank does the same
+work before the all-reduce, so none waits for another. The vocabulary-parallel ends are
+dtp/compiler/local_vocab.py.
 """
 from __future__ import annotations
 
+import types
+
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
@@ -32,26 +35,19 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from dtp.compiler.local_leaves import LocalLeaves, owned_params
 from dtp.layout.modules import is_conv1d
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
-
-def all_reduce(t: torch.Tensor, mesh: DeviceMesh, op: str = "sum", *, inplace: bool = False) -> torch.Tensor:
-    """`t` reduced over the 1-D `mesh` (into `t` itself when `inplace` and `t` is contiguous, else a copy).
-
-    Megatron's call: c10d's all-reduce on the tensor, waited at once, which communication counters see as the
-    all-reduce DTensor's Partial → Replicate makes (same count and bytes). The functional form DTensor uses
-    copies the input and passes every call through Python autograd wrappers (about 25 µs each, more than a
-    small all-reduce on CPU); under torch.compile it is the one that traces, so it is kept there."""
-    if torch.compiler.is_compiling():
-        out = torch.ops._c10d_functional.all_reduce(t.contiguous(), op, mesh.get_group(0).group_name)
-        return torch.ops._c10d_functional.wait_tensor(out)
-    buf = t if inplace and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(buf, op=_REDUCE_OPS[op], group=mesh.get_group(0))
-    return buf
+def all_reduce(t: torch.Tensor, mesh: DeviceMesh, op: str = "sum") -> torch.Tensor:
+    """`t` reduced over the 1-D `mesh` into a new tensor: the functional c10d call DTensor's Partial → Replicate
+    (and loss_parallel) make, so communication counters see the same op, count and bytes, and the trainer's
+    communication timer sees the wait (a dispatched op, where c10d's in-place call waits outside the
+    dispatcher). Called as the raw op and waited at once: funcol's AsyncCollectiveTensor wrapper is a custom op
+    that costs more than a small all-reduce itself."""
+    out = torch.ops._c10d_functional.all_reduce(t.contiguous(), op, mesh.get_group(0).group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
 
 
 class _CopyToRanks(torch.autograd.Function):
-    """f: identity forward; the input gradient all-reduced in backward (into a copy: autograd may share it)."""
+    """f: identity forward; the input gradient all-reduced in backward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -64,14 +60,11 @@ class _CopyToRanks(torch.autograd.Function):
 
 
 class _SumOverRanks(torch.autograd.Function):
-    """g: all-reduce forward (in place: every caller hands over a tensor it just made); identity backward."""
+    """g: all-reduce forward; identity backward."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        out = all_reduce(y, mesh, inplace=True)
-        if out is y:
-            ctx.mark_dirty(y)
-        return out
+        return all_reduce(y, mesh)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -92,8 +85,7 @@ def f(x: object, mesh: DeviceMesh) -> object:
 
 
 def g(y: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """Megatron's g: the sum of every rank's partial output (forward all-reduce; identity backward). `y` must be
-    a tensor the caller just made and reads no more: it is reduced in place."""
+    """Megatron's g: the sum of every rank's partial output (forward all-reduce; identity backward)."""
     return _SumOverRanks.apply(y, mesh)
 
 
@@ -153,6 +145,13 @@ def drop_style_hooks(module: nn.Module, before: tuple[set[int], set[int]]) -> No
         module._forward_hooks_always_called.pop(key, None)
 
 
+def bind_forward(module: nn.Module, forward) -> None:
+    """Make `forward(self, ...)` the module's own forward: a bound method, so that a deep copy of the model
+    (an EMA copy, say) computes with its own parameters, where a closure over `module` would read the original's
+    (the copy's parameters are not the ones `owned_params` recorded, so they take `to_local()`)."""
+    module.forward = types.MethodType(forward, module)
+
+
 def localize(module: nn.Module, side: str, mesh: DeviceMesh, before: tuple[set[int], set[int]],
              leaves: LocalLeaves) -> None:
     """Drop the style's input/output hooks (see `drop_style_hooks`) and compute `module` on local tensors (`side`),
@@ -161,14 +160,14 @@ def localize(module: nn.Module, side: str, mesh: DeviceMesh, before: tuple[set[i
     owned = owned_params(module)
     alone = mesh.size() == 1  # tp 1 under FSDP2: nothing to communicate
     if side == "colwise":
-        def forward(x):
+        def forward(self, x):
             x = x.to_local() if alone and isinstance(x, DTensor) else x if alone else f(x, mesh)
-            return _run(module, x, leaves.params(module, owned))
+            return _run(self, x, leaves.params(self, owned))
     else:
-        def forward(x):
-            params = leaves.params(module, owned)
+        def forward(self, x):
+            params = leaves.params(self, owned)
             bias = params.pop("bias", None)
-            y = _run(module, _sharded_last(x), params)
+            y = _run(self, _sharded_last(x), params)
             y = y if alone else g(y, mesh)
             return y if bias is None else y + bias  # a new tensor either way: it may be updated in place
-    module.forward = forward
+    bind_forward(module, forward)

@@ -4,8 +4,8 @@ cross-entropy over logits split by vocabulary, with DTensor parameters and no DT
 torch gives these ends as DTensor programs: RowwiseParallel on an Embedding (a masked lookup whose partial
 sum is reduced), ColwiseParallel with `Shard(-1)` logits, and `loss_parallel`'s cross-entropy. Their layouts
 are fixed when the plan is compiled, so, as for the column/row pairs (dtp.compiler.local_pair), the hot path
-runs on local tensors and communicates only where torch's programs do, with all-reduces of the same count and
-bytes:
+runs on local tensors and communicates only where torch's programs do, with the same functional all-reduces
+(op, count and bytes):
 
 - embedding: rows [start, start + n) of the vocabulary; ids outside them look up row 0 and are zeroed;
   one all-reduce of the sum (forward), none in backward;
@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from dtp.compiler.local_leaves import LocalLeaves, owned_params
-from dtp.compiler.local_pair import all_reduce, drop_style_hooks, f, g
+from dtp.compiler.local_pair import all_reduce, bind_forward, drop_style_hooks, f, g
 from dtp.compiler.placed import VocabParallelEmbedding
 
 IGNORE_INDEX = -100  # F.cross_entropy's default, which transformers' labels use
@@ -59,24 +59,24 @@ def localize_vocab(module: nn.Module, side: str, mesh: DeviceMesh, before: tuple
     owned = owned_params(module)
     alone = mesh.size() == 1
     if side == "embedding":
-        def forward(ids):
+        def forward(self, ids):
             ids = ids.to_local() if isinstance(ids, DTensor) else ids
-            start, weight = _first_row(module.weight), leaves.params(module, owned)["weight"]
+            start, weight = _first_row(self.weight), leaves.params(self, owned)["weight"]
             local = ids - start
             inside = (local >= 0) & (local < weight.shape[0])
-            pad = module.padding_idx
+            pad = self.padding_idx
             pad = pad - start if pad is not None and 0 <= pad - start < weight.shape[0] else None
             out = F.embedding(torch.where(inside, local, 0), weight, pad).masked_fill(~inside.unsqueeze(-1), 0.0)
-            return out if alone else g(out, mesh)  # g's output is new: it may be updated in place (CTRL)
+            return out if alone else g(out, mesh)  # a new tensor either way: it may be updated in place (CTRL)
     else:
-        def forward(x):
+        def forward(self, x):
             x = x.to_local() if alone and isinstance(x, DTensor) else x if alone else f(x, mesh)
-            params = leaves.params(module, owned)
+            params = leaves.params(self, owned)
             y = F.linear(x, params["weight"], params.get("bias"))
-            shape = (*y.shape[:-1], module.weight.shape[0])
+            shape = (*y.shape[:-1], self.weight.shape[0])
             return DTensor.from_local(y, mesh, [Shard(y.ndim - 1)], run_check=False, shape=shape,
                                       stride=torch.empty(shape, device="meta").stride())
-    module.forward = forward
+    bind_forward(module, forward)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -84,15 +84,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, start: int, mesh: DeviceMesh) -> torch.Tensor:
-        row_max = all_reduce(logits.detach().amax(dim=-1, keepdim=True), mesh, "max", inplace=True)
+        row_max = all_reduce(logits.detach().amax(dim=-1, keepdim=True), mesh, "max")
         shifted = logits - row_max
         exp = shifted.exp()
-        sum_exp = all_reduce(exp.sum(dim=-1, keepdim=True), mesh, inplace=True)
+        sum_exp = all_reduce(exp.sum(dim=-1, keepdim=True), mesh)
         valid = targets != IGNORE_INDEX
         local = targets - start
         inside = valid & (local >= 0) & (local < logits.shape[-1])
         local = torch.where(inside, local, 0).unsqueeze(-1)
-        picked = all_reduce(shifted.gather(-1, local).masked_fill_(~inside.unsqueeze(-1), 0.0), mesh, inplace=True)
+        picked = all_reduce(shifted.gather(-1, local).masked_fill_(~inside.unsqueeze(-1), 0.0), mesh)
         count = valid.sum()
         loss = (sum_exp.log() - picked).squeeze(-1).masked_fill(~valid, 0.0).sum() / count
         ctx.save_for_backward(exp.div_(sum_exp), local, inside, valid, count)

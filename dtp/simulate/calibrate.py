@@ -1,6 +1,7 @@
-"""Measure this machine and write a profile: the single-process GEMM rate (one thread, as each `dtp apply`
-rank runs) at several sizes, elementwise bandwidth, the fixed cost of one eager op, and gloo all-reduce
-time at several sizes on loopback ranks, fitted to the α-β ring model 2(n−1)α + 2(n−1)/n · S/β. Nothing is fitted to a training step.
+"""Measure this machine and write a profile: the kernels one rank runs (`calibrate_ops.py`: GEMM rate by size
+and layout, attention, each memory-bound op, the optimizer step, per-op dispatch; one thread, as each `dtp apply`
+rank runs here), and gloo all-reduce time at several sizes on 2 and 4 loopback ranks, fitted to the α-β ring
+model 2(n−1)α + 2(n−1)/n · S/β. Nothing is fitted to a training step.
 """
 from __future__ import annotations
 
@@ -14,31 +15,6 @@ import torch.distributed as dist
 from dtp.runtime.ranks import on_ranks
 
 SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # all-reduce buffers, bytes
-
-
-def gemm_flops(n: int = 1024, seconds: float = 1.0) -> float:
-    """Best-of-runs fp32 FLOP/s of an n × n × n matmul on one thread: the rate while the process holds a
-    core (time other processes take is a CPU share, measured separately by simulate_check)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        a @ b  # warm-up
-        rates, end = [], time.perf_counter() + seconds
-        while time.perf_counter() < end or len(rates) < 3:
-            t0 = time.perf_counter()
-            a @ b
-            rates.append(2 * n ** 3 / (time.perf_counter() - t0))
-        return max(rates)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def gemm_table(sizes: tuple[int, ...] = (128, 256, 512, 1024), seconds: float = 0.5) -> tuple[float, dict]:
-    """(the fastest single-thread FLOP/s, GFLOP of one n³ matmul → its rate as a fraction of that)."""
-    rates = {2 * n ** 3 / 1e9: gemm_flops(n, seconds) for n in sizes}
-    top = max(rates.values())
-    return top, {g: r / top for g, r in rates.items()}
 
 
 def elementwise_bandwidth(n: int = 1 << 22, reps: int = 20) -> float:
@@ -58,34 +34,58 @@ def elementwise_bandwidth(n: int = 1 << 22, reps: int = 20) -> float:
         torch.set_num_threads(threads)
 
 
-def op_overhead(reps: int = 2000) -> float:
-    """Seconds of one eager op on a one-element tensor: dispatch cost with no work (median of batches)."""
-    x = torch.ones(1)
-    batches = []  # the median batch: a batch is long enough to be preempted, its best would be optimistic
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            x = x + 0.0
-        batches.append((time.perf_counter() - t0) / reps)
-    return statistics.median(batches)
-
-
 def _allreduce_times(rank: int, world: int, sizes: tuple[int, ...], reps: int) -> list[float]:
+    """Seconds one all-reduce adds to a loop of compute segments, per size: as dtp's f and g call it (a functional,
+    out-of-place all-reduce and its wait) and where (between a layer's matmuls, with no barrier: the ranks'
+    drift between collectives, and the gloo threads waking on a core the other rank's compute holds, are
+    part of its cost, as in a training step). Each segment is one ~3 ms Linear GEMM; the loop's time less the
+    same loop without collectives, over its collectives."""
+    import torch.distributed._functional_collectives as fc
+
+    x, w = torch.randn(1024, 512), torch.randn(512, 512)
+    segments = 10
+
+    def loop(base: torch.Tensor, collective: bool) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(segments):
+            x @ w
+            fresh = base * 1.0  # a just-computed tensor, as a layer's output is (the loop without collectives too)
+            if collective:
+                fc.wait_tensor(fc.all_reduce(fresh, "sum", dist.group.WORLD))
+        return time.perf_counter() - t0
+
     out = []
     for size in sizes:
-        t = torch.ones(size // 4)
-        dist.all_reduce(t)  # warm-up
-        times = []
-        for _ in range(reps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(t)
-            times.append(time.perf_counter() - t0)
-        out.append(statistics.median(times))
+        base = torch.ones(size // 4)
+        loop(base, True)  # warm-up
+        alone = statistics.median(loop(base, False) for _ in range(3))
+        added = [(loop(base, True) - alone) / segments for _ in range(max(3, reps // 3))]
+        out.append(max(statistics.median(added), 1e-6))
     return out
 
 
-def allreduce_fit(world: int = 2, sizes: tuple[int, ...] = SIZES, reps: int = 7) -> tuple[float, float, list]:
+def _busy(rank: int, world: int, seconds: float) -> float:
+    """Work units per second of one rank running a training-like mix (a Linear GEMM and an add over 1M floats)
+    while `world` ranks run it at once."""
+    x, w, a = torch.randn(1024, 512), torch.randn(512, 512), torch.randn(1 << 20)
+    dist.barrier()
+    done, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        x @ w
+        a + a
+        done += 1
+    return done / (time.perf_counter() - t0)
+
+
+def rank_shares(worlds: tuple[int, ...], seconds: float = 1.5) -> dict[int, float]:
+    """n → the rate each of n concurrent one-thread ranks gets, as a fraction of one rank alone: more ranks than
+    cores share them (and two vCPUs may share less than two cores' worth). Measured, not assumed."""
+    alone = on_ranks(_busy, 1, seconds)[0]
+    return {n: min(1.0, statistics.fmean(on_ranks(_busy, n, seconds)) / alone) for n in worlds}
+
+
+def allreduce_fit(world: int = 2, sizes: tuple[int, ...] = SIZES, reps: int = 15) -> tuple[float, float, list]:
     """(α seconds per ring step, β bus bytes per second, [(size, seconds)]) of gloo on `world` local ranks."""
     per_rank = on_ranks(_allreduce_times, world, sizes, reps)
     times = [max(ts) for ts in zip(*per_rank)]
@@ -98,43 +98,84 @@ def allreduce_fit(world: int = 2, sizes: tuple[int, ...] = SIZES, reps: int = 7)
     return alpha, 1.0 / max(slope, 1e-15), list(zip(sizes, times))
 
 
-def profile_yaml(name: str, world: int = 2) -> tuple[str, dict]:
+def _num(x: float) -> str:
+    """A number as YAML reads it back as one (YAML 1.1 takes '1e+06' for a string): 4 significant digits."""
+    text = f"{x:.4g}"
+    return f"{x:.1f}" if "e" in text else text
+
+
+def profile_yaml(name: str, worlds: tuple[int, ...] = (2, 4)) -> tuple[str, dict]:
     """Measure and return (the profile's YAML text, the raw measurements)."""
-    flops, table = gemm_table()
+    from dtp.simulate import calibrate_ops as ops
+
+    flops, table, backward = ops.single_thread(ops.gemm_layouts)
+    attention, attention_back = ops.single_thread(lambda: ops.attention(flops))
+    op_bw, op_back = ops.single_thread(ops.memory_ops)
+    for world in worlds:  # the vocabulary-parallel loss at each tp (a fake group in this process)
+        op_bw[f"loss.parallel{world}"], op_back[f"loss.parallel{world}"], loss_impl = ops.single_thread(
+            lambda w=world: ops.parallel_loss(w))
+    op_bw["optimizer"], per_tensor = ops.single_thread(ops.sgd_step)
+    per_dtensor = max(on_ranks(ops.sgd_dtensor_tensor, worlds[0]))
     bandwidth = elementwise_bandwidth()
-    overhead = op_overhead()
-    alpha, beta, points = allreduce_fit(world)
+    overhead, back_overhead = ops.single_thread(ops.overheads)
+    fits = {n: allreduce_fit(n) for n in worlds}
+    alpha, beta = fits[worlds[0]][:2]
+    shares = rank_shares(worlds)
     cores = os.cpu_count() or 1
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    points_text = ", ".join(f"{s // 1024} KiB: {t * 1e3:.3f} ms" for s, t in points)
-    table_text = ", ".join(f"{g:.4g}: {f:.3f}" for g, f in sorted(table.items()))
-    link = f"{{busbw_GBps: {beta / 1e9:.4g}, efficiency: 1.0, latency_us: {alpha * 1e6:.4g}}}"
-    text = f"""# Measured by `dtp simulate --calibrate` on {when}: {cores} cores, torch {torch.__version__}.
-# gloo all-reduce on {world} loopback ranks (median of 7, slowest rank): {points_text}
+    points_text = "\n".join(f"#   world {n}: " + ", ".join(f"{s // 1024} KiB: {t * 1e3:.3f} ms" for s, t in f[2])
+                            for n, f in fits.items())
+    per_world = ", ".join(f"{n}: {{busbw_GBps: {_num(f[1] / 1e9)}, latency_us: {_num(f[0] * 1e6)}}}"
+                          for n, f in fits.items())
+
+    def flat(d: dict) -> str:
+        return "{" + ", ".join(f"{k}: {_num(v)}" for k, v in sorted(d.items())) + "}"
+
+    link = f"{{busbw_GBps: {_num(beta / 1e9)}, efficiency: 1.0, latency_us: {_num(alpha * 1e6)}}}"
+    text = f"""# Measured by `dtp simulate --calibrate` on {when}: {cores} cores, torch {torch.__version__}, one thread per rank.
+# gloo functional all-reduce between ~3 ms compute segments, no barrier (time added per collective, slowest rank), alpha-beta per world:
+{points_text}
 name: {name}
 description: this machine (CPU, gloo over loopback), measured {when}
 calibrated: >-
-  nothing fitted to a training step; GEMM rate ({flops / 1e9:.2f} GFLOP/s fp32, one thread, the fastest
-  of 128^3-1024^3 matmuls) and each size's fraction of it (gemm_efficiency), single-thread elementwise-add bandwidth (hbm_GBps),
-  the cost of one eager op on a one-element tensor (op_overhead_us) and the alpha-beta fit of gloo
-  all-reduce ({world} ranks) are measurements.
+  nothing fitted to a training step; every figure is a microbenchmark (dtp/simulate/calibrate_ops.py): the
+  fastest Linear-shaped fp32 GEMM ({flops / 1e9:.2f} GFLOP/s, one thread) and each size's fraction of it for the
+  forward x.W^T (gemm_efficiency) and the backward dy.W, dy^T.x (gemm_backward_efficiency); SDPA's rate and
+  backward ratio; each memory-bound aten op's bandwidth over the elements ops.py counts and its backward ratio;
+  the SGD step's bandwidth (op_GBps.optimizer); the vocabulary-parallel loss ({loss_impl}); an eager op's
+  fixed forward and backward cost; gloo all-reduce
+  at worlds {", ".join(map(str, worlds))} fitted to alpha-beta per world; the rate n
+  concurrent ranks each get (rank_share).
 gpu:
   name: cpu-rank
   peak_tflops: {{fp32: {flops / 1e12:.6g}}}
   achieved_fraction: 1.0
   memory_GiB: {mem:.1f}
-  hbm_GBps: {bandwidth / 1e9:.4g}
-  gemm_efficiency: {{{table_text}}}
+  hbm_GBps: {bandwidth / 1e9:.4g}   # an elementwise add into a preallocated output: ops without a figure below
+  gemm_efficiency: {flat(table)}
+  gemm_backward_efficiency: {flat(backward)}
+  attention_efficiency: {attention:.3f}
+  attention_backward: {attention_back:.3f}
+  op_GBps: {flat(op_bw)}
+  op_backward: {flat(op_back)}
   op_overhead_us: {overhead * 1e6:.4g}
+  backward_overhead_us: {back_overhead * 1e6:.4g}
+  optimizer_tensor_us: {per_tensor * 1e6:.4g}
+  optimizer_dtensor_us: {per_dtensor * 1e6:.4g}
   async_ops: false   # a CPU rank runs each op to completion: overhead and work add
 node:
   gpus: 64
   compute_slots: {cores}
+  rank_share: {flat(shares)}   # measured: each of n concurrent ranks' rate over one rank alone
   intra: {link}
   inter: {link}
+  worlds: {{{per_world}}}
 dp_overlap: false
 """
-    return text, {"gemm_flops": flops, "gemm_efficiency": table, "elementwise_bytes_per_s": bandwidth,
-                  "op_overhead_s": overhead, "alpha_s": alpha, "beta_bytes_per_s": beta,
-                  "allreduce": points, "cores": cores}
+    return text, {"gemm_flops": flops, "gemm_efficiency": table, "gemm_backward_efficiency": backward,
+                  "attention": [attention, attention_back], "op_GBps": op_bw, "op_backward": op_back,
+                  "elementwise_bytes_per_s": bandwidth, "op_overhead_s": overhead,
+                  "backward_overhead_s": back_overhead, "optimizer_tensor_s": per_tensor, "optimizer_dtensor_s": per_dtensor, "alpha_s": alpha, "beta_bytes_per_s": beta,
+                  "allreduce": {n: f[2] for n, f in fits.items()},
+                  "allreduce_fit": {n: f[:2] for n, f in fits.items()}, "rank_share": shares, "cores": cores}

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from dtp.layout.resolve import Resolution
-from dtp.simulate.ops import Recorder, summarize
+from dtp.simulate.ops import LOSS, Recorder, summarize
 
 SHARDING_STYLES = ("colwise", "rowwise", "vocab_parallel")
 RECOMPUTE = ("none", "selective", "full", "op")
@@ -67,8 +68,14 @@ def count(model: nn.Module, seq: int, resolution: Resolution | None = None) -> F
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     counter = FlopCounterMode(display=False, depth=None)
     recorder = Recorder()
+    recorder.seq = seq
     with counter, recorder, torch.no_grad():
-        model(ids)
+        out = model(ids)
+        logits = out.logits if hasattr(out, "logits") else out
+        if isinstance(logits, torch.Tensor) and logits.dim() == 3:  # the training loss: priced as the other ops
+            recorder.scope = LOSS
+            F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+            recorder.scope = None
     totals = {_strip(k): v for k, v in counter.get_flop_counts().items() if k != "Global"}
     blocks = block_paths(model)
     styles = {p: rule.style.name for p, rule in (resolution.claims.items() if resolution else ())

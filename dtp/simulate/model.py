@@ -76,6 +76,8 @@ class Workload:
     collectives: tuple[Collective, ...]  # one micro-batch's forward + backward at this tp
     block_paths: tuple[str, ...]
     unit_params: tuple[float, ...] = ()  # FSDP: tp-local parameters of each block unit, the root last
+    param_tensors: int = 0  # parameter tensors per rank: an unfused optimizer dispatches per tensor
+    sharded_tensors: int = 0  # of them, those the plan shards (DTensors at tp > 1: DTensor's dispatch per op)
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,7 @@ def simulate(work: Workload, run: Run, prof: Profile) -> Result:
     """Predict one iteration of `run` on `prof`."""
     elem = ELEM[run.precision]
     per_node = min(run.gpus, prof.gpus_per_node)
-    share = min(1.0, prof.compute_slots / per_node)
+    share = prof.share(per_node)
     rate = prof.flops_per_s(run.precision) * share
     m = run.microbatches
     rank_flops = m * work.flops.iteration(run.micro_batch, run.recompute, run.tp)
@@ -177,6 +179,7 @@ def simulate(work: Workload, run: Run, prof: Profile) -> Result:
         backward, parts = 2 / 3 * compute / m, None
 
     tp_link = prof.intra if run.tp <= prof.gpus_per_node else comm.per_gpu_inter(prof)
+    tp_link = prof.link_for(run.tp, tp_link)
     colls = tp_collectives(work, run)
     tp_time = m * sum(ring_time(c.op, c.buffer_bytes, run.tp, tp_link) for c in colls)
     if run.tp_overlap and parts is not None:  # Megatron's async input-gradient all-reduce (K22 §6.2)
@@ -198,7 +201,10 @@ def simulate(work: Workload, run: Run, prof: Profile) -> Result:
     # write the low-precision copy (FSDP: on the rank's shard only).
     states = 2 if run.optimizer == "adam" else 1
     traffic = elem + 8 + 8 * states + (elem if elem < 4 else 0)
-    optimizer = work.params_per_rank / shard * traffic / (prof.hbm_GBps * 1e9)
+    optimizer = work.params_per_rank / shard * traffic / (prof.bandwidth("optimizer") * share)
+    dtensors = work.sharded_tensors if run.tp > 1 and prof.optimizer_dtensor_us else 0
+    per_tensor = (work.param_tensors - dtensors) * prof.optimizer_tensor_us + dtensors * prof.optimizer_dtensor_us
+    optimizer += per_tensor * 1e-6 / (1.0 if prof.async_ops else share)
 
     acts = activation_bytes(work.shape, run.micro_batch, run.seq, run.tp, elem=elem, recompute=run.recompute,
                             sequence_parallel=work.sequence_parallel, dropout=work.shape.dropout,
@@ -229,5 +235,10 @@ def workload(checked, model, tp: int, *, seq: int, micro_batch: int, precision: 
     colls = schedule(checked, tp, micro_batch, seq, dtype=DTYPE[precision], lowered=low, plain=False)
     total = float(sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()))
     units = tuple(float(n) for _, n in unit_bytes(checked, model, tp, 1, 1))
+    from dtp.simulate.flops import SHARDING_STYLES
+
+    tensors = dict(model.named_parameters())  # tied parameters once
+    sharded = {path for path, rule in checked.resolution.claims.items() if rule.style.name in SHARDING_STYLES}
+    on_sharded = sum(1 for name in tensors if name.rsplit(".", 1)[0] in sharded)
     return Workload(flops, params_per_rank, total, shape, low.sequence_parallel, tuple(colls),
-                    tuple(block_paths(model)), units)
+                    tuple(block_paths(model)), units, len(tensors), on_sharded)

@@ -7,7 +7,7 @@ profiles live in `profiles/` (inside the wheel as `dtp/profiles/`); any other pa
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dtp import files
@@ -54,6 +54,17 @@ class Profile:
     gemm_efficiency: tuple[tuple[float, float], ...] = ()  # (GFLOP of one op, fraction of the rate), sorted
     op_overhead_us: float = 0.0  # fixed cost of every op: dispatch + kernel launch
     async_ops: bool = True  # GPUs queue kernels: an op costs max(overhead, work); a CPU rank adds them
+    # Measured per machine by `--calibrate` (a CPU rank); a GPU profile leaves them at the defaults:
+    gemm_backward_efficiency: tuple[tuple[float, float], ...] = ()  # dx = dy·W and dW = dyᵀ·x (else the forward's)
+    attention_efficiency: float = 1.0  # the fused attention kernel's FLOP rate ÷ the GEMM rate
+    attention_backward: float = 0.0  # its backward ÷ its forward (0: 2.5 for flash, 2 otherwise)
+    backward_overhead_us: float = -1.0  # fixed cost of one op's backward (negative: twice op_overhead_us)
+    optimizer_tensor_us: float = 0.0  # the optimizer step's fixed cost per parameter tensor (torch's per-tensor loop)
+    optimizer_dtensor_us: float = 0.0  # the same for a sharded (DTensor) parameter: DTensor dispatches each op
+    op_GBps: tuple[tuple[str, float], ...] = ()  # aten op → its forward bandwidth over the traffic ops.py counts
+    op_backward: tuple[tuple[str, float], ...] = ()  # aten op → its backward ÷ its forward (else 2)
+    rank_share: tuple[tuple[float, float], ...] = ()  # n concurrent ranks → each one's rate over one alone
+    worlds: tuple[tuple[int, Link], ...] = ()  # group size → its own α-β (gloo ranks time-sharing cores)
 
     def flops_per_s(self, precision: str) -> float:
         """Achieved dense GEMM FLOP/s of one accelerator at `precision`."""
@@ -77,6 +88,36 @@ class Profile:
                 return f0 + (f1 - f0) * (x - x0) / (x1 - x0)
         return points[-1][1]
 
+    def gemm_backward_fraction(self, flops: float) -> float:
+        """As `gemm_fraction`, for the two backward GEMMs of a forward one (the forward's table if none)."""
+        if not self.gemm_backward_efficiency:
+            return self.gemm_fraction(flops)
+        return replace(self, gemm_efficiency=self.gemm_backward_efficiency).gemm_fraction(flops)
+
+    def share(self, ranks: int) -> float:
+        """The fraction of its rate each of `ranks` concurrent ranks on one node gets: measured (rank_share,
+        nearest measured count at or above), else compute_slots ÷ ranks, at most 1."""
+        measured = [f for n, f in self.rank_share if n >= ranks]
+        if measured:
+            return measured[0]
+        return min(1.0, self.compute_slots / max(ranks, 1))
+
+    def link_for(self, ranks: int, default: Link) -> Link:
+        """The link a group of `ranks` runs its collectives over: its own measured fit, else `default`."""
+        return dict(self.worlds).get(ranks, default)
+
+    def bandwidth(self, op: str) -> float:
+        """Bytes per second of memory-bound aten op `op` (its calibrated figure, else `hbm_GBps`)."""
+        return dict(self.op_GBps).get(op, self.hbm_GBps) * 1e9
+
+    def has(self, op: str) -> bool:
+        """Whether the profile has a measured bandwidth for `op`."""
+        return op in dict(self.op_GBps)
+
+    def backward_ratio(self, op: str) -> float:
+        """The backward of memory-bound op `op` ÷ its forward: calibrated, else 2 (read and write twice)."""
+        return dict(self.op_backward).get(op, 2.0)
+
 
 # key → (type, lower bound, upper bound); nested dicts are sections.
 _LINK = {"busbw_GBps": (float, 1e-6, 1e6), "latency_us": (float, 0.0, 1e7), "efficiency": (float, 1e-3, 1.0)}
@@ -87,8 +128,13 @@ _SCHEMA = {
     "gpu": {"name": (str, 1, 100), "peak_tflops": {p: (float, 1e-6, 1e5) for p in PRECISIONS},
             "achieved_fraction": (float, 1e-3, 1.0), "memory_GiB": (float, 1e-3, 1e5),
             "hbm_GBps": (float, 1e-3, 1e6), "gemm_efficiency": "table", "op_overhead_us": (float, 0.0, 1e6),
-            "async_ops": (bool, None, None)},
-    "node": {"gpus": (int, 1, 4096), "compute_slots": (int, 1, 4096), "intra": _LINK, "inter": _LINK},
+            "async_ops": (bool, None, None), "gemm_backward_efficiency": "table",
+            "attention_efficiency": (float, 1e-3, 1.0), "attention_backward": (float, 0.5, 20.0),
+            "backward_overhead_us": (float, 0.0, 1e6), "optimizer_tensor_us": (float, 0.0, 1e6),
+            "optimizer_dtensor_us": (float, 0.0, 1e6),
+            "op_GBps": "named", "op_backward": "named"},
+    "node": {"gpus": (int, 1, 4096), "compute_slots": (int, 1, 4096), "intra": _LINK, "inter": _LINK,
+             "rank_share": "table", "worlds": "links"},
     "dp_overlap": (bool, None, None),
 }
 _REQUIRED = {"name", "gpu", "gpu.name", "gpu.peak_tflops", "gpu.achieved_fraction", "gpu.memory_GiB",
@@ -144,7 +190,19 @@ def _parsed(data: object, where: str) -> Profile:
         inter=Link(**{k: float(v) for k, v in node["inter"].items()}),
         dp_overlap=bool(data.get("dp_overlap", False)), calibrated=data.get("calibrated", ""),
         gemm_efficiency=tuple(sorted((float(g), float(f)) for g, f in gpu.get("gemm_efficiency", {}).items())),
-        op_overhead_us=float(gpu.get("op_overhead_us", 0.0)), async_ops=bool(gpu.get("async_ops", True)))
+        op_overhead_us=float(gpu.get("op_overhead_us", 0.0)), async_ops=bool(gpu.get("async_ops", True)),
+        gemm_backward_efficiency=tuple(sorted((float(g), float(f))
+                                              for g, f in gpu.get("gemm_backward_efficiency", {}).items())),
+        attention_efficiency=float(gpu.get("attention_efficiency", 1.0)),
+        attention_backward=float(gpu.get("attention_backward", 0.0)),
+        backward_overhead_us=float(gpu.get("backward_overhead_us", -1.0)),
+        optimizer_tensor_us=float(gpu.get("optimizer_tensor_us", 0.0)),
+        optimizer_dtensor_us=float(gpu.get("optimizer_dtensor_us", 0.0)),
+        op_GBps=tuple(sorted((k, float(v)) for k, v in gpu.get("op_GBps", {}).items())),
+        op_backward=tuple(sorted((k, float(v)) for k, v in gpu.get("op_backward", {}).items())),
+        rank_share=tuple(sorted((float(n), float(f)) for n, f in node.get("rank_share", {}).items())),
+        worlds=tuple(sorted((int(n), Link(**{k: float(v) for k, v in link.items()}))
+                            for n, link in node.get("worlds", {}).items())))
 
 
 def _get(data: dict, dotted: str):
@@ -165,6 +223,12 @@ def _validate(data: dict, schema: dict, prefix: str, where: str) -> None:
         if rule == "table":
             _check_table(value, name, where)
             continue
+        if rule == "named":
+            _check_named(value, name, where)
+            continue
+        if rule == "links":
+            _check_links(value, name, where)
+            continue
         if isinstance(rule, dict):
             if not isinstance(value, dict):
                 raise UsageError(f"{where}: '{name}' must be a mapping")
@@ -181,6 +245,28 @@ def _check_table(value, name: str, where: str) -> None:
     for gflop, frac in value.items():
         _check_value(gflop, float, 1e-9, 1e9, f"{name} key", where)
         _check_value(frac, float, 1e-3, 1.0, f"{name}[{gflop}]", where)
+
+
+def _check_links(value, name: str, where: str) -> None:
+    # group size → a link (busbw_GBps, latency_us, efficiency)
+    if not isinstance(value, dict) or not 1 <= len(value) <= 16:
+        raise UsageError(f"{where}: '{name}' must be a mapping of 1–16 entries, group size: link")
+    for size, link in value.items():
+        _check_value(size, int, 2, 4096, f"{name} key", where)
+        if not isinstance(link, dict):
+            raise UsageError(f"{where}: '{name}[{size}]' must be a mapping (busbw_GBps, latency_us)")
+        _validate(link, _LINK, f"{name}[{size}].", where)
+        if "busbw_GBps" not in link or "latency_us" not in link:
+            raise UsageError(f"{where}: '{name}[{size}]' needs busbw_GBps and latency_us")
+
+
+def _check_named(value, name: str, where: str) -> None:
+    # aten op name → a positive figure (a bandwidth in GB/s, or a backward ÷ forward ratio)
+    if not isinstance(value, dict) or not 1 <= len(value) <= 64:
+        raise UsageError(f"{where}: '{name}' must be a mapping of 1–64 entries, aten op name: number")
+    for op, figure in value.items():
+        _check_value(op, str, 1, 80, f"{name} key", where)
+        _check_value(figure, float, 1e-6, 1e6, f"{name}[{clip(str(op), 40)}]", where)
 
 
 def _check_value(value, kind: type, low, high, name: str, where: str) -> None:

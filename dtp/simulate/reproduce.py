@@ -79,6 +79,14 @@ def _tt(label: str, dp: int, compile_: bool, tps: float, gib: float, fitted=Fals
     return Row(label, "llama3-8b", "plans/llama.tp", run, 2 * 8192 / tps, f"{tps:,.0f} TPS/GPU", gib, fitted)
 
 
+def _tt2(label: str, model: str, dp: int, mbs: int, recompute: str, tps: float, async_tp: bool) -> Row:
+    # torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md: bf16, torch.compile, seq 8192 (the
+    # llama3 train configs' seq_len), TP 8 with sequence parallelism inside a host × FSDP across hosts. TPS is
+    # per GPU: local batch × seq ÷ (seconds × tp). Async TP is priced as dtp's --tp-overlap (backward only).
+    run = Run(8, dp, mbs, mbs * dp, 8192, "bf16", recompute, "adam", True, fsdp=True, compile=True, tp_overlap=async_tp)
+    return Row(label, model, "plans/llama-sp.tp", run, mbs * 8192 / (tps * 8), f"{tps:,} TPS/GPU")
+
+
 SOURCES = {
     "a100": Source("a100", "Narayanan et al. 2021, Table 1 (PP 1); Korthikanti et al. 2022, Table 5 (22B)", "a100-80gb", (
         _n21("megatron-1.7b", 1, 512, 16, 137, 24, 2304, fitted=True),
@@ -88,7 +96,8 @@ SOURCES = {
         _k22("K22 22B TP 8, full recompute", "plans/gpt2.tp", "full", 1.42),
         _k22("K22 22B TP 8, SP + selective", "plans/gpt2-sp.tp", "selective", 1.10),
     )),
-    "torchtitan": Source("torchtitan", "pytorch/torchtitan docs/performance.md, Tables 1, 3 and 4", "h100-96gb", (
+    "torchtitan": Source("torchtitan", "pytorch/torchtitan docs/performance.md, Tables 1, 3 and 4; "
+                         "benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (bf16 FSDP × TP)", "h100-96gb", (
         _tt("8B FSDP 8", 8, False, 5762, 82.4, fitted=True),
         _tt("8B FSDP 8 + compile", 8, True, 6667, 77.0),
         _tt("8B FSDP 128", 128, False, 5605, 67.0),
@@ -96,6 +105,10 @@ SOURCES = {
         Row("70B FSDP 32 × TP 8 (Float8: memory only)", "llama3-70b", "plans/llama-sp.tp",
             Run(8, 32, 16, 512, 8192, "bf16", "full", "adam", True, fsdp=True, compile=True), None,
             "829 TPS/GPU (Float8)", 71.9),
+        _tt2("70B FSDP 32 × TP 8, mb 16, full recompute", "llama3-70b", 32, 16, "full", 597.3, False),
+        _tt2("70B FSDP 32 × TP 8, mb 16, full recompute, async TP", "llama3-70b", 32, 16, "full", 652.4, True),
+        _tt2("8B FSDP 8 × TP 8, mb 12, per-op recompute", "llama3-8b", 8, 12, "op", 4378, False),
+        _tt2("8B FSDP 8 × TP 8, mb 12, per-op recompute, async TP", "llama3-8b", 8, 12, "op", 4809.4, True),
     )),
 }
 SOURCES["torchtitan-a100"] = Source(
@@ -104,7 +117,7 @@ SOURCES["torchtitan-a100"] = Source(
             Run(1, 64, 1, 64, 8192, "bf16", "op", "adam", True, fsdp=True), 8192 / 2973, "2,973 WPS", fitted=True),
         Row("70B FSDP 64, full recompute", "llama3-70b", "plans/llama.tp",
             Run(1, 64, 1, 64, 8192, "bf16", "full", "adam", True, fsdp=True), 8192 / 331, "331 WPS"),
-    ), fraction=0.754)
+    ), fraction=0.751)
 NAMES = ("megatron2019", *SOURCES)
 
 

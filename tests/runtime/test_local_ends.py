@@ -139,3 +139,26 @@ def test_vocab_parallel_ends_train_like_the_unsharded_model():
         # embedding: 1 (forward); head: 1 (its input gradient, backward); loss: 3; tanh layer replicated
         assert r["counts"] == [{"all_reduce": 5}] * 4
         assert r["moved"] <= 1e-12
+
+
+def _twin(rank: int, world: int) -> dict:
+    import copy
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    model = Tiny(12, tied=False)
+    dtp.apply(dtp.parse(PLAN, "tiny.tp"), model, mesh)
+    ids = torch.randint(0, 12, (2, 6), generator=torch.Generator().manual_seed(1))
+    before = model(ids).full_tensor()
+    twin = copy.deepcopy(model)  # an EMA copy, say: it must compute with its own parameters
+    with torch.no_grad():
+        twin.head.weight.zero_()
+    out = twin(ids)
+    cross_entropy(out, ids).backward()
+    return {"twin": float(out.full_tensor().abs().max()), "original": float((model(ids).full_tensor() - before).abs().max()),
+            "twin_grad": twin.head.weight.grad is not None, "original_grad": model.head.weight.grad is None}
+
+
+def test_a_deep_copy_computes_with_its_own_parameters():
+    r = on_ranks(_twin, 2)[0]
+    assert r == {"twin": 0.0, "original": 0.0, "twin_grad": True, "original_grad": True}

