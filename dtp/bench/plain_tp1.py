@@ -92,30 +92,29 @@ def hf_loop_process(steps: int, threads: int, apply: bool = False) -> float:
     return float(done.stdout.split()[-1])
 
 
+def _dtp(args: list[str], threads: int, src: str | None) -> None:
+    """`python -m dtp ARGS` on `threads` intra-op threads (from `src`'s dtp when given); RuntimeError on failure."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), **({"PYTHONPATH": src} if src else {})}
+    cmd = [sys.executable, "-m", "dtp", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=src or None, timeout=900)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr[-2000:]}")
+
+
 def dtp_apply(steps: int, threads: int, plan: str, src: str | None) -> float:
     """tokens/s from `dtp apply PLAN gpt2-tiny --tp 1`'s median step time (from `src`'s dtp when given)."""
     with tempfile.TemporaryDirectory(prefix="dtp-bench-tp1-") as tmp:
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), **({"PYTHONPATH": src} if src else {})}
         report = Path(tmp, "apply.json")
-        cmd = [sys.executable, "-m", "dtp", "apply", plan, "gpt2-tiny", "--tp", "1", "--steps", str(steps),
-               "--batch", str(APPLY_BATCH), "--seq", str(APPLY_SEQ), "--json", str(report)]
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=src or None, timeout=900)
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr[-2000:]}")
+        _dtp(["apply", plan, "gpt2-tiny", "--tp", "1", "--steps", str(steps), "--batch", str(APPLY_BATCH),
+              "--seq", str(APPLY_SEQ), "--json", str(report)], threads, src)
         return APPLY_BATCH * APPLY_SEQ / (json.loads(report.read_text())["step_time_ms"] / 1e3)
 
 
 def dtp_train(steps: int, threads: int, plan: str, src: str | None) -> float:
     """tokens/s from `dtp train PLAN gpt2-tiny --tp 1`'s summary (from `src`'s dtp when given)."""
     with tempfile.TemporaryDirectory(prefix="dtp-bench-tp1-") as tmp:
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        if src:
-            env["PYTHONPATH"] = src
-        cmd = [sys.executable, "-m", "dtp", "train", plan, "gpt2-tiny", "--tp", "1", "--steps", str(steps),
-               "--batch", str(BATCH), "--seq", str(SEQ), "--eval-every", str(steps), "--out", tmp, "--device", "cpu"]
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=src or None, timeout=900)
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr[-2000:]}")
+        _dtp(["train", plan, "gpt2-tiny", "--tp", "1", "--steps", str(steps), "--batch", str(BATCH), "--seq",
+              str(SEQ), "--eval-every", str(steps), "--out", tmp, "--device", "cpu"], threads, src)
         return json.loads(Path(tmp, "summary.json").read_text())["tokens_per_s"]
 
 

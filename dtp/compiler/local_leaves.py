@@ -39,8 +39,9 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
 
 
-def _wrap(p: DTensor, local: torch.Tensor) -> DTensor:
-    """`local` as a DTensor laid out as `p` (a gradient of `p`), without autograd."""
+def like(p: DTensor, local: torch.Tensor) -> DTensor:
+    """`local` (this rank's part of a tensor shaped as `p`: its gradient, an optimizer buffer) as a DTensor laid
+    out as `p`, without autograd."""
     if local.dtype == p.dtype and local.shape == p._local_tensor.shape:
         # p's own spec fits its gradient: DTensor's constructor, as DTensor's ops make their outputs (from_local
         # is an autograd function around it, 10× the cost; once per parameter and step)
@@ -51,11 +52,11 @@ def _wrap(p: DTensor, local: torch.Tensor) -> DTensor:
 def _grad_to_dtensor(p: DTensor, leaf: torch.Tensor) -> None:
     """After an accumulation into the leaf: `p.grad` is, or now includes, the leaf's gradient."""
     if p.grad is None:
-        p.grad = _wrap(p, leaf.grad)
+        p.grad = like(p, leaf.grad)
     elif not _same(p.grad._local_tensor, leaf.grad):
         # `p` is also used as a DTensor (a tied weight's owner that is not localized, a forward that reads the
         # parameter itself), which accumulated into a gradient of its own first: sum the two
-        p.grad = p.grad + _wrap(p, leaf.grad)
+        p.grad = p.grad + like(p, leaf.grad)
         leaf.grad = p.grad._local_tensor.detach() if p.grad.placements == p.placements else None
 
 

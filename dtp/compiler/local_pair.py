@@ -84,6 +84,14 @@ def f(x: object, mesh: DeviceMesh) -> object:
     return _CopyToRanks.apply(x, mesh)
 
 
+def colwise_input(x: object, mesh: DeviceMesh) -> object:
+    """A colwise layer's input as this rank's local tensor: through f, or as it is over a one-rank mesh (tp 1
+    under FSDP2), where there is nothing to reduce."""
+    if mesh.size() == 1:
+        return x.to_local() if isinstance(x, DTensor) else x
+    return f(x, mesh)
+
+
 def g(y: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """Megatron's g: the sum of every rank's partial output (forward all-reduce; identity backward)."""
     return _SumOverRanks.apply(y, mesh)
@@ -161,8 +169,7 @@ def localize(module: nn.Module, side: str, mesh: DeviceMesh, before: tuple[set[i
     alone = mesh.size() == 1  # tp 1 under FSDP2: nothing to communicate
     if side == "colwise":
         def forward(self, x):
-            x = x.to_local() if alone and isinstance(x, DTensor) else x if alone else f(x, mesh)
-            return _run(self, x, leaves.params(self, owned))
+            return _run(self, colwise_input(x, mesh), leaves.params(self, owned))
     else:
         def forward(self, x):
             params = leaves.params(self, owned)

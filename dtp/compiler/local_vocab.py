@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from dtp.compiler.local_leaves import LocalLeaves, owned_params
-from dtp.compiler.local_pair import all_reduce, bind_forward, drop_style_hooks, f, g
+from dtp.compiler.local_pair import all_reduce, bind_forward, colwise_input, drop_style_hooks, g
 from dtp.compiler.placed import VocabParallelEmbedding
 
 IGNORE_INDEX = -100  # F.cross_entropy's default, which transformers' labels use
@@ -45,9 +45,8 @@ def vocab_side(style: ParallelStyle, module: nn.Module) -> str | None:
     return None
 
 
-def _first_row(weight: DTensor) -> int:
-    """This rank's first vocabulary row under `Shard(0)` (torch.chunk's split: ceil(V / tp) rows per rank)."""
-    mesh, rows = weight.device_mesh, weight.shape[0]
+def _first_row(rows: int, mesh: DeviceMesh) -> int:
+    """This rank's first of `rows` vocabulary rows split over `mesh` (torch.chunk's split: ceil(V / tp) per rank)."""
     return min(mesh.get_local_rank() * -(-rows // mesh.size()), rows)
 
 
@@ -61,7 +60,7 @@ def localize_vocab(module: nn.Module, side: str, mesh: DeviceMesh, before: tuple
     if side == "embedding":
         def forward(self, ids):
             ids = ids.to_local() if isinstance(ids, DTensor) else ids
-            start, weight = _first_row(self.weight), leaves.params(self, owned)["weight"]
+            start, weight = _first_row(self.weight.shape[0], mesh), leaves.params(self, owned)["weight"]
             local = ids - start
             inside = (local >= 0) & (local < weight.shape[0])
             pad = self.padding_idx
@@ -70,9 +69,8 @@ def localize_vocab(module: nn.Module, side: str, mesh: DeviceMesh, before: tuple
             return out if alone else g(out, mesh)  # a new tensor either way: it may be updated in place (CTRL)
     else:
         def forward(self, x):
-            x = x.to_local() if alone and isinstance(x, DTensor) else x if alone else f(x, mesh)
             params = leaves.params(self, owned)
-            y = F.linear(x, params["weight"], params.get("bias"))
+            y = F.linear(colwise_input(x, mesh), params["weight"], params.get("bias"))
             shape = (*y.shape[:-1], self.weight.shape[0])
             return DTensor.from_local(y, mesh, [Shard(y.ndim - 1)], run_check=False, shape=shape,
                                       stride=torch.empty(shape, device="meta").stride())
@@ -118,10 +116,9 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
     if logits.device_mesh.ndim != 1 or logits.placements not in ((Shard(-1),), (Shard(logits.ndim - 1),)):
         raise ValueError(f"vocabulary-parallel logits must be Shard(-1) on a 1-D mesh, got {logits.placements}")
-    vocab = logits.shape[-1]
     mesh = logits.device_mesh
     local = logits.to_local()
     if local.dtype in (torch.float16, torch.bfloat16):
         local = local.float()
-    start = min(mesh.get_local_rank() * -(-vocab // mesh.size()), vocab)
+    start = _first_row(logits.shape[-1], mesh)
     return _VocabParallelCrossEntropy.apply(local.flatten(0, -2), targets.flatten(), start, mesh)

@@ -46,11 +46,6 @@ class Applied:
     checked: Checked
     plain: bool = False  # a one-rank mesh left as plain PyTorch: no DTensor, no collectives (see `apply`)
 
-    @property
-    def loss_parallel(self) -> bool:
-        """Whether the loss must run under loss_parallel (never on a plain model: its logits are whole)."""
-        return self.compiled.loss_parallel and not self.plain
-
     def full(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (a parameter or its gradient) gathered to the model's unsharded layout (a collective)."""
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -18,20 +18,16 @@ SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # all-reduce buffers, b
 
 
 def elementwise_bandwidth(n: int = 1 << 22, reps: int = 20) -> float:
-    """Bytes per second of a single-thread elementwise add (two reads and one write per element), best of runs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a, b, out = torch.ones(n), torch.ones(n), torch.empty(n)
+    """Bytes per second of an elementwise add (two reads and one write per element), best of runs (run it
+    through `calibrate_ops.single_thread`, as a rank runs)."""
+    a, b, out = torch.ones(n), torch.ones(n), torch.empty(n)
+    torch.add(a, b, out=out)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
         torch.add(a, b, out=out)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            torch.add(a, b, out=out)
-            times.append(time.perf_counter() - t0)
-        return 3 * 4 * n / min(times)
-    finally:
-        torch.set_num_threads(threads)
+        times.append(time.perf_counter() - t0)
+    return 3 * 4 * n / min(times)
 
 
 def _allreduce_times(rank: int, world: int, sizes: tuple[int, ...], reps: int) -> list[float]:
@@ -116,7 +112,7 @@ def profile_yaml(name: str, worlds: tuple[int, ...] = (2, 4)) -> tuple[str, dict
             lambda w=world: ops.parallel_loss(w))
     op_bw["optimizer"], per_tensor = ops.single_thread(ops.sgd_step)
     per_dtensor = max(on_ranks(ops.sgd_dtensor_tensor, worlds[0]))
-    bandwidth = elementwise_bandwidth()
+    bandwidth = ops.single_thread(elementwise_bandwidth)
     overhead, back_overhead = ops.single_thread(ops.overheads)
     fits = {n: allreduce_fit(n) for n in worlds}
     alpha, beta = fits[worlds[0]][:2]

@@ -22,7 +22,7 @@ _FLUSH = torch.zeros(1 << 23)  # 32 MB: more than this machine's L2 caches toget
 MEMORY_ELEMENTS = 1 << 20  # the size memory-bound ops are timed at: a GPT's activations (the loss: 4×)
 
 
-def _best(fn: Callable[[], object], reps: int = 9, cold: bool = False) -> float:
+def _typical(fn: Callable[[], object], reps: int = 9, cold: bool = False) -> float:
     """Seconds of the median of `reps` calls after two warm-ups: a training step runs each kernel once, so the
     typical call, not the fastest (the fastest was 5-10 % optimistic against the ops' times inside a step).
     `cold`: the caches are flushed before each call, as in a step, where a memory-bound op reads activations
@@ -56,8 +56,8 @@ def gemm_layouts() -> tuple[float, dict[float, float], dict[float, float]]:
                 w, b = torch.randn(o, k, requires_grad=True), torch.randn(o, requires_grad=True)
                 dy = torch.randn(m // 128, 128, o)
                 key = round(flops / 1e9, 4)
-                ahead = _best(lambda: F.linear(x, w, b))
-                both = _best(lambda: torch.autograd.grad(F.linear(x, w, b), (x, w, b), dy))
+                ahead = _typical(lambda: F.linear(x, w, b))
+                both = _typical(lambda: torch.autograd.grad(F.linear(x, w, b), (x, w, b), dy))
                 forward.setdefault(key, []).append(flops / ahead)
                 backward.setdefault(key, []).append(2 * flops / max(both - ahead, 1e-9))
     top = max(max(r) for r in forward.values())
@@ -82,13 +82,13 @@ def attention(gemm_rate: float, batch_heads: int = 32, seq: int = 256, head_dim:
     """(SDPA's forward FLOP rate ÷ `gemm_rate`, backward ÷ forward) of causal attention: FLOPs counted as
     ops.py records them (QKᵀ and × V in full, 4·s²·d per head)."""
     q, k, v = (torch.randn(1, batch_heads, seq, head_dim, requires_grad=True) for _ in range(3))
-    forward = _best(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    forward = _typical(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     grad = torch.randn(1, batch_heads, seq, head_dim)
 
     def step() -> None:
         torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), grad)
 
-    both = _best(step)
+    both = _typical(step)
     flops = 4 * batch_heads * seq * seq * head_dim
     return min(1.0, flops / forward / gemm_rate), max(0.5, (both - forward) / forward)
 
@@ -145,7 +145,7 @@ def memory_ops(n: int = MEMORY_ELEMENTS) -> tuple[dict[str, float], dict[str, fl
             fn(*args)
         elements = sum(r[3] + r[5] for r in recorder.raw if r[1] == "memory" and r[4] == name)
         leaf = args[0]
-        forward = _best(lambda: fn(*args), cold=True)
+        forward = _typical(lambda: fn(*args), cold=True)
         grad = torch.randn_like(fn(*args))
         backward = _backward_seconds(lambda: fn(*args), leaf, grad)
         both = forward + backward
@@ -185,7 +185,7 @@ def parallel_loss(world: int = 2, n: int = 4 * MEMORY_ELEMENTS) -> tuple[float, 
             def forward() -> torch.Tensor:
                 return loss_fn(DTensor.from_local(local, mesh, [Shard(-1)], run_check=False), targets)
 
-            ahead = _best(forward, cold=True)
+            ahead = _typical(forward, cold=True)
             back = _backward_seconds(forward, local, torch.ones(()))
         return 4 * 2 * rows * vocab / world / ahead / 1e9, max(0.05, back / ahead), which
     finally:
@@ -204,7 +204,7 @@ def sgd_dtensor_tensor(rank: int, world: int, small: int = 64) -> float:
     for p in ps:
         p.grad = DTensor.from_local(torch.randn(16), mesh, [Shard(0)])
     opt = torch.optim.SGD(ps, lr=1e-6, momentum=0.9)
-    return _best(opt.step) / small
+    return _typical(opt.step) / small
 
 
 def _sgd_seconds(params: int, tensors: int) -> float:
@@ -212,7 +212,7 @@ def _sgd_seconds(params: int, tensors: int) -> float:
     for p in ps:
         p.grad = torch.randn_like(p)
     opt = torch.optim.SGD(ps, lr=1e-6, momentum=0.9)
-    return _best(opt.step)
+    return _typical(opt.step)
 
 
 def sgd_step(params: int = 1 << 22, tensors: int = 8, small: int = 64) -> tuple[float, float]:

@@ -13,6 +13,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 from torch.optim.sgd import sgd
 
+from dtp.compiler.local_leaves import like
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -91,7 +93,7 @@ class LocalSGD(torch.optim.SGD):
             has_sparse_grad=False)
         for p, before, after in zip(params, buffers, local_buffers):
             if group["momentum"] and before is None:  # torch's first step clones the gradient: keep p's type
-                self.state[p]["momentum_buffer"] = _like(p, after) if isinstance(p, DTensor) else after
+                self.state[p]["momentum_buffer"] = like(p, after) if isinstance(p, DTensor) else after
 
 
 def _local_steps(opt: torch.optim.Optimizer, closure, update) -> object:
@@ -107,10 +109,6 @@ def _local_steps(opt: torch.optim.Optimizer, closure, update) -> object:
             settle_grads(params)
             update(group, params)
     return loss
-
-
-def _like(p: DTensor, t: torch.Tensor) -> DTensor:
-    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def adamw(model: nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95)) -> torch.optim.AdamW:
