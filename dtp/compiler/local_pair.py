@@ -12,8 +12,8 @@ conjugate operators as the only communication:
 - f (colwise input): identity forward, all-reduce of the input gradient in backward;
 - g (rowwise output): all-reduce forward, identity backward.
 
-The collectives are the functional all-reduces DTensor's own Partial → Replicate redistributions issue, the
-same c10d calls, counts and bytes as torch's styles make (a DTensor input from a shared parent keeps DTensor's
+The collectives are the all-reduces DTensor's own Partial → Replicate redistributions issue, the same c10d
+calls, counts and bytes as torch's styles make, made in place as Megatron makes them (a DTensor input from a shared parent keeps DTensor's
 own path, so q/k/v siblings' gradients are still summed before one all-reduce); over a one-rank mesh there are
 none, as DTensor skips them there. The rowwise bias is added after the sum, on every rank (Megatron's
 RowParallelLinear): its gradient is the same everywhere without an all-reduce, and every rank does the same
@@ -25,6 +25,7 @@ from __future__ import annotations
 import types
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
@@ -37,13 +38,25 @@ from dtp.layout.modules import is_conv1d
 
 
 def all_reduce(t: torch.Tensor, mesh: DeviceMesh, op: str = "sum") -> torch.Tensor:
-    """`t` reduced over the 1-D `mesh` into a new tensor: the functional c10d call DTensor's Partial → Replicate
-    (and loss_parallel) make, so communication counters see the same op, count and bytes, and the trainer's
-    communication timer sees the wait (a dispatched op, where c10d's in-place call waits outside the
-    dispatcher). Called as the raw op and waited at once: funcol's AsyncCollectiveTensor wrapper is a custom op
-    that costs more than a small all-reduce itself."""
-    out = torch.ops._c10d_functional.all_reduce(t.contiguous(), op, mesh.get_group(0).group_name)
-    return torch.ops._c10d_functional.wait_tensor(out)
+    """`t` reduced over the 1-D `mesh` in place (a copy when `t` is not contiguous), as Megatron reduces: the
+    caller hands over a tensor nobody else reads. The c10d call is the one torch's CommDebugMode and dtp's
+    counter see (op, count and bytes as DTensor's functional all-reduce). While a dispatch mode observes (the
+    trainer's communication timer, a counter), the wait goes through the functional `wait_tensor`, where the
+    mode sees the time spent waiting, which c10d's own `Work.wait()` would hide; below autograd, whose Python
+    wrapper of that op costs more than the wait's own dispatch. The functional all-reduce would copy `t` first."""
+    t = t.contiguous()
+    work = dist.all_reduce(t, op=_REDUCE_OPS[op], group=mesh.get_group(0), async_op=True)
+    if not torch._C._len_torch_dispatch_stack() or _REGISTER_WORK is None:
+        work.wait()
+        return t
+    _REGISTER_WORK(t, work)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops._c10d_functional.wait_tensor(t)
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+# what lets the functional wait_tensor wait on a c10d call's work (torch >= 2.4; older torch: Work.wait())
+_REGISTER_WORK = getattr(torch._C._distributed_c10d, "_register_work", None)
 
 
 class _CopyToRanks(torch.autograd.Function):
@@ -56,15 +69,20 @@ class _CopyToRanks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return all_reduce(grad, ctx.mesh), None
+        # the incoming gradient is the colwise product's own (f's output has that one reader); under
+        # create_graph it is part of a graph, which an in-place reduction would corrupt
+        return all_reduce(grad.clone() if torch.is_grad_enabled() else grad, ctx.mesh), None
 
 
 class _SumOverRanks(torch.autograd.Function):
-    """g: all-reduce forward; identity backward."""
+    """g: all-reduce forward, in place on the partial sum (a fresh product only g reads); identity backward."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        return all_reduce(y, mesh)
+        out = all_reduce(y, mesh)
+        if out is y:
+            ctx.mark_dirty(y)
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

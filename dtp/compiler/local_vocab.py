@@ -10,7 +10,9 @@ runs on local tensors and communicates only where torch's programs do, with the 
 - embedding: rows [start, start + n) of the vocabulary; ids outside them look up row 0 and are zeroed;
   one all-reduce of the sum (forward), none in backward;
 - head: f on the input (its gradient all-reduced in backward), this rank's logits as a `Shard(-1)` DTensor,
-  so that every reader (parity, gathers, the loss) still sees the global logits;
+  so that every reader (parity, gathers, the loss) still sees the global logits; `cross_entropy` reads the
+  local logits the DTensor was made from, skipping DTensor's two autograd functions, when nothing can have
+  changed them since (`_head_local`);
 - cross-entropy: all-reduces of the row maxima, of the sums of exponentials and of the target logits (the
   three loss_parallel makes, at the same (N, 1) shapes); its backward is local.
 """
@@ -72,9 +74,32 @@ def localize_vocab(module: nn.Module, side: str, mesh: DeviceMesh, before: tuple
             params = leaves.params(self, owned)
             y = F.linear(colwise_input(x, mesh), params["weight"], params.get("bias"))
             shape = (*y.shape[:-1], self.weight.shape[0])
-            return DTensor.from_local(y, mesh, [Shard(y.ndim - 1)], run_check=False, shape=shape,
-                                      stride=torch.empty(shape, device="meta").stride())
+            out = DTensor.from_local(y, mesh, [Shard(y.ndim - 1)], run_check=False, shape=shape,
+                                     stride=_contiguous_stride(shape))
+            if not torch.compiler.is_compiling():  # an attribute set in a traced region would break the graph
+                out._dtp_head_local = (y, y._version, out._version)
+            return out
     bind_forward(module, forward)
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, step = [], 1
+    for n in reversed(shape):
+        stride.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def _head_local(logits: DTensor) -> torch.Tensor:
+    """The local logits `logits` holds. When `logits` is the head's own output, untouched (no in-place change to
+    it, whose version counter DTensor's in-place ops bump, or to its local tensor, a view sharing the head
+    tensor's counter) and unobserved (no hook, no retained gradient, which a shortcut past it would starve),
+    that is the head's tensor itself, whose gradient is the same; else DTensor's to_local."""
+    made = getattr(logits, "_dtp_head_local", None)
+    if (made is not None and made[0]._version == made[1] and logits._version == made[2]
+            and not logits._backward_hooks and not logits.retains_grad):
+        return made[0]
+    return logits.to_local()
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -117,7 +142,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     if logits.device_mesh.ndim != 1 or logits.placements not in ((Shard(-1),), (Shard(logits.ndim - 1),)):
         raise ValueError(f"vocabulary-parallel logits must be Shard(-1) on a 1-D mesh, got {logits.placements}")
     mesh = logits.device_mesh
-    local = logits.to_local()
+    local = _head_local(logits)
     if local.dtype in (torch.float16, torch.bfloat16):
         local = local.float()
     start = _first_row(logits.shape[-1], mesh)

@@ -31,13 +31,11 @@ def elementwise_bandwidth(n: int = 1 << 22, reps: int = 20) -> float:
 
 
 def _allreduce_times(rank: int, world: int, sizes: tuple[int, ...], reps: int) -> list[float]:
-    """Seconds one all-reduce adds to a loop of compute segments, per size: as dtp's f and g call it (a functional,
-    out-of-place all-reduce and its wait) and where (between a layer's matmuls, with no barrier: the ranks'
+    """Seconds one all-reduce adds to a loop of compute segments, per size: as dtp's f and g call it (c10d's, in
+    place on a just-computed tensor, and its wait: dtp.compiler.local_pair.all_reduce) and where (between a layer's matmuls, with no barrier: the ranks'
     drift between collectives, and the gloo threads waking on a core the other rank's compute holds, are
     part of its cost, as in a training step). Each segment is one ~3 ms Linear GEMM; the loop's time less the
     same loop without collectives, over its collectives."""
-    import torch.distributed._functional_collectives as fc
-
     x, w = torch.randn(1024, 512), torch.randn(512, 512)
     segments = 10
 
@@ -48,7 +46,7 @@ def _allreduce_times(rank: int, world: int, sizes: tuple[int, ...], reps: int) -
             x @ w
             fresh = base * 1.0  # a just-computed tensor, as a layer's output is (the loop without collectives too)
             if collective:
-                fc.wait_tensor(fc.all_reduce(fresh, "sum", dist.group.WORLD))
+                dist.all_reduce(fresh, async_op=True).wait()
         return time.perf_counter() - t0
 
     out = []
@@ -130,7 +128,7 @@ def profile_yaml(name: str, worlds: tuple[int, ...] = (2, 4)) -> tuple[str, dict
 
     link = f"{{busbw_GBps: {_num(beta / 1e9)}, efficiency: 1.0, latency_us: {_num(alpha * 1e6)}}}"
     text = f"""# Measured by `dtp simulate --calibrate` on {when}: {cores} cores, torch {torch.__version__}, one thread per rank.
-# gloo functional all-reduce between ~3 ms compute segments, no barrier (time added per collective, slowest rank), alpha-beta per world:
+# gloo all-reduce (c10d, in place, as dtp calls it) between ~3 ms compute segments, no barrier (time added per collective, slowest rank), alpha-beta per world:
 {points_text}
 name: {name}
 description: this machine (CPU, gloo over loopback), measured {when}

@@ -9,7 +9,7 @@ from dtp.errors import UsageError
 
 def reproduce_command(args: argparse.Namespace) -> int:
     """Print (and with --markdown/--json write) predicted vs published for SOURCE, or for `all`."""
-    from dtp.simulate import reproduce, sweep
+    from dtp.simulate import consistency, reproduce, sweep
     from dtp.simulate.profile import load
     from dtp.simulate.report import write_output
 
@@ -21,8 +21,12 @@ def reproduce_command(args: argparse.Namespace) -> int:
     for one in names:
         if one == "megatron2019":  # the paper's own experiment, as --sweep runs it
             prof = load("dgx2h-v100")
-            rows = sweep.paper_sweep("plans/gpt2.tp", "megatron-1.2b", prof)
-            texts.append(f"## megatron2019: Shoeybi et al. 2019, Fig. 5 and Table 8\n\n{sweep.markdown(rows, prof)}")
+            prepared = sweep.prepare("plans/gpt2.tp", "megatron-1.2b")
+            rows = sweep.paper_sweep("plans/gpt2.tp", "megatron-1.2b", prof, prepared=prepared)
+            traces = consistency.markdown(consistency.strong_fit("plans/gpt2.tp", prof, prepared),
+                                          consistency.data_parallel("plans/gpt2.tp", prof, prepared))
+            texts.append(f"## megatron2019: Shoeybi et al. 2019, Fig. 5 and Table 8\n\n{sweep.markdown(rows, prof)}\n"
+                         f"{traces}")
             data[one] = [r.to_json() for r in rows]
             continue
         src = reproduce.source(one)

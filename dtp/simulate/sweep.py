@@ -45,14 +45,19 @@ class Row:
                 "paper": self.paper, "simulation": self.result.to_json()}
 
 
+def prepare(plan: str, strong_model: str) -> dict[str, Prepared]:
+    """The Table-1 models and the strong-scaling one, prepared under `plan` (what every sweep reuses)."""
+    names = [name for name, _ in TABLE1] + ([strong_model] if strong_model not in dict(TABLE1) else [])
+    return {name: Prepared(plan, name, 1024) for name in names}
+
+
 def paper_sweep(plan: str, strong_model: str, prof: Profile, precision: str = "fp16", recompute: str = "full",
-                dp_overlap: bool | None = None, attention: str = "unfused") -> list[Row]:
+                dp_overlap: bool | None = None, attention: str = "unfused",
+                prepared: dict[str, Prepared] | None = None) -> list[Row]:
     """Every configuration of the paper's experiment, simulated with the same profile and plan (the 2019
-    code's unfused attention kernels unless told otherwise)."""
+    code's unfused attention kernels unless told otherwise); `prepared`: `prepare(plan, strong_model)`'s."""
     overlap = prof.dp_overlap if dp_overlap is None else dp_overlap
-    prepared = {name: Prepared(plan, name, 1024) for name, _ in TABLE1}
-    if strong_model not in prepared:
-        prepared[strong_model] = Prepared(plan, strong_model, 1024)
+    prepared = prepared or prepare(plan, strong_model)
 
     def run(name: str, tp: int, dp: int, batch: int) -> Result:
         work = prepared[name].workload(tp, 8, precision)

@@ -44,7 +44,8 @@ def settle_grads(parameters) -> None:
     norm, is all-reduced here, once), so that elementwise updates may run on the local tensors."""
     for p in parameters:
         g = p.grad
-        if isinstance(g, DTensor) and (g.placements != p.placements or g.device_mesh != p.device_mesh):
+        if isinstance(g, DTensor) and g._spec is not p._spec and (g.placements != p.placements
+                                                                  or g.device_mesh != p.device_mesh):
             p.grad = g.redistribute(p.device_mesh, p.placements)
 
 

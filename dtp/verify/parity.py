@@ -45,6 +45,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
+from dtp.runtime.rng import dropout_rates, positive
+
 C = 6.0  # allowed error relative to the unsharded run's own, in the same dtype
 F = 2.0  # the floor, in units of eps · max|truth|
 Z = C * F  # a gradient's floor, in units of eps · the step's largest gradient
@@ -166,24 +168,9 @@ class ParityCheck:
         return out
 
 
-_DROPOUT_WORDS = ("dropout", "pdrop")
-
-
 def dropout_sources(model: nn.Module) -> list[str]:
-    """Where `model` applies dropout: Dropout modules with p > 0, and modules' dropout attributes > 0 (Hugging
+    """Where `model` applies dropout now: Dropout modules with p > 0, and modules' dropout attributes > 0 (Hugging
     Face attention passes `self.attention_dropout` to its kernel). Config fields are not named: a config may
     carry dropout fields no module of this model reads (`classifier_dropout` on a causal LM)."""
-    found: list[str] = []
-    for path, module in model.named_modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd):
-            if _positive(module.p):
-                found.append(f"{path or '(the model)'} (p={module.p:g})")
-            continue
-        for key, value in vars(module).items():
-            if any(w in key.lower() for w in _DROPOUT_WORDS) and _positive(value):
-                found.append(f"{path or '(the model)'}.{key}={value:g}")
-    return found
-
-
-def _positive(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    return [where + how.format(value) for where, how, module, key in dropout_rates(model)
+            if positive(value := getattr(module, key, 0))]

@@ -22,13 +22,14 @@ transformer.h.* {
 """
 
 
-def _masks(rank: int, world: int, plan: str) -> dict:
+def _masks(rank: int, world: int, plan: str, late: bool = False) -> dict:
+    """Dropout masks seen by probes; `late`: the model is applied with every rate at 0, raised to 0.5 after."""
     torch.manual_seed(0)
-    cfg = GPTConfig(n_layer=1, n_head=4, n_embd=64, vocab_size=256, block_size=64, dropout=0.5)
+    cfg = GPTConfig(n_layer=1, n_head=4, n_embd=64, vocab_size=256, block_size=64, dropout=0.0 if late else 0.5)
     model = GPT(cfg)
     # a probe on c_fc's output, before GELU: column-sharded under gpt2.tp, gathered under GATHERED_MLP
     mlp = model.transformer.h[0].mlp
-    mlp.gelu = nn.Sequential(nn.Dropout(0.5), mlp.gelu)
+    mlp.gelu = nn.Sequential(nn.Dropout(cfg.dropout), mlp.gelu)
     seen: dict[str, torch.Tensor] = {}
     for name, module in [("c_fc", mlp.gelu[0]), ("mlp", mlp.dropout), ("embedding", model.transformer.drop),
                          ("attn", model.transformer.h[0].attn.resid_dropout)]:
@@ -37,12 +38,21 @@ def _masks(rank: int, world: int, plan: str) -> dict:
     before = torch.get_rng_state()
     apply(load(plan) if plan.endswith(".tp") else parse(plan), model, mesh, seed=0)
     untouched = torch.equal(before, torch.get_rng_state())
+    hooks = _hook_count(model)
+    if late:
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.5
     model.train()
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     model(ids)
     model(ids)  # the second step too: both generators advance
     masks = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in seen.items()}
-    return {"masks": masks, "untouched": untouched}
+    return {"masks": masks, "untouched": untouched, "hooks": hooks}
+
+
+def _hook_count(model: nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
 
 
 def _fraction(mask: torch.Tensor) -> float:
@@ -80,3 +90,27 @@ def test_sequence_parallel_shards_draw_different_masks(repo):
         assert not torch.equal(r0[name], r1[name]), name
         assert 0.4 < _fraction(r0[name]) < 0.6 and 0.4 < _fraction(r1[name]) < 0.6, name
     assert all(r["untouched"] for r in results)
+
+
+def test_without_dropout_no_region_hooks_until_a_rate_is_raised(repo):
+    # a model applied with every rate at 0 runs without the region hooks (each a generator swap and a module
+    # off nn.Module's fast path): one pre-hook on the model waits for a positive rate, then installs them
+    late = on_ranks(_masks, 2, "plans/gpt2.tp", True)
+    early = on_ranks(_masks, 2, "plans/gpt2.tp")
+    r0, r1 = (r["masks"] for r in late)
+    assert torch.equal(r0["mlp"], r1["mlp"]) and torch.equal(r0["embedding"], r1["embedding"])
+    assert not torch.equal(r0["c_fc"], r1["c_fc"])  # raised after apply: still a mask of each rank's own
+    assert 0.4 < _fraction(r0["c_fc"]) < 0.6
+    probes = 4  # the test's own forward hooks
+    assert [r["hooks"] - probes for r in late] == [1, 1]
+    assert [r["hooks"] - probes for r in early] == [2 + 6, 2 + 6]  # the model's two, one per claimed module (6)
+
+
+def test_no_dropout_module_no_hooks(repo):
+    def count(rank: int, world: int) -> int:
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        apply(parse("dtp 1\n0: colwise\n2: rowwise\n"), model, mesh, seed=0)
+        return _hook_count(model)
+
+    assert on_ranks(count, 2) == [0, 0]

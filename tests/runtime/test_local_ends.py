@@ -162,3 +162,42 @@ def _twin(rank: int, world: int) -> dict:
 def test_a_deep_copy_computes_with_its_own_parameters():
     r = on_ranks(_twin, 2)[0]
     assert r == {"twin": 0.0, "original": 0.0, "twin_grad": True, "original_grad": True}
+
+
+def _observed(rank: int, world: int) -> dict:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    model, ref = Tiny(12, tied=False), Tiny(12, tied=False)
+    ref.load_state_dict(model.state_dict())
+    dtp.apply(dtp.parse(PLAN, "tiny.tp"), model, mesh)
+    ids = torch.randint(0, 12, (2, 6), generator=torch.Generator().manual_seed(1))
+    x, y = ids[:, :-1], ids[:, 1:]
+    errors = {}
+    # what happens to the logits between the head and the loss: the loss reads the head's own local tensor
+    # only when nothing can have happened to them
+    for case in ("untouched", "scaled in place", "retained", "hooked"):
+        logits, ref_logits = model(x), ref(x)
+        if case == "scaled in place":
+            logits.mul_(2)
+            ref_logits = ref_logits * 2
+        if case == "retained":
+            logits.retain_grad()
+            ref_logits.retain_grad()
+        if case == "hooked":
+            logits.register_hook(lambda g: g * 3)
+            ref_logits.register_hook(lambda g: g * 3)
+        cross_entropy(logits, y).backward()
+        F.cross_entropy(ref_logits.flatten(0, 1), y.flatten()).backward()
+        err = max(float((model.head.weight.grad.full_tensor() - ref.head.weight.grad).abs().max()),
+                  float((model.mid.weight.grad - ref.mid.weight.grad).abs().max()))
+        if case == "retained":
+            err = max(err, float((logits.grad.full_tensor() - ref_logits.grad).abs().max()))
+        errors[case] = err
+        model.zero_grad()
+        ref.zero_grad()
+    return errors
+
+
+def test_the_loss_sees_what_happened_to_the_logits():
+    for r in on_ranks(_observed, 2):
+        assert max(r.values()) <= 1e-6, r
