@@ -1,6 +1,7 @@
 """`python -m dtp.bench.simulate_check`: calibrate this machine (microbenchmarks only: dtp.simulate.calibrate), then
 run `dtp apply` (plans/gpt2.tp, fp32, SGD, batch 8 × 128, ranks on one thread each, as the calibration measures)
-at tp 1, 2, 4 on two GPT sizes and set `dtp simulate`'s prediction next to each measured step time and
+at tp 1, 2, 4 on three GPT sizes (two small ones, where per-op costs weigh, and GPT-2 small's dimensions:
+12 layers, width 768, its 50,257-token vocabulary) and set `dtp simulate`'s prediction next to each measured step time and
 activation size, with the 1-minute load average before and after every row (and before the calibration).
 Nothing is fitted to the measured rows. The CPU share the ranks got (their CPU seconds ÷ wall seconds × busy
 cores) scales a second column, kept for comparison with earlier runs: at tp > 1 a rank waiting in gloo uses no
@@ -24,7 +25,8 @@ from dtp.verify.apply import launch_apply
 from dtp.verify.rank import RunConfig
 
 MODELS = {"gpt-4x256": dict(n_layer=4, n_head=4, n_embd=256, vocab_size=4096),
-          "gpt-4x512": dict(n_layer=4, n_head=8, n_embd=512, vocab_size=8192)}
+          "gpt-4x512": dict(n_layer=4, n_head=8, n_embd=512, vocab_size=8192),
+          "gpt2-small": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257)}
 BATCH, SEQ = 8, 128
 
 
