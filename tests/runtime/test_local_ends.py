@@ -201,3 +201,95 @@ def _observed(rank: int, world: int) -> dict:
 def test_the_loss_sees_what_happened_to_the_logits():
     for r in on_ranks(_observed, 2):
         assert max(r.values()) <= 1e-6, r
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _accumulated(rank: int, world: int, create_graph: bool) -> dict:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    errors = {}
+    for tied in (False, True):
+        torch.manual_seed(0)
+        model, ref = Tiny(12, tied=tied), Tiny(12, tied=tied)
+        ref.load_state_dict(model.state_dict())
+        dtp.apply(dtp.parse(PLAN, "tiny.tp"), model, mesh)
+        ids = torch.randint(0, 12, (3, 6), generator=torch.Generator().manual_seed(1))
+        x, y = ids[:, :-1], ids[:, 1:]
+        for part in range(3):  # gradients accumulated over three micro-batches, no zero_grad between
+            cross_entropy(model(x[part:part + 1]), y[part:part + 1]).backward(create_graph=create_graph)
+            F.cross_entropy(ref(x[part:part + 1]).flatten(0, 1), y[part:part + 1].flatten()).backward(
+                create_graph=create_graph)
+        errors[tied] = max(float((_full(model.get_parameter(n).grad) - p.grad).abs().max())
+                           for n, p in ref.named_parameters())
+    return errors
+
+
+def test_gradients_accumulate_over_backward_passes_as_unsharded():
+    """Three backward passes into the same gradients, plain and under create_graph (where autograd accumulates
+    out of place, into a new tensor each time): every gradient as the unsharded model's."""
+    for create_graph in (False, True):
+        for r in on_ranks(_accumulated, 2, create_graph):
+            assert max(r.values()) <= 1e-6, (create_graph, r)
+
+
+def _after_a_failed_backward(rank: int, world: int) -> dict:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    model, ref = Tiny(12, tied=False), Tiny(12, tied=False)
+    ref.load_state_dict(model.state_dict())
+    dtp.apply(dtp.parse(PLAN, "tiny.tp"), model, mesh)
+    ids = torch.randint(0, 12, (2, 6), generator=torch.Generator().manual_seed(1))
+    x, y = ids[:, :-1], ids[:, 1:]
+
+    def fail(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("out of memory (planted)")
+
+    # the head's leaf accumulates, then the pass raises before it ends (before the embedding's gradient)
+    hidden = model.mid(model.emb(x))
+    hidden.register_hook(fail)
+    raised = False
+    try:
+        cross_entropy(model.head(torch.tanh(hidden)), y).backward()
+    except RuntimeError:
+        raised = True
+    model.zero_grad()  # the loop recovers: this step's gradients are gone
+    cross_entropy(model(x), y).backward()
+    F.cross_entropy(ref(x).flatten(0, 1), y.flatten()).backward()
+    err = max(float((_full(model.get_parameter(n).grad) - p.grad).abs().max()) for n, p in ref.named_parameters())
+    return {"raised": raised, "err": err}
+
+
+def test_a_backward_pass_that_raised_leaves_no_gradient_behind():
+    for r in on_ranks(_after_a_failed_backward, 2):
+        assert r["raised"] and r["err"] <= 1e-6, r
+
+
+def _checkpointed(rank: int, world: int) -> dict:
+    from torch.utils.checkpoint import checkpoint
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    errors = {}
+    for reentrant in (False, True):  # reentrant: the recomputation's backward is a pass of its own, nested
+        torch.manual_seed(0)
+        model, ref = Tiny(12, tied=True), Tiny(12, tied=True)
+        ref.load_state_dict(model.state_dict())
+        dtp.apply(dtp.parse(PLAN, "tiny.tp"), model, mesh)
+        ids = torch.randint(0, 12, (2, 6), generator=torch.Generator().manual_seed(1))
+        x, y = ids[:, :-1], ids[:, 1:]
+        for _ in range(2):
+            hidden = model.emb(x)
+            logits = checkpoint(lambda t: model.head(torch.tanh(model.mid(t))), hidden, use_reentrant=reentrant)
+            cross_entropy(logits, y).backward()
+            F.cross_entropy(ref(x).flatten(0, 1), y.flatten()).backward()
+        errors[reentrant] = max(float((_full(model.get_parameter(n).grad) - p.grad).abs().max())
+                                for n, p in ref.named_parameters())
+    return errors
+
+
+def test_checkpointed_recomputation_accumulates_as_unsharded():
+    """The head recomputed in backward (a forward inside a backward pass, reading the gradients accumulated so
+    far), twice without zero_grad, with torch's two checkpoint implementations."""
+    for r in on_ranks(_checkpointed, 2):
+        assert max(r.values()) <= 1e-6, r
