@@ -164,14 +164,28 @@ def test_a_deep_copy_computes_with_its_own_parameters():
     assert r == {"twin": 0.0, "original": 0.0, "twin_grad": True, "original_grad": True}
 
 
-def _observed(rank: int, world: int) -> dict:
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _sharded_and_reference(mesh, tied: bool, rows: int = 2):
+    """A Tiny model sharded by PLAN, its unsharded twin, and (inputs, targets) of `rows` sequences."""
     torch.manual_seed(0)
-    model, ref = Tiny(12, tied=False), Tiny(12, tied=False)
+    model, ref = Tiny(12, tied=tied), Tiny(12, tied=tied)
     ref.load_state_dict(model.state_dict())
     dtp.apply(dtp.parse(PLAN, "tiny.tp"), model, mesh)
-    ids = torch.randint(0, 12, (2, 6), generator=torch.Generator().manual_seed(1))
-    x, y = ids[:, :-1], ids[:, 1:]
+    ids = torch.randint(0, 12, (rows, 6), generator=torch.Generator().manual_seed(1))
+    return model, ref, ids[:, :-1], ids[:, 1:]
+
+
+def _grad_error(model: nn.Module, ref: nn.Module) -> float:
+    """The largest gradient difference between the sharded model and its unsharded twin."""
+    return max(float((_full(model.get_parameter(n).grad) - p.grad).abs().max()) for n, p in ref.named_parameters())
+
+
+def _observed(rank: int, world: int) -> dict:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model, ref, x, y = _sharded_and_reference(mesh, tied=False)
     errors = {}
     # what happens to the logits between the head and the loss: the loss reads the head's own local tensor
     # only when nothing can have happened to them
@@ -203,26 +217,16 @@ def test_the_loss_sees_what_happened_to_the_logits():
         assert max(r.values()) <= 1e-6, r
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _accumulated(rank: int, world: int, create_graph: bool) -> dict:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     errors = {}
     for tied in (False, True):
-        torch.manual_seed(0)
-        model, ref = Tiny(12, tied=tied), Tiny(12, tied=tied)
-        ref.load_state_dict(model.state_dict())
-        dtp.apply(dtp.parse(PLAN, "tiny.tp"), model, mesh)
-        ids = torch.randint(0, 12, (3, 6), generator=torch.Generator().manual_seed(1))
-        x, y = ids[:, :-1], ids[:, 1:]
+        model, ref, x, y = _sharded_and_reference(mesh, tied, rows=3)
         for part in range(3):  # gradients accumulated over three micro-batches, no zero_grad between
             cross_entropy(model(x[part:part + 1]), y[part:part + 1]).backward(create_graph=create_graph)
             F.cross_entropy(ref(x[part:part + 1]).flatten(0, 1), y[part:part + 1].flatten()).backward(
                 create_graph=create_graph)
-        errors[tied] = max(float((_full(model.get_parameter(n).grad) - p.grad).abs().max())
-                           for n, p in ref.named_parameters())
+        errors[tied] = _grad_error(model, ref)
     return errors
 
 
@@ -236,12 +240,7 @@ def test_gradients_accumulate_over_backward_passes_as_unsharded():
 
 def _after_a_failed_backward(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    torch.manual_seed(0)
-    model, ref = Tiny(12, tied=False), Tiny(12, tied=False)
-    ref.load_state_dict(model.state_dict())
-    dtp.apply(dtp.parse(PLAN, "tiny.tp"), model, mesh)
-    ids = torch.randint(0, 12, (2, 6), generator=torch.Generator().manual_seed(1))
-    x, y = ids[:, :-1], ids[:, 1:]
+    model, ref, x, y = _sharded_and_reference(mesh, tied=False)
 
     def fail(grad: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("out of memory (planted)")
@@ -257,8 +256,7 @@ def _after_a_failed_backward(rank: int, world: int) -> dict:
     model.zero_grad()  # the loop recovers: this step's gradients are gone
     cross_entropy(model(x), y).backward()
     F.cross_entropy(ref(x).flatten(0, 1), y.flatten()).backward()
-    err = max(float((_full(model.get_parameter(n).grad) - p.grad).abs().max()) for n, p in ref.named_parameters())
-    return {"raised": raised, "err": err}
+    return {"raised": raised, "err": _grad_error(model, ref)}
 
 
 def test_a_backward_pass_that_raised_leaves_no_gradient_behind():
@@ -272,19 +270,13 @@ def _checkpointed(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     errors = {}
     for reentrant in (False, True):  # reentrant: the recomputation's backward is a pass of its own, nested
-        torch.manual_seed(0)
-        model, ref = Tiny(12, tied=True), Tiny(12, tied=True)
-        ref.load_state_dict(model.state_dict())
-        dtp.apply(dtp.parse(PLAN, "tiny.tp"), model, mesh)
-        ids = torch.randint(0, 12, (2, 6), generator=torch.Generator().manual_seed(1))
-        x, y = ids[:, :-1], ids[:, 1:]
+        model, ref, x, y = _sharded_and_reference(mesh, tied=True)
         for _ in range(2):
             hidden = model.emb(x)
             logits = checkpoint(lambda t: model.head(torch.tanh(model.mid(t))), hidden, use_reentrant=reentrant)
             cross_entropy(logits, y).backward()
             F.cross_entropy(ref(x).flatten(0, 1), y.flatten()).backward()
-        errors[reentrant] = max(float((_full(model.get_parameter(n).grad) - p.grad).abs().max())
-                                for n, p in ref.named_parameters())
+        errors[reentrant] = _grad_error(model, ref)
     return errors
 
 
