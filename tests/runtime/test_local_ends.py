@@ -14,6 +14,7 @@ import dtp
 from dtp.compiler.local_vocab import IGNORE_INDEX, cross_entropy
 from dtp.runtime.comm import CommCounter
 from dtp.runtime.ranks import on_ranks
+from dtp.verify.reference import full_value
 
 PLAN = """dtp 1
 plan tiny version 1
@@ -86,13 +87,28 @@ def test_local_cross_entropy_matches_float64_truth_and_loss_parallel_collectives
         assert abs(r["bf16"] - r["bf16_truth"]) <= 1e-5 * abs(r["bf16_truth"])  # read in float32, not bf16
 
 
-def _train(rank: int, world: int, vocab: int, tied: bool) -> dict:
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+def _sharded_and_reference(mesh, tied: bool, vocab: int = 12) -> tuple[nn.Module, nn.Module]:
+    """A Tiny model sharded by PLAN and its unsharded twin, from the same weights."""
     torch.manual_seed(0)
-    model = Tiny(vocab, tied)
-    ref = Tiny(vocab, tied)
+    model, ref = Tiny(vocab, tied=tied), Tiny(vocab, tied=tied)
     ref.load_state_dict(model.state_dict())
     dtp.apply(dtp.parse(PLAN, "tiny.tp"), model, mesh)
+    return model, ref
+
+
+def _inputs_and_targets(rows: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 12, (rows, 6), generator=torch.Generator().manual_seed(1))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _grad_error(model: nn.Module, ref: nn.Module) -> float:
+    """The largest gradient difference between the sharded model and its unsharded twin."""
+    return max(float((full_value(model.get_parameter(n).grad) - p.grad).abs().max()) for n, p in ref.named_parameters())
+
+
+def _train(rank: int, world: int, vocab: int, tied: bool) -> dict:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model, ref = _sharded_and_reference(mesh, tied, vocab)
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, vocab, (2, 6), generator=gen) for _ in range(4)]
     for ids in batches:
@@ -112,14 +128,13 @@ def _train(rank: int, world: int, vocab: int, tied: bool) -> dict:
         counts.append(dict(counter.counts))
         if i == 1:  # accumulate a second batch into the same gradients before stepping
             continue
-        grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
-        errors.append(max(float((grads[n] - p.grad).abs().max()) for n, p in ref.named_parameters()))
-        pad_grad = float(grads["emb.weight"][5].abs().max())
+        errors.append(_grad_error(model, ref))
+        pad_grad = float(full_value(model.emb.weight.grad)[5].abs().max())
         opt.step()
         ref_opt.step()
         opt.zero_grad(set_to_none=(i != 2))  # set_to_none, then zeroing in place once
         ref_opt.zero_grad()
-    params = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in model.named_parameters()}
+    params = {n: full_value(p) for n, p in model.named_parameters()}
     param_err = max(float((params[n] - p).abs().max()) for n, p in ref.named_parameters())
     ref.load_state_dict({n: p.detach() for n, p in params.items()}, strict=False)
     model.double()  # the parameters' local tensors are replaced: the leaves must follow them
@@ -164,28 +179,10 @@ def test_a_deep_copy_computes_with_its_own_parameters():
     assert r == {"twin": 0.0, "original": 0.0, "twin_grad": True, "original_grad": True}
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _sharded_and_reference(mesh, tied: bool, rows: int = 2):
-    """A Tiny model sharded by PLAN, its unsharded twin, and (inputs, targets) of `rows` sequences."""
-    torch.manual_seed(0)
-    model, ref = Tiny(12, tied=tied), Tiny(12, tied=tied)
-    ref.load_state_dict(model.state_dict())
-    dtp.apply(dtp.parse(PLAN, "tiny.tp"), model, mesh)
-    ids = torch.randint(0, 12, (rows, 6), generator=torch.Generator().manual_seed(1))
-    return model, ref, ids[:, :-1], ids[:, 1:]
-
-
-def _grad_error(model: nn.Module, ref: nn.Module) -> float:
-    """The largest gradient difference between the sharded model and its unsharded twin."""
-    return max(float((_full(model.get_parameter(n).grad) - p.grad).abs().max()) for n, p in ref.named_parameters())
-
-
 def _observed(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    model, ref, x, y = _sharded_and_reference(mesh, tied=False)
+    model, ref = _sharded_and_reference(mesh, tied=False)
+    x, y = _inputs_and_targets()
     errors = {}
     # what happens to the logits between the head and the loss: the loss reads the head's own local tensor
     # only when nothing can have happened to them
@@ -221,7 +218,8 @@ def _accumulated(rank: int, world: int, create_graph: bool) -> dict:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     errors = {}
     for tied in (False, True):
-        model, ref, x, y = _sharded_and_reference(mesh, tied, rows=3)
+        model, ref = _sharded_and_reference(mesh, tied)
+        x, y = _inputs_and_targets(rows=3)
         for part in range(3):  # gradients accumulated over three micro-batches, no zero_grad between
             cross_entropy(model(x[part:part + 1]), y[part:part + 1]).backward(create_graph=create_graph)
             F.cross_entropy(ref(x[part:part + 1]).flatten(0, 1), y[part:part + 1].flatten()).backward(
@@ -240,7 +238,8 @@ def test_gradients_accumulate_over_backward_passes_as_unsharded():
 
 def _after_a_failed_backward(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    model, ref, x, y = _sharded_and_reference(mesh, tied=False)
+    model, ref = _sharded_and_reference(mesh, tied=False)
+    x, y = _inputs_and_targets()
 
     def fail(grad: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("out of memory (planted)")
@@ -270,7 +269,8 @@ def _checkpointed(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     errors = {}
     for reentrant in (False, True):  # reentrant: the recomputation's backward is a pass of its own, nested
-        model, ref, x, y = _sharded_and_reference(mesh, tied=True)
+        model, ref = _sharded_and_reference(mesh, tied=True)
+        x, y = _inputs_and_targets()
         for _ in range(2):
             hidden = model.emb(x)
             logits = checkpoint(lambda t: model.head(torch.tanh(model.mid(t))), hidden, use_reentrant=reentrant)
