@@ -78,7 +78,11 @@ LR = 0.01
 
 
 def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=LR)
+    """torch's SGD with DTensor and plain parameters in separate groups: its foreach path (the default on CUDA)
+    cannot take a list that mixes them, which a plan leaving some modules unsharded makes."""
+    params = list(model.parameters())
+    groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    return torch.optim.SGD([{"params": g} for g in groups if g], lr=LR)
 
 
 def _torch_loss(logits, y) -> torch.Tensor:
@@ -113,7 +117,8 @@ def _dtensor_arm(name: str, model: torch.nn.Module, x, y, extra: dict | None = N
                       for p in model.parameters())
         opt.zero_grad()
         loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
-        return Probe(logits.full_tensor().detach(), loss.item(), grad_sq, dict(counted["by_op"]),
+        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits  # plain at tp 1 (dtp's arms)
+        return Probe(logits.detach(), loss.item(), grad_sq, dict(counted["by_op"]),
                      dict(counted["bytes"]))
 
     return Arm(name, step, probe, local_param_bytes(model), extra or {})
@@ -121,7 +126,7 @@ def _dtensor_arm(name: str, model: torch.nn.Module, x, y, extra: dict | None = N
 
 def _dtp_model(base: GPT, mesh):
     """dtp's sharded GPT through the one build path (dtp.runtime.build): built on meta, sharded by the plan, each
-    rank's blocks scattered from rank 0's `base`."""
+    rank's blocks scattered from rank 0's `base`; on one rank the plain model, as `dtp apply` and `dtp train` run."""
     from dtp.checks.checker import check
     from dtp.lang.parse import parse
     from dtp.models import ModelSource
@@ -131,7 +136,8 @@ def _dtp_model(base: GPT, mesh):
     with torch.device("meta"):
         checked = check(parse(PLAN, "gpt2.tp"), GPT(base.config), mesh.size())
     applied = build_sharded(checked, source, mesh, seed=0, device=base.lm_head.weight.device,
-                            full=base if dist.get_rank() == 0 else None, from_rank0=True)
+                            full=base if dist.get_rank() == 0 else None, from_rank0=True,
+                            plain=True)  # at tp 1 plain PyTorch, no DTensor and no collective, as apply and train
     return applied.model, checked
 
 

@@ -14,12 +14,11 @@ import datetime
 import json
 import math
 import os
-import pickle
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 # dense bf16 peak FLOP/s by device name (vendor datasheets); an unknown GPU gets achieved FLOP/s only
@@ -78,35 +77,19 @@ def train_step_mfu(model_name: str, device: str, batch: int, seq: int, steps: in
             "finite": all(math.isfinite(v) for v in losses), "loss_first_last": [losses[0], losses[-1]]}
 
 
-def _cuda_entry(rank: int, world: int, port: int, out: str, cfg) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from dtp.bench.scaling import measure
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-    try:
-        Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(measure(rank, world, cfg)))
-    finally:
-        dist.destroy_process_group()
-
-
 def _ratio_on(cfg) -> dict:
-    """The interleaved benchmark configuration: NCCL ranks (spawned, one GPU each) or, on CPU, gloo ranks."""
-    if cfg.device != "cuda":
-        from dtp.bench.scaling import measure
-        from dtp.runtime.ranks import on_ranks
+    """The interleaved benchmark configuration on `cfg.tp` local ranks: spawned NCCL ranks, one GPU each, or,
+    on CPU, forked gloo ranks (one thread each, as the CPU benchmark runs); a failed rank is a failed result."""
+    from dtp.bench.scaling import measure
+    from dtp.errors import RunError
+    from dtp.runtime.launcher import launch_local
 
-        return on_ranks(measure, cfg.tp, cfg, timeout=600)[0]
-    import torch.multiprocessing as mp
-
-    from dtp.runtime.ranks import free_port
-
-    with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_cuda_entry, args=(cfg.tp, free_port(), out, cfg), nprocs=cfg.tp, start_method="spawn")
-        return pickle.loads(Path(out, "0.pkl").read_bytes())
+    threads = None if cfg.device == "cuda" else 1
+    try:
+        return launch_local(measure, cfg.tp, cfg, timeout=600, device=cfg.device, prefix="dtp-gpu-",
+                            threads=threads)[0]
+    except RunError as err:  # a rank that failed: the check's other results are still written, then exit 1
+        return {"config": asdict(cfg), "ok": False, "error": str(err)}
 
 
 def main(root: Path, dry_run: bool = False) -> int:

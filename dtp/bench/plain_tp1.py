@@ -2,6 +2,7 @@
 transformers' GPT2LMHeadModel with the same dimensions, batch, optimizer and threads.
 
     python -m dtp.bench.plain_tp1 [--repeats 3] [--steps 200] [--threads N] [--base DIR] [--out FILE] [--apply]
+                                  [--device cuda]
 
 Each arm is a fresh process, the arms interleaved and their order rotated per repeat; the machine's load
 (`/proc/loadavg`) is recorded before every run, since a shared machine's numbers mean little without it.
@@ -9,6 +10,8 @@ Each arm is a fresh process, the arms interleaved and their order rotated per re
 Tokens/s are per-step medians after the first step (dtp's own summary; the loop measures the same way).
 `--apply` compares `dtp apply PLAN gpt2-tiny --tp 1` instead (its report's median step time, batch 2 × 16, SGD)
 with the same loop at apply's shape and optimizer (forward, loss, backward, SGD step: what apply times).
+`--device cuda` runs both arms on the GPU (fp32, as both default): at gpt2-tiny's size every kernel is shorter
+than its launch, so the comparison is the host's cost per step, which is where DTensor's per-op cost would show.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ BATCH, SEQ = 8, 64
 APPLY_BATCH, APPLY_SEQ, APPLY_LR = 2, 16, 0.1  # dtp apply's defaults (dtp.verify.rank.RunConfig)
 
 
-def _hf_model(threads: int):
+def _hf_model(threads: int, device: str = "cpu"):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -38,37 +41,46 @@ def _hf_model(threads: int):
     cfg = GPT2Config(n_layer=DIMS["n_layer"], n_head=DIMS["n_head"], n_embd=DIMS["n_embd"],
                      vocab_size=DIMS["vocab_size"], n_positions=DIMS["block_size"], resid_pdrop=0.0, embd_pdrop=0.0,
                      attn_pdrop=0.0, tie_word_embeddings=True)
-    return GPT2LMHeadModel(cfg).train()
+    return GPT2LMHeadModel(cfg).to(device).train()
 
 
-def hf_apply_loop(steps: int, threads: int) -> float:
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def hf_apply_loop(steps: int, threads: int, device: str = "cpu") -> float:
     """tokens/s of a plain loop at `dtp apply`'s shape: GPT2LMHeadModel, forward, loss, backward, torch SGD."""
     import torch
 
-    model = _hf_model(threads)
+    model = _hf_model(threads, device)
     opt = torch.optim.SGD(model.parameters(), lr=APPLY_LR)
-    data = torch.randint(0, DIMS["vocab_size"], (steps, APPLY_BATCH, APPLY_SEQ + 1))
+    data = torch.randint(0, DIMS["vocab_size"], (steps, APPLY_BATCH, APPLY_SEQ + 1), device=device)
     times = []
     for s in range(steps):
+        _sync(device)
         t0 = time.perf_counter()
         logits = model(data[s, :, :-1]).logits
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), data[s, :, 1:].flatten()).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return APPLY_BATCH * APPLY_SEQ / statistics.median(times[1:])
 
 
-def hf_loop(steps: int, threads: int) -> float:
+def hf_loop(steps: int, threads: int, device: str = "cpu") -> float:
     """tokens/s of a plain loop: GPT2LMHeadModel, torch AdamW (β 0.9/0.95, decay on matrices), clip 1.0."""
     import torch
 
-    model = _hf_model(threads)
+    model = _hf_model(threads, device)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95))  # torch's defaults otherwise, as a user writes it
-    data = torch.randint(0, DIMS["vocab_size"], (steps, BATCH, SEQ + 1))
+    data = torch.randint(0, DIMS["vocab_size"], (steps, BATCH, SEQ + 1), device=device)
     times = []
     for s in range(steps):
         t0 = time.perf_counter()
@@ -79,15 +91,16 @@ def hf_loop(steps: int, threads: int) -> float:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        float(loss)  # the loss is read every step, as dtp train does
+        loss.item()  # the loss is read every step, as dtp train does (on a GPU: the step's sync)
         times.append(time.perf_counter() - t0)
     return BATCH * SEQ / statistics.median(times[1:])
 
 
-def hf_loop_process(steps: int, threads: int, apply: bool = False) -> float:
+def hf_loop_process(steps: int, threads: int, apply: bool = False, device: str = "cpu") -> float:
     """`hf_loop` (or `hf_apply_loop`) in a fresh process, as every arm runs."""
     done = subprocess.run([sys.executable, "-m", "dtp.bench.plain_tp1", "--hf-loop", "--steps", str(steps),
-                           "--threads", str(threads)] + (["--apply"] if apply else []), capture_output=True,
+                           "--threads", str(threads), "--device", device] + (["--apply"] if apply else []),
+                          capture_output=True,
                           text=True, check=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     return float(done.stdout.split()[-1])
 
@@ -101,20 +114,20 @@ def _dtp(args: list[str], threads: int, src: str | None) -> None:
         raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr[-2000:]}")
 
 
-def dtp_apply(steps: int, threads: int, plan: str, src: str | None) -> float:
+def dtp_apply(steps: int, threads: int, plan: str, src: str | None, device: str = "cpu") -> float:
     """tokens/s from `dtp apply PLAN gpt2-tiny --tp 1`'s median step time (from `src`'s dtp when given)."""
     with tempfile.TemporaryDirectory(prefix="dtp-bench-tp1-") as tmp:
         report = Path(tmp, "apply.json")
         _dtp(["apply", plan, "gpt2-tiny", "--tp", "1", "--steps", str(steps), "--batch", str(APPLY_BATCH),
-              "--seq", str(APPLY_SEQ), "--json", str(report)], threads, src)
+              "--seq", str(APPLY_SEQ), "--json", str(report), "--device", device], threads, src)
         return APPLY_BATCH * APPLY_SEQ / (json.loads(report.read_text())["step_time_ms"] / 1e3)
 
 
-def dtp_train(steps: int, threads: int, plan: str, src: str | None) -> float:
+def dtp_train(steps: int, threads: int, plan: str, src: str | None, device: str = "cpu") -> float:
     """tokens/s from `dtp train PLAN gpt2-tiny --tp 1`'s summary (from `src`'s dtp when given)."""
     with tempfile.TemporaryDirectory(prefix="dtp-bench-tp1-") as tmp:
         _dtp(["train", plan, "gpt2-tiny", "--tp", "1", "--steps", str(steps), "--batch", str(BATCH), "--seq",
-              str(SEQ), "--eval-every", str(steps), "--out", tmp, "--device", "cpu"], threads, src)
+              str(SEQ), "--eval-every", str(steps), "--out", tmp, "--device", device], threads, src)
         return json.loads(Path(tmp, "summary.json").read_text())["tokens_per_s"]
 
 
@@ -136,16 +149,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", help="a dtp source tree to run as the arm 'dtp-base'")
     ap.add_argument("--out", help="write every sample as JSON here")
     ap.add_argument("--apply", action="store_true", help="compare dtp apply's step time instead of dtp train's")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="run every arm here (cuda: one GPU)")
     ap.add_argument("--hf-loop", action="store_true", help=argparse.SUPPRESS)  # the child process of the loop arm
     args = ap.parse_args(argv)
     if args.hf_loop:
-        print((hf_apply_loop if args.apply else hf_loop)(args.steps, args.threads))
+        print((hf_apply_loop if args.apply else hf_loop)(args.steps, args.threads, args.device))
         return 0
     run = dtp_apply if args.apply else dtp_train
-    arms = {"dtp": lambda: run(args.steps, args.threads, args.plan, None),
-            "hf-loop": lambda: hf_loop_process(args.steps, args.threads, args.apply)}
+    arms = {"dtp": lambda: run(args.steps, args.threads, args.plan, None, args.device),
+            "hf-loop": lambda: hf_loop_process(args.steps, args.threads, args.apply, args.device)}
     if args.base:
-        arms["dtp-base"] = lambda: run(args.steps, args.threads, args.plan, str(Path(args.base).resolve()))
+        arms["dtp-base"] = lambda: run(args.steps, args.threads, args.plan, str(Path(args.base).resolve()),
+                                       args.device)
     names = list(arms)
     samples: list[dict] = []
     for r in range(args.repeats):
@@ -160,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {n} | {med[n]:.0f} | {med[n] / med['hf-loop']:.2f} |")
     if args.out:
         Path(args.out).write_text(json.dumps({"threads": args.threads, "steps": args.steps, "apply": args.apply,
+                                              "device": args.device,
                                               "samples": samples,
                                               "median": med}, indent=2) + "\n")
     return 0

@@ -140,7 +140,7 @@ def measure(rank: int, world: int, cfg: Config, builders: dict | None = None) ->
     out["param_bytes_unsharded"] = sum(p.numel() * p.element_size() for p in base.parameters())
     out["times_ms"] = time_interleaved({n: a.step for n, a in arms.items()}, cfg.warmup, cfg.samples, cfg.device)
     if "dtp" in arms:
-        steps = schedule(arms["dtp"].extra["checked"], world, cfg.batch, cfg.seq, plain=False)
+        steps = schedule(arms["dtp"].extra["checked"], world, cfg.batch, cfg.seq)  # tp 1: plain, as the arm runs
         out["analytic_collectives"] = summarize(steps, world)["by_op"]
         out["comm_ms"] = _comm_time(steps, cfg.device)
     out["flops_per_step"] = flops_per_token(cfg.gpt(), cfg.seq) * cfg.batch * cfg.seq

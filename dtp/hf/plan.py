@@ -138,7 +138,7 @@ def _export(plan: ir.Plan, model: nn.Module | None, choose) -> tuple[dict[str, s
     """(tp_plan, warnings, what was left out): the last are the warnings whose statement HF never sees."""
     rules, sets, _ = ir.flatten(plan, choose)
     out: dict[str, str] = {}
-    left_out = [f"line {s.pos.line}: `set {s.pattern}.{s.attr}` has no Hugging Face equivalent" for s in sets]
+    left_out = [f"line {s.pos.line}: `set {s.pattern}.{s.attr}` {SET_LEFT_OUT}" for s in sets]
     warnings = list(left_out)
     for rule in rules:
         key, style = _hf_key(rule.pattern), rule.style
@@ -178,17 +178,30 @@ def export_for(plan: ir.Plan, model: nn.Module, tp: int) -> tuple[dict[str, str]
     if diags:
         raise UsageError(f"cannot pick the plan's `when` branches for this model at tp {tp}: "
                          + "; ".join(f"line {d.pos.line}: {d.message}" for d in diags))
-    if left_out:
-        raise UsageError(f"no Hugging Face tp_plan computes what this plan does for the model at tp {tp}: "
-                         + "; ".join(left_out) + ". HF would run the rest with the unsharded module's shapes "
-                         "(pass --lossy to print what can be expressed anyway)")
+    unset = [m for m in left_out if SET_LEFT_OUT in m]
+    if len(unset) < len(left_out):
+        _refuse(left_out, tp)
     try:
         check(parse(import_plan(out)[0], "<exported tp_plan>"), model, tp)
     except PlanError as err:
+        if unset:  # the model reads what a `set` rewrites: HF, which has no `set`, would compute something else
+            _refuse(left_out, tp)
         first = " ".join(str(err).split())
         raise UsageError(f"the exported tp_plan does not hold together for the model at tp {tp}: {first[:600]} "
                          "(pass --lossy to print it anyway)") from None
-    return out, warnings
+    # each `set` left out rewrites an attribute this model's code does not shape with (GPT-J's head count on
+    # transformers that views heads as -1): the plan holds without it, as HF runs it
+    return out, [m.replace(SET_LEFT_OUT, "left out: this model does not shape with it (the plan holds without it)")
+                 for m in warnings]
+
+
+SET_LEFT_OUT = "has no Hugging Face equivalent"
+
+
+def _refuse(left_out: list[str], tp: int) -> None:
+    raise UsageError(f"no Hugging Face tp_plan computes what this plan does for the model at tp {tp}: "
+                     + "; ".join(left_out) + ". HF would run the rest with the unsharded module's shapes "
+                     "(pass --lossy to print what can be expressed anyway)")
 
 
 def _export_style(style: ir.Style, key: str, module: nn.Module | None, warnings: list[str], where: str):

@@ -107,7 +107,7 @@ def scatter_from(full: nn.Module | None, applied: Applied, device: torch.device)
         if rank == 0:  # uneven chunks (vocabulary 257 at tp 2) travel padded to the longest
             padded = [torch.zeros(longest, dtype=local.dtype, device=device) for _ in range(lay.tp)]
             for r, block in enumerate(padded):
-                piece = value.index_select(lay.dim, lay.rows(r)).reshape(-1)
+                piece = value.index_select(lay.dim, lay.rows(r).to(value.device)).reshape(-1)
                 block[:piece.numel()].copy_(piece)
             blocks = [padded[tp_ranks[w]] for w in range(world)]
         dist.scatter(received, blocks, src=0)

@@ -104,6 +104,21 @@ def test_arms_reach_parity_and_megatron_counts_match_dtp(repo):
     assert bad["error"].startswith("arm 'hand' differs from the unsharded model: logits relative error")
 
 
+def test_tp1_dtp_arm_is_plain_pytorch_without_collectives(repo):
+    """At tp 1 the benchmark's dtp arms run what `dtp apply` and `dtp train` run (plain PyTorch): no collective,
+    as Megatron; the hand-written plan keeps DTensor, whose loss_parallel still reduces over its one rank."""
+    from dtp.bench.scaling import Config, measure
+    from dtp.runtime.ranks import on_ranks
+
+    cfg = Config(n_layer=1, n_head=4, n_embd=32, vocab_size=64, seq=8, batch=2, tp=1, warmup=0, samples=1,
+                 arms=("dtp", "hand", "megatron"))
+    out = on_ranks(measure, 1, cfg)[0]
+    assert out["ok"], out.get("error")
+    assert out["collectives"] == {"dtp": {}, "megatron": {}, "hand": {"all_reduce": 3}}
+    assert out["analytic_collectives"] == {}
+    assert all(err <= 1e-6 for arm in out["parity"].values() for err in arm.values())
+
+
 def test_megatron_sequence_parallel_counts(repo):
     """Megatron-SP on a 2-layer GPT-2 at tp=2, counted from the baseline's own dist calls: per block 2
     all-gathers and 2 reduce-scatters each way; the embedding all-reduces (learned positions are added
@@ -200,3 +215,20 @@ def test_gpu_check_without_gpu_is_a_usage_error(tmp_path, capsys):
     assert main(["--device", "cuda", "--out", str(tmp_path)]) == 2
     assert "no CUDA device is visible" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_gpu_check_reports_a_failed_rank_and_keeps_the_other_results(repo, tmp_path, monkeypatch):
+    """A rank of the ratio that fails (as the CUDA path's first run did) is a FAILED line and exit 1, with the
+    apply and training results still written."""
+    from dtp.bench import gpu, scaling
+
+    def broken(rank, world, cfg):
+        raise RuntimeError("planted failure")
+
+    monkeypatch.setattr(scaling, "measure", broken)
+    assert gpu.main(tmp_path, dry_run=True) == 1
+    (folder,) = tmp_path.iterdir()
+    result = json.loads((folder / "result.json").read_text())
+    assert result["apply"]["ok"] and result["train"]["finite"]
+    assert not result["ratio"]["ok"] and "planted failure" in result["ratio"]["error"]
+    assert "ratio: FAILED: the run failed on rank" in (folder / "results.md").read_text()  # whichever rank first

@@ -11,12 +11,15 @@ def test_arms_interleave_and_record_the_load(repo, tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     from dtp.bench import plain_tp1
 
-    monkeypatch.setattr(plain_tp1, "hf_loop_process", lambda steps, threads, apply=False: 1.0)
-    monkeypatch.setattr(plain_tp1, "dtp_train", lambda steps, threads, plan, src: 2.0)
+    devices = []
+    monkeypatch.setattr(plain_tp1, "hf_loop_process",
+                        lambda steps, threads, apply=False, device="cpu": devices.append(device) or 1.0)
+    monkeypatch.setattr(plain_tp1, "dtp_train", lambda steps, threads, plan, src, device: devices.append(device) or 2.0)
     out = tmp_path / "tp1.json"
     assert plain_tp1.main(["--repeats", "2", "--steps", "3", "--threads", "1", "--base", str(tmp_path),
-                           "--out", str(out)]) == 0
+                           "--out", str(out), "--device", "cuda"]) == 0
     result = json.loads(out.read_text())
+    assert devices == ["cuda"] * 6 and result["device"] == "cuda"  # every arm on the device asked for
     assert [s["arm"] for s in result["samples"]] == ["dtp", "hf-loop", "dtp-base", "hf-loop", "dtp-base", "dtp"]
     assert all(len(s["load_before"].split()) == 3 for s in result["samples"])
     assert result["median"] == {"dtp": 2.0, "hf-loop": 1.0, "dtp-base": 2.0}
@@ -27,12 +30,13 @@ def test_apply_mode_times_dtp_apply_against_the_loop_at_its_shape(repo, tmp_path
     from dtp.bench import plain_tp1
 
     seen = []
-    monkeypatch.setattr(plain_tp1, "hf_loop_process", lambda steps, threads, apply=False: seen.append(apply) or 1.0)
-    monkeypatch.setattr(plain_tp1, "dtp_apply", lambda steps, threads, plan, src: 3.0)
+    monkeypatch.setattr(plain_tp1, "hf_loop_process",
+                        lambda steps, threads, apply=False, device="cpu": seen.append((apply, device)) or 1.0)
+    monkeypatch.setattr(plain_tp1, "dtp_apply", lambda steps, threads, plan, src, device: 3.0)
     out = tmp_path / "apply.json"
     assert plain_tp1.main(["--apply", "--repeats", "1", "--steps", "3", "--threads", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert seen == [True] and result["apply"] and result["median"] == {"dtp": 3.0, "hf-loop": 1.0}
+    assert seen == [(True, "cpu")] and result["apply"] and result["median"] == {"dtp": 3.0, "hf-loop": 1.0}
 
 
 def test_the_loops_train(repo):
