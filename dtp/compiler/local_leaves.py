@@ -15,8 +15,9 @@ accumulates into `leaf.grad` as for any plain parameter, and `p.grad` is a DTens
   reads the parameter itself) accumulates into `p.grad` on its own: whichever comes second adds to it.
 
 A leaf serves only the parameter object the module held when it was localized: FSDP2 swaps its own
-(unsharded) parameters in around each forward and dtp's packed-row gradient reduction swaps in a non-leaf,
-and those keep `to_local()`, as does code under `torch.compile` (traced once, DTensor costs nothing there). A leaf is rebuilt when `p`'s local tensor is no longer the one it aliases (a
+(unsharded) parameters in around each forward (and a model that FSDP2 will shard makes no leaf at all: its
+localized parameters are replaced, and a new one could reuse a dead one's id) and dtp's packed-row gradient
+reduction swaps in a non-leaf, and those keep `to_local()`, as does code under `torch.compile` (traced once, DTensor costs nothing there). A leaf is rebuilt when `p`'s local tensor is no longer the one it aliases (a
 `p.data` assignment, a dtype or device move), or when `p.requires_grad` changes.
 """
 from __future__ import annotations
@@ -54,7 +55,10 @@ def like(p: DTensor, local: torch.Tensor) -> DTensor:
 class LocalLeaves:
     """One model's parameter leaves, shared by every module localized in it (a tied weight has one leaf)."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        # off under FSDP2, which replaces every parameter: a localized module's remembered id() could otherwise be
+        # reused by FSDP2's unsharded parameter on one rank (bench/results/2026-12-04d-fsdp2-flake.md)
+        self.enabled = enabled
         self._entries: dict[int, tuple[DTensor, torch.Tensor, torch.Tensor]] = {}  # id(p) → (p, leaf, base)
         self._wrapped: dict[int, weakref.ref] = {}  # id(p) → the leaf gradient `p.grad` was last made to wrap
 
@@ -70,7 +74,7 @@ class LocalLeaves:
                 continue
             if not isinstance(p, DTensor):
                 out[name] = p
-            elif owned.get(name) == id(p) and p.is_leaf:
+            elif self.enabled and owned.get(name) == id(p) and p.is_leaf:
                 out[name] = self.leaf(p)
             else:
                 out[name] = p.to_local()

@@ -45,6 +45,7 @@ class Applied:
     tp: int
     checked: Checked
     plain: bool = False  # a one-rank mesh left as plain PyTorch: no DTensor, no collectives (see `apply`)
+    leaves: LocalLeaves | None = None  # the localized modules' parameter leaves (None: none localized)
 
     def full(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (a parameter or its gradient) gathered to the model's unsharded layout (a collective)."""
@@ -63,10 +64,12 @@ def apply(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh, seed: int
     whose mesh has no other dimension may ask (FSDP2 over dp expects tp DTensors), and a checkpoint of a plain
     model goes through dtp.train.plain_view.as_dtensors (packed parameters are stored in the tp layout).
     """
+    data_parallel = mesh.size() > tp_mesh(mesh).size()  # FSDP2 follows over dp, replacing every parameter
     mesh = tp_mesh(mesh)
     checked = checked_for(plan, model, mesh.size())
     compiled = compile_plan(checked, model, mesh)
     plain = plain and mesh.size() == 1
+    leaves = None
     if not plain:
         groups = tied_groups(model)
         # Megatron's colwise → rowwise pairs: torch's styles shard them, then they compute on local tensors
@@ -79,7 +82,7 @@ def apply(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh, seed: int
         # parallelize_module gives each owner of a tied weight its own DTensor; `check` guaranteed equal
         # placements, so pointing every owner at the first one's keeps one parameter, one gradient, one update.
         retie(model, groups)
-        leaves = LocalLeaves()  # one autograd leaf per local shard, shared by a tied weight's owners
+        leaves = LocalLeaves(enabled=not data_parallel)  # one leaf per local shard, shared by a tied weight's owners
         for path, side in pairs.items():
             localize(model.get_submodule(path), side, mesh, before[path], leaves)
         for path, side in ends.items():
@@ -89,4 +92,4 @@ def apply(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh, seed: int
     modules = compiled.lowered.modules
     rng = TensorParallelRNG(seed, mesh.get_local_rank(), torch.device(mesh.device_type))
     track(model, modules, rng)
-    return Applied(model, compiled, mesh.size(), checked, plain)
+    return Applied(model, compiled, mesh.size(), checked, plain, leaves)

@@ -125,3 +125,25 @@ def test_build_from_model_is_the_seeded_models_own_init_and_every_rank_continues
     assert all(torch.equal(full[n], p) for n, p in plain.named_parameters())
     # where rank 0's generator stands after drawing the model: every rank shares it (replicated dropout masks)
     assert torch.equal(state0, torch.get_rng_state()) and torch.equal(state1, state0)
+
+
+def _leaves_after_a_step(rank, world, tp):
+    from dtp.compiler.local_vocab import cross_entropy
+    from dtp.runtime.mesh import make_mesh
+
+    source = models.resolve("gpt2-tiny")
+    checked = check(load("plans/gpt2.tp"), models.build(source, device="meta"), tp)
+    applied = build_sharded(checked, source, make_mesh(tp, world // tp), seed=0, device=torch.device("cpu"),
+                            dp=world // tp)
+    ids = torch.arange(32).reshape(2, 16) % 64
+    cross_entropy(applied.model(ids[:, :-1]), ids[:, 1:]).backward()
+    return applied.leaves.enabled, len(applied.leaves._entries)
+
+
+def test_localized_modules_make_leaves_except_under_fsdp2(repo):
+    """Without data parallelism the localized modules compute on parameter leaves; under FSDP2, which replaces
+    every parameter, they make none (a replaced parameter's id, reused by FSDP2's unsharded one on one rank,
+    once sent that rank's gradient down the leaf path: bench/results/2026-12-04d-fsdp2-flake.md)."""
+    enabled, made = launch_local(_leaves_after_a_step, 2, 2, timeout=120)[0]
+    assert enabled and made == 17  # gpt2-tiny: 2 blocks × 4 Linears × (weight, bias), and the tied wte/lm_head
+    assert launch_local(_leaves_after_a_step, 4, 2, timeout=120)[0] == (False, 0)
