@@ -17,7 +17,8 @@ accumulates into `leaf.grad` as for any plain parameter, and `p.grad` is a DTens
 A leaf serves only the parameter object the module held when it was localized: FSDP2 swaps its own
 (unsharded) parameters in around each forward (and a model that FSDP2 will shard makes no leaf at all: its
 localized parameters are replaced, and a new one could reuse a dead one's id) and dtp's packed-row gradient
-reduction swaps in a non-leaf, and those keep `to_local()`, as does code under `torch.compile` (traced once, DTensor costs nothing there). A leaf is rebuilt when `p`'s local tensor is no longer the one it aliases (a
+reduction swaps in a non-leaf, and those keep `to_local()`, as does code under `torch.compile` (traced once,
+DTensor costs nothing there). A leaf is rebuilt when `p`'s local tensor is no longer the one it aliases (a
 `p.data` assignment, a dtype or device move), or when `p.requires_grad` changes.
 """
 from __future__ import annotations

@@ -130,16 +130,16 @@ def export_plan(plan: ir.Plan, model: nn.Module | None = None, choose=None) -> t
     """(HF tp_plan dict, warnings) for a dtp plan; what HF cannot express is left out and named.
 
     `choose` picks `when` branches (`conditions.chooser`); without it every branch is exported."""
-    out, warnings, _ = _export(plan, model, choose)
-    return out, warnings
+    out, warnings, _, sets = _export(plan, model, choose)
+    return out, [_set_left_out(s, "has no Hugging Face equivalent") for s in sets] + warnings
 
 
-def _export(plan: ir.Plan, model: nn.Module | None, choose) -> tuple[dict[str, str], list[str], list[str]]:
-    """(tp_plan, warnings, what was left out): the last are the warnings whose statement HF never sees."""
+def _export(plan: ir.Plan, model: nn.Module | None, choose) -> tuple[dict[str, str], list[str], list[str], list]:
+    """(tp_plan, the rules' warnings, the rules HF never sees, the `set`s): the third are warnings of the second."""
     rules, sets, _ = ir.flatten(plan, choose)
     out: dict[str, str] = {}
-    left_out = [f"line {s.pos.line}: `set {s.pattern}.{s.attr}` {SET_LEFT_OUT}" for s in sets]
-    warnings = list(left_out)
+    warnings: list[str] = []
+    left_out: list[str] = []
     for rule in rules:
         key, style = _hf_key(rule.pattern), rule.style
         where = f"line {rule.pos.line} ({rule.pattern}: {style.name})"
@@ -156,7 +156,11 @@ def _export(plan: ir.Plan, model: nn.Module | None, choose) -> tuple[dict[str, s
             out.update(text)
         else:
             out[key] = text
-    return out, warnings, left_out
+    return out, warnings, left_out, sets
+
+
+def _set_left_out(s, why: str) -> str:
+    return f"line {s.pos.line}: `set {s.pattern}.{s.attr}` {why}"
 
 
 def export_for(plan: ir.Plan, model: nn.Module, tp: int) -> tuple[dict[str, str], list[str]]:
@@ -165,7 +169,8 @@ def export_for(plan: ir.Plan, model: nn.Module, tp: int) -> tuple[dict[str, str]
     HF applies a tp_plan as it is: a `set`, a per-head slice or a norm over sharded features that the
     export leaves out would make HF run the model with the wrong shapes or the wrong maths. So the
     `when` branches are taken for this model and tp, nothing they select may be left out, and the
-    exported plan, read back, must pass dtp's own check at tp."""
+    exported plan, read back, must pass dtp's own check at tp; a `set` is left out only when the plan holds
+    without it there (the model does not shape with the attribute it rewrites)."""
 
     try:  # a plan that does not hold at tp says so first, whatever HF could express of it
         check(plan, model, tp)
@@ -174,28 +179,24 @@ def export_for(plan: ir.Plan, model: nn.Module, tp: int) -> tuple[dict[str, str]
         raise UsageError(f"the plan does not hold for the model at tp {tp}, so there is nothing to export: "
                          f"{first[:600]}") from None
     diags: list = []
-    out, warnings, left_out = _export(plan, model, conditions.chooser(model, diags, tp))
+    out, warnings, left_out, sets = _export(plan, model, conditions.chooser(model, diags, tp))
     if diags:
         raise UsageError(f"cannot pick the plan's `when` branches for this model at tp {tp}: "
                          + "; ".join(f"line {d.pos.line}: {d.message}" for d in diags))
-    unset = [m for m in left_out if SET_LEFT_OUT in m]
-    if len(unset) < len(left_out):
-        _refuse(left_out, tp)
+    unset = [_set_left_out(s, "has no Hugging Face equivalent") for s in sets]
+    if left_out:
+        _refuse(unset + left_out, tp)
     try:
         check(parse(import_plan(out)[0], "<exported tp_plan>"), model, tp)
     except PlanError as err:
         if unset:  # the model reads what a `set` rewrites: HF, which has no `set`, would compute something else
-            _refuse(left_out, tp)
+            _refuse(unset, tp)
         first = " ".join(str(err).split())
         raise UsageError(f"the exported tp_plan does not hold together for the model at tp {tp}: {first[:600]} "
                          "(pass --lossy to print it anyway)") from None
-    # each `set` left out rewrites an attribute this model's code does not shape with (GPT-J's head count on
-    # transformers that views heads as -1): the plan holds without it, as HF runs it
-    return out, [m.replace(SET_LEFT_OUT, "left out: this model does not shape with it (the plan holds without it)")
-                 for m in warnings]
-
-
-SET_LEFT_OUT = "has no Hugging Face equivalent"
+    # GPT-J's head count on transformers that views heads as -1: the plan holds without the `set`, as HF runs it
+    kept = "left out: this model does not shape with it (the plan holds without it)"
+    return out, [_set_left_out(s, kept) for s in sets] + warnings
 
 
 def _refuse(left_out: list[str], tp: int) -> None:

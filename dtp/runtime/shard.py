@@ -64,7 +64,7 @@ def apply(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh, seed: int
     whose mesh has no other dimension may ask (FSDP2 over dp expects tp DTensors), and a checkpoint of a plain
     model goes through dtp.train.plain_view.as_dtensors (packed parameters are stored in the tp layout).
     """
-    data_parallel = mesh.size() > tp_mesh(mesh).size()  # FSDP2 follows over dp, replacing every parameter
+    fsdp_follows = mesh.size() > tp_mesh(mesh).size()  # a dp dimension: FSDP2 will replace every parameter
     mesh = tp_mesh(mesh)
     checked = checked_for(plan, model, mesh.size())
     compiled = compile_plan(checked, model, mesh)
@@ -82,7 +82,7 @@ def apply(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh, seed: int
         # parallelize_module gives each owner of a tied weight its own DTensor; `check` guaranteed equal
         # placements, so pointing every owner at the first one's keeps one parameter, one gradient, one update.
         retie(model, groups)
-        leaves = LocalLeaves(enabled=not data_parallel)  # one leaf per local shard, shared by a tied weight's owners
+        leaves = LocalLeaves(enabled=not fsdp_follows)  # one leaf per local shard, shared by a tied weight's owners
         for path, side in pairs.items():
             localize(model.get_submodule(path), side, mesh, before[path], leaves)
         for path, side in ends.items():
