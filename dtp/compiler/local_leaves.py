@@ -6,13 +6,17 @@ on CPU, what Megatron's plain parameters do not pay). A leaf instead is a detach
 (same storage, so the optimizer's in-place updates of `p` are its own) with `requires_grad`; autograd
 accumulates into `leaf.grad` as for any plain parameter, and `p.grad` is a DTensor over that same tensor:
 
-- after an accumulation, a hook points `p.grad` at the leaf's gradient (a new DTensor only when `p.grad` is
-  unset or is another tensor: once per step under `zero_grad(set_to_none=True)`). Under `create_graph`
-  autograd accumulates out of place, into a new tensor: `p.grad` then follows it;
+- when a backward pass that accumulated into leaves ends, `p.grad` is pointed at each one's gradient (a new
+  DTensor only when `p.grad` is unset or is another tensor: once per step under `zero_grad(set_to_none=True)`).
+  The leaves' hooks only note that they accumulated; one engine callback per pass wraps them all, after the
+  pass's GEMMs, where wrapping each in its own hook cost about 14 µs per parameter (Python run between the
+  kernels, on cold caches). A forward inside a pass (checkpointing's recomputation) settles them first; a pass
+  that raised before its end leaves its partial gradients unsettled, and the next forward drops them. Under
+  `create_graph` autograd accumulates out of place, into a new tensor: `p.grad` then follows it;
 - before a forward, `p.grad` rules: cleared (`set_to_none`) clears the leaf's gradient, a gradient someone
   assigned becomes the one the leaf accumulates into; zeroed in place is the same tensor already;
 - a parameter also used as a DTensor (a tied weight whose other owner keeps torch's style, a forward that
-  reads the parameter itself) accumulates into `p.grad` on its own: whichever comes second adds to it.
+  reads the parameter itself) accumulates into `p.grad` on its own; the leaf's gradient is added to it.
 
 A leaf serves only the parameter object the module held when it was localized: FSDP2 swaps its own
 (unsharded) parameters in around each forward (and a model that FSDP2 will shard makes no leaf at all: its
@@ -61,6 +65,7 @@ class LocalLeaves:
         # reused by FSDP2's unsharded parameter on one rank (bench/results/2026-12-04d-fsdp2-flake.md)
         self.enabled = enabled
         self._entries: dict[int, tuple[DTensor, torch.Tensor, torch.Tensor]] = {}  # id(p) → (p, leaf, base)
+        self._pending: dict[int, list[tuple[DTensor, torch.Tensor]]] = {}  # backward pass → leaves it accumulated
         self._wrapped: dict[int, weakref.ref] = {}  # id(p) → the leaf gradient `p.grad` was last made to wrap
 
     def params(self, module: nn.Module, owned: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -83,23 +88,56 @@ class LocalLeaves:
 
     def leaf(self, p: DTensor) -> torch.Tensor:
         """`p`'s local tensor as a leaf sharing its storage, whose gradient `p.grad` wraps."""
+        if self._pending:
+            self._catch_up()
         base = p._local_tensor
         entry = self._entries.get(id(p))
         if entry is None or entry[2] is not base or not _same(entry[1], base) or entry[1].requires_grad != p.requires_grad:
             leaf = base.detach().requires_grad_(p.requires_grad)
             if p.requires_grad:
-                leaf.register_post_accumulate_grad_hook(functools.partial(self._grad_to_dtensor, p))
+                leaf.register_post_accumulate_grad_hook(functools.partial(self._noted, p))
             self._entries[id(p)] = entry = (p, leaf, base)
         leaf = entry[1]
         grad = p.grad
         if grad is None:
-            leaf.grad = None
+            if leaf.grad is not None:
+                leaf.grad = None
         elif not _same(grad._local_tensor, leaf.grad):  # assigned, or accumulated through a DTensor use of `p`
             leaf.grad = grad._local_tensor.detach() if grad.placements == p.placements else None
         return leaf
 
+    def _noted(self, p: DTensor, leaf: torch.Tensor) -> None:
+        """A leaf's post-accumulate hook: `p.grad` is settled when this backward pass ends."""
+        task = torch._C._current_graph_task_id()
+        if task == -1:  # not inside the engine after all: nothing to wait for
+            self._grad_to_dtensor(p, leaf)
+            return
+        pending = self._pending.get(task)
+        if pending is None:  # the pass's first leaf (a nested pass, as reentrant checkpointing runs, has its own)
+            self._pending[task] = pending = []
+            _ENGINE.queue_callback(functools.partial(self._settle, task))
+        pending.append((p, leaf))
+
+    def _settle(self, task: int) -> None:
+        """The end of backward pass `task`: point each accumulated parameter's `p.grad` at its leaf's gradient."""
+        for p, leaf in self._pending.pop(task, ()):
+            self._grad_to_dtensor(p, leaf)
+
+    def _catch_up(self) -> None:
+        """Before a forward reads `p.grad`: inside a backward pass (checkpointing's recomputation), settle what the
+        passes accumulated so far; outside one, what is still pending was accumulated by a pass that raised before
+        it ended (an out-of-memory error the loop recovers from): those partial gradients are dropped, so that a
+        `zero_grad` made since, which found `p.grad` unset, still holds."""
+        inside = torch._C._current_graph_task_id() != -1
+        for task in list(self._pending):
+            for p, leaf in self._pending.pop(task):
+                if inside:
+                    self._grad_to_dtensor(p, leaf)
+                elif leaf.grad is not None and (p.grad is None or not _same(p.grad._local_tensor, leaf.grad)):
+                    leaf.grad = None
+
     def _grad_to_dtensor(self, p: DTensor, leaf: torch.Tensor) -> None:
-        """After an accumulation into the leaf: `p.grad` is, or now includes, the leaf's gradient."""
+        """After accumulations into the leaf: `p.grad` is, or now includes, the leaf's gradient."""
         grad = leaf.grad
         if grad is None or (p.grad is not None and _same(p.grad._local_tensor, grad)):
             return
@@ -109,7 +147,10 @@ class LocalLeaves:
             p.grad = like(p, grad)
         else:
             # `p` is also used as a DTensor (a tied weight's owner that is not localized, a forward that reads the
-            # parameter itself), which accumulated into a gradient of its own first: sum the two
+            # parameter itself), which accumulated into a gradient of its own: sum the two
             p.grad = p.grad + like(p, grad)
             leaf.grad = p.grad._local_tensor.detach() if p.grad.placements == p.placements else None
         self._wrapped[id(p)] = weakref.ref(p.grad._local_tensor)
+
+
+_ENGINE = torch.autograd.Variable._execution_engine  # queue_callback: run once when the backward pass ends

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import AllreduceOptions, ProcessGroup
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor import _api as tensor_api
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
@@ -37,15 +38,17 @@ from dtp.compiler.local_leaves import LocalLeaves, owned_params
 from dtp.layout.modules import is_conv1d
 
 
-def all_reduce(t: torch.Tensor, mesh: DeviceMesh, op: str = "sum") -> torch.Tensor:
-    """`t` reduced over the 1-D `mesh` in place (a copy when `t` is not contiguous), as Megatron reduces: the
-    caller hands over a tensor nobody else reads. The c10d call is the one torch's CommDebugMode and dtp's
-    counter see (op, count and bytes as DTensor's functional all-reduce). While a dispatch mode observes (the
-    trainer's communication timer, a counter), the wait goes through the functional `wait_tensor`, where the
-    mode sees the time spent waiting, which c10d's own `Work.wait()` would hide; below autograd, whose Python
-    wrapper of that op costs more than the wait's own dispatch. The functional all-reduce would copy `t` first."""
+def all_reduce(t: torch.Tensor, group: ProcessGroup, op: str = "sum") -> torch.Tensor:
+    """`t` reduced over `group` in place (a copy when `t` is not contiguous), as Megatron reduces: the caller
+    hands over a tensor nobody else reads. The process group's own call, the `c10d.allreduce_` op torch's
+    CommDebugMode and dtp's counter see (op, count and bytes as DTensor's functional all-reduce), without
+    `dist.all_reduce`'s argument checks, which cost a third of the call on a small tensor and hold for a
+    mesh's own group by construction. While a dispatch mode observes (the trainer's communication timer, a
+    counter), the wait goes through the functional `wait_tensor`, where the mode sees the time spent waiting,
+    which c10d's own `Work.wait()` would hide; below autograd, whose Python wrapper of that op costs more than
+    the wait's own dispatch. The functional all-reduce would copy `t` first."""
     t = t.contiguous()
-    work = dist.all_reduce(t, op=_REDUCE_OPS[op], group=mesh.get_group(0), async_op=True)
+    work = group.allreduce([t], _REDUCE_OPTIONS[op])
     if not torch._C._len_torch_dispatch_stack() or _REGISTER_WORK is None:
         work.wait()
         return t
@@ -54,7 +57,13 @@ def all_reduce(t: torch.Tensor, mesh: DeviceMesh, op: str = "sum") -> torch.Tens
         return torch.ops._c10d_functional.wait_tensor(t)
 
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+def _options(op: dist.ReduceOp) -> AllreduceOptions:
+    options = AllreduceOptions()
+    options.reduceOp = op
+    return options
+
+
+_REDUCE_OPTIONS = {"sum": _options(dist.ReduceOp.SUM), "max": _options(dist.ReduceOp.MAX)}
 # what lets the functional wait_tensor wait on a c10d call's work (torch >= 2.4; older torch: Work.wait())
 _REGISTER_WORK = getattr(torch._C._distributed_c10d, "_register_work", None)
 
@@ -63,23 +72,23 @@ class _CopyToRanks(torch.autograd.Function):
     """f: identity forward; the input gradient all-reduced in backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        ctx.mesh = mesh
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         # the incoming gradient is the colwise product's own (f's output has that one reader); under
         # create_graph it is part of a graph, which an in-place reduction would corrupt
-        return all_reduce(grad.clone() if torch.is_grad_enabled() else grad, ctx.mesh), None
+        return all_reduce(grad.clone() if torch.is_grad_enabled() else grad, ctx.group), None
 
 
 class _SumOverRanks(torch.autograd.Function):
     """g: all-reduce forward, in place on the partial sum (a fresh product only g reads); identity backward."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        out = all_reduce(y, mesh)
+    def forward(ctx, y: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        out = all_reduce(y, group)
         if out is y:
             ctx.mark_dirty(y)
         return out
@@ -89,8 +98,9 @@ class _SumOverRanks(torch.autograd.Function):
         return grad, None
 
 
-def f(x: object, mesh: DeviceMesh) -> object:
-    """Megatron's f: this rank's copy of a replicated input whose gradient is all-reduced in backward."""
+def f(x: object, mesh: DeviceMesh, group: ProcessGroup | None = None) -> object:
+    """Megatron's f: this rank's copy of a replicated input whose gradient is all-reduced in backward (over
+    `group`, the 1-D mesh's own, when the caller has it at hand)."""
     if not isinstance(x, torch.Tensor):
         return x
     if isinstance(x, DTensor):  # a shared input (q/k/v siblings): their Partial gradients are summed first,
@@ -99,20 +109,21 @@ def f(x: object, mesh: DeviceMesh) -> object:
         return x.to_local(grad_placements=[Partial()])
     if not x.requires_grad:
         return x
-    return _CopyToRanks.apply(x, mesh)
+    return _CopyToRanks.apply(x, group if group is not None else mesh.get_group(0))
 
 
-def colwise_input(x: object, mesh: DeviceMesh) -> object:
+def colwise_input(x: object, mesh: DeviceMesh, group: ProcessGroup) -> object:
     """A colwise layer's input as this rank's local tensor: through f, or as it is over a one-rank mesh (tp 1
-    under FSDP2), where there is nothing to reduce."""
-    if mesh.size() == 1:
+    under FSDP2), where there is nothing to reduce. `group` is the 1-D mesh's own."""
+    if group.size() == 1:
         return x.to_local() if isinstance(x, DTensor) else x
-    return f(x, mesh)
+    return f(x, mesh, group)
 
 
-def g(y: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """Megatron's g: the sum of every rank's partial output (forward all-reduce; identity backward)."""
-    return _SumOverRanks.apply(y, mesh)
+def g(y: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Megatron's g: the sum of every rank's partial output over the mesh's `group` (forward all-reduce;
+    identity backward)."""
+    return _SumOverRanks.apply(y, group)
 
 
 def _sharded_last(x: object) -> object:
@@ -184,15 +195,16 @@ def localize(module: nn.Module, side: str, mesh: DeviceMesh, before: tuple[set[i
     its parameters read through `leaves`."""
     drop_style_hooks(module, before)
     owned = owned_params(module)
+    group = mesh.get_group(0)  # looked up once: the mesh's groups are fixed when it is made
     alone = mesh.size() == 1  # tp 1 under FSDP2: nothing to communicate
     if side == "colwise":
         def forward(self, x):
-            return _run(self, colwise_input(x, mesh), leaves.params(self, owned))
+            return _run(self, colwise_input(x, mesh, group), leaves.params(self, owned))
     else:
         def forward(self, x):
             params = leaves.params(self, owned)
             bias = params.pop("bias", None)
             y = _run(self, _sharded_last(x), params)
-            y = y if alone else g(y, mesh)
+            y = y if alone else g(y, group)
             return y if bias is None else y + bias  # a new tensor either way: it may be updated in place
     bind_forward(module, forward)

@@ -49,7 +49,11 @@ def vocab_side(style: ParallelStyle, module: nn.Module) -> str | None:
 
 def _first_row(rows: int, mesh: DeviceMesh) -> int:
     """This rank's first of `rows` vocabulary rows split over `mesh` (torch.chunk's split: ceil(V / tp) per rank)."""
-    return min(mesh.get_local_rank() * -(-rows // mesh.size()), rows)
+    return _row_start(rows, mesh.get_local_rank(), mesh.size())
+
+
+def _row_start(rows: int, rank: int, ranks: int) -> int:
+    return min(rank * -(-rows // ranks), rows)
 
 
 def localize_vocab(module: nn.Module, side: str, mesh: DeviceMesh, before: tuple[set[int], set[int]],
@@ -58,24 +62,25 @@ def localize_vocab(module: nn.Module, side: str, mesh: DeviceMesh, before: tuple
     parameters read through `leaves`."""
     drop_style_hooks(module, before)
     owned = owned_params(module)
-    alone = mesh.size() == 1
+    group, rank, ranks = mesh.get_group(0), mesh.get_local_rank(), mesh.size()  # fixed when the mesh is made
+    alone = ranks == 1
     if side == "embedding":
         def forward(self, ids):
             ids = ids.to_local() if isinstance(ids, DTensor) else ids
-            start, weight = _first_row(self.weight.shape[0], mesh), leaves.params(self, owned)["weight"]
+            start, weight = _row_start(self.weight.shape[0], rank, ranks), leaves.params(self, owned)["weight"]
             local = ids - start
             inside = (local >= 0) & (local < weight.shape[0])
             pad = self.padding_idx
             pad = pad - start if pad is not None and 0 <= pad - start < weight.shape[0] else None
             out = F.embedding(torch.where(inside, local, 0), weight, pad).masked_fill(~inside.unsqueeze(-1), 0.0)
-            return out if alone else g(out, mesh)  # a new tensor either way: it may be updated in place (CTRL)
+            return out if alone else g(out, group)  # a new tensor either way: it may be updated in place (CTRL)
     else:
+        specs: dict = {}  # (local shape, dtype) → the logits' DTensorSpec, made once by DTensor.from_local
+
         def forward(self, x):
             params = leaves.params(self, owned)
-            y = F.linear(colwise_input(x, mesh), params["weight"], params.get("bias"))
-            shape = (*y.shape[:-1], self.weight.shape[0])
-            out = DTensor.from_local(y, mesh, [Shard(y.ndim - 1)], run_check=False, shape=shape,
-                                     stride=_contiguous_stride(shape))
+            y = F.linear(colwise_input(x, mesh, group), params["weight"], params.get("bias"))
+            out = _as_shards(y, self.weight.shape[0], mesh, specs)
             if not torch.compiler.is_compiling():  # an attribute set in a traced region would break the graph
                 out._dtp_head_local = (y, y._version, out._version, out.grad_fn)
             return out
@@ -88,6 +93,44 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
         stride.append(step)
         step *= max(n, 1)
     return tuple(reversed(stride))
+
+
+SPECS_KEPT = 16  # logits shapes whose spec a head keeps (sequence lengths vary in evaluation)
+
+
+def _as_shards(y: torch.Tensor, vocab: int, mesh: DeviceMesh, specs: dict) -> DTensor:
+    """This rank's logits `y` (..., V/tp) as the `Shard(-1)` DTensor of global width `vocab`: DTensor.from_local
+    the first time for a shape, then the DTensor constructor on the spec that call made (from_local's checks
+    and spec building, run after the head's GEMM on every step, cost as much as the rest of the head's Python)."""
+    key = (y.shape, y.dtype)
+    spec = specs.get(key)
+    if spec is None:
+        shape = (*y.shape[:-1], vocab)
+        out = DTensor.from_local(y, mesh, [Shard(y.ndim - 1)], run_check=False, shape=shape,
+                                 stride=_contiguous_stride(shape))
+        if len(specs) >= SPECS_KEPT:
+            specs.clear()
+        specs[key] = out._spec
+        return out
+    return _FromLocalShards.apply(y, spec)
+
+
+class _FromLocalShards(torch.autograd.Function):
+    """DTensor.from_local on a spec already made: the local tensor's gradient is the DTensor gradient's shard
+    (redistributed to the forward's placements first, as from_local's backward does)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, spec) -> DTensor:
+        ctx.spec = spec
+        return DTensor(y.view_as(y), spec, requires_grad=y.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if isinstance(grad, DTensor):
+            if grad.placements != ctx.spec.placements:
+                grad = grad.redistribute(ctx.spec.mesh, ctx.spec.placements)
+            grad = grad.to_local()
+        return grad, None
 
 
 def _head_local(logits: DTensor) -> torch.Tensor:
@@ -109,15 +152,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, start: int, mesh: DeviceMesh) -> torch.Tensor:
-        row_max = all_reduce(logits.detach().amax(dim=-1, keepdim=True), mesh, "max")
+        group = mesh.get_group(0)
+        row_max = all_reduce(logits.detach().amax(dim=-1, keepdim=True), group, "max")
         shifted = logits - row_max
         exp = shifted.exp()
-        sum_exp = all_reduce(exp.sum(dim=-1, keepdim=True), mesh)
+        sum_exp = all_reduce(exp.sum(dim=-1, keepdim=True), group)
         valid = targets != IGNORE_INDEX
         local = targets - start
         inside = valid & (local >= 0) & (local < logits.shape[-1])
         local = torch.where(inside, local, 0).unsqueeze(-1)
-        picked = all_reduce(shifted.gather(-1, local).masked_fill_(~inside.unsqueeze(-1), 0.0), mesh)
+        picked = all_reduce(shifted.gather(-1, local).masked_fill_(~inside.unsqueeze(-1), 0.0), group)
         count = valid.sum()
         loss = (sum_exp.log() - picked).squeeze(-1).masked_fill(~valid, 0.0).sum() / count
         ctx.save_for_backward(exp.div_(sum_exp), local, inside, valid, count)

@@ -12,6 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from dtp.compiler.local_pair import all_reduce
 from dtp.runtime.ranks import on_ranks
 
 SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # all-reduce buffers, bytes
@@ -31,8 +32,8 @@ def elementwise_bandwidth(n: int = 1 << 22, reps: int = 20) -> float:
 
 
 def _allreduce_times(rank: int, world: int, sizes: tuple[int, ...], reps: int) -> list[float]:
-    """Seconds one all-reduce adds to a loop of compute segments, per size: as dtp's f and g call it (c10d's, in
-    place on a just-computed tensor, and its wait: dtp.compiler.local_pair.all_reduce) and where (between a layer's matmuls, with no barrier: the ranks'
+    """Seconds one all-reduce adds to a loop of compute segments, per size: as dtp's f and g call it (the process
+    group's own, in place on a just-computed tensor, and its wait: dtp.compiler.local_pair.all_reduce) and where (between a layer's matmuls, with no barrier: the ranks'
     drift between collectives, and the gloo threads waking on a core the other rank's compute holds, are
     part of its cost, as in a training step). Each segment is one ~3 ms Linear GEMM; the loop's time less the
     same loop without collectives, over its collectives."""
@@ -46,7 +47,7 @@ def _allreduce_times(rank: int, world: int, sizes: tuple[int, ...], reps: int) -
             x @ w
             fresh = base * 1.0  # a just-computed tensor, as a layer's output is (the loop without collectives too)
             if collective:
-                dist.all_reduce(fresh, async_op=True).wait()
+                all_reduce(fresh, dist.group.WORLD)
         return time.perf_counter() - t0
 
     out = []
