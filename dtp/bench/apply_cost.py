@@ -7,7 +7,7 @@ import sys
 import time
 from dataclasses import replace
 
-from dtp.bench.stats import median_ratio, round_robin
+from dtp.bench.stats import interleaved_orders, median_ratio
 from dtp.verify.apply import launch_apply
 from dtp.verify.rank import RunConfig
 
@@ -18,7 +18,7 @@ def measure(rounds: int = 15, cfg: RunConfig = QUICKSTART) -> dict:
     """Wall seconds of whole runs (ranks started, built, stepped, compared, reported) per arm, and their ratio."""
     arms = {"with": cfg, "without": replace(cfg, probes=False)}
     times: dict[str, list[float]] = {a: [] for a in arms}
-    for order in round_robin(tuple(arms), rounds):
+    for order in interleaved_orders(tuple(arms), rounds):
         for arm in order:
             start = time.perf_counter()
             report = launch_apply(arms[arm])

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from dtp.bench.arms import ARMS, gpt_config
 from dtp.bench.megatron import BASELINE_VERSION, flops_per_token, relative_error
-from dtp.bench.stats import round_robin
+from dtp.bench.stats import interleaved_orders
 from dtp.models.gpt import GPT, GPTConfig
 
 RTOL = 1e-4  # float32, as `dtp apply`: sharding only reorders sums
@@ -67,10 +67,10 @@ def check_parity(name: str, probe, ref: tuple[torch.Tensor, float, float]) -> di
 
 
 def time_interleaved(steps: dict, warmup: int, samples: int, device: str = "cpu") -> dict[str, list[float]]:
-    """Milliseconds per step of every arm, rounds of one step each in rotating order; a sample is the
-    slowest rank's time (one all-reduce at the end, so timing adds no communication to the steps)."""
+    """Milliseconds per step of every arm, rounds of one step each, every order of the arms in turn; a sample is
+    the slowest rank's time (one all-reduce at the end, so timing adds no communication to the steps)."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    order = round_robin(tuple(steps), warmup + samples)
+    order = interleaved_orders(tuple(steps), warmup + samples, warmup)
     times: dict[str, list[float]] = {name: [] for name in steps}
     for r, names in enumerate(order):
         for name in names:

@@ -3,17 +3,21 @@ bootstrap 95 % interval, and a verdict against a goal that says "not significant
 straddles it."""
 from __future__ import annotations
 
+import itertools
 import statistics
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 
-def round_robin(arms: tuple[str, ...], rounds: int) -> list[tuple[str, ...]]:
-    """The order of each round: every arm once, the starting arm rotating, so that no arm always runs
-    first (after the barrier) or right after a given neighbour."""
-    n = len(arms)
-    return [arms[r % n:] + arms[:r % n] for r in range(rounds)]
+def interleaved_orders(arms: tuple[str, ...], rounds: int, warmup: int = 0) -> list[tuple[str, ...]]:
+    """The order of each round: every arm once, cycling through all orders of the arms, the timed rounds (those
+    after `warmup`) starting the cycle. Over whole cycles each arm runs in each position, and right after each
+    other arm, equally often, so that neither the first step after the barrier nor a neighbour's state left
+    in the caches favours one arm (rotating a fixed order does not: with three arms each always follows the
+    same one)."""
+    cycle = list(itertools.permutations(arms))
+    return [cycle[(r - warmup) % len(cycle)] for r in range(rounds)]
 
 
 @dataclass(frozen=True)

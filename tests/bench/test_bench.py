@@ -3,11 +3,13 @@ baseline's own collective counts, results folders (timings are never asserted: t
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
+from collections import Counter
 
 import pytest
 
-from dtp.bench.stats import Ratio, median_ratio, round_robin, verdict
+from dtp.bench.stats import Ratio, interleaved_orders, median_ratio, verdict
 
 
 def test_median_ratio_interval_on_synthetic_samples():
@@ -48,14 +50,20 @@ def test_verdicts():
     assert verdict(Ratio(0.95, 0.94, 0.97, 20), 0.98, 1.02) == "not met"
 
 
-def test_round_robin_rotates_the_first_arm():
-    order = round_robin(("dtp", "hand", "megatron"), 4)
-    assert order == [("dtp", "hand", "megatron"), ("hand", "megatron", "dtp"), ("megatron", "dtp", "hand"),
-                     ("dtp", "hand", "megatron")]
+def test_interleaved_orders_balance_position_and_predecessor():
+    arms = ("dtp", "hand", "megatron")
+    order = interleaved_orders(arms, 2 + 12, warmup=2)
+    timed = order[2:]
+    assert timed[:6] == list(itertools.permutations(arms)) and timed[6:] == timed[:6]
+    assert order[:2] == timed[-2:]  # the warm-up rounds end the cycle the timed rounds start
+    positions = Counter((a, i) for o in timed for i, a in enumerate(o))
+    after = Counter((o[i], o[i + 1]) for o in timed for i in range(len(o) - 1))
+    assert set(positions.values()) == {4} and len(positions) == 9  # each arm 4 times in each of 3 positions
+    assert set(after.values()) == {4} and len(after) == 6  # each arm right after each other arm 4 times
 
 
 def test_interleaved_timing_runs_one_step_per_arm_per_round():
-    """time_interleaved on a world of one: the calls happen in the round-robin order, warm-up untimed."""
+    """time_interleaved on a world of one: the calls happen in interleaved_orders' order, warm-up untimed."""
     from dtp.bench.scaling import time_interleaved
     from dtp.runtime.ranks import on_ranks
 
@@ -65,7 +73,7 @@ def test_interleaved_timing_runs_one_step_per_arm_per_round():
         return calls, {k: len(v) for k, v in times.items()}
 
     calls, counts = on_ranks(run, 1)[0]
-    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert calls == ["c", "b", "a", "a", "b", "c", "a", "c", "b"]  # the warm-up round ends the cycle
     assert counts == {"a": 2, "b": 2, "c": 2}
 
 
