@@ -96,22 +96,28 @@ def hf_loop(steps: int, threads: int, device: str = "cpu") -> float:
     return BATCH * SEQ / statistics.median(times[1:])
 
 
+class ArmFailed(RuntimeError):
+    """An arm's process exited non-zero (its stderr's end in the message)."""
+
+
 def hf_loop_process(steps: int, threads: int, apply: bool = False, device: str = "cpu") -> float:
     """`hf_loop` (or `hf_apply_loop`) in a fresh process, as every arm runs."""
-    done = subprocess.run([sys.executable, "-m", "dtp.bench.plain_tp1", "--hf-loop", "--steps", str(steps),
-                           "--threads", str(threads), "--device", device] + (["--apply"] if apply else []),
-                          capture_output=True,
-                          text=True, check=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    cmd = [sys.executable, "-m", "dtp.bench.plain_tp1", "--hf-loop", "--steps", str(steps), "--threads",
+           str(threads), "--device", device] + (["--apply"] if apply else [])
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    if done.returncode:
+        raise ArmFailed(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr[-2000:]}")
     return float(done.stdout.split()[-1])
 
 
 def _dtp(args: list[str], threads: int, src: str | None) -> None:
-    """`python -m dtp ARGS` on `threads` intra-op threads (from `src`'s dtp when given); RuntimeError on failure."""
+    """`python -m dtp ARGS` on `threads` intra-op threads (from `src`'s dtp when given); ArmFailed on failure."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), **({"PYTHONPATH": src} if src else {})}
     cmd = [sys.executable, "-m", "dtp", *args]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=src or None, timeout=900)
     if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr[-2000:]}")
+        raise ArmFailed(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr[-2000:]}")
 
 
 def dtp_apply(steps: int, threads: int, plan: str, src: str | None, device: str = "cpu") -> float:
@@ -155,6 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.hf_loop:
         print((hf_apply_loop if args.apply else hf_loop)(args.steps, args.threads, args.device))
         return 0
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("error: --device cuda: this machine has no CUDA device (torch.cuda.is_available() is False)",
+                  file=sys.stderr)
+            return 2
     run = dtp_apply if args.apply else dtp_train
     arms = {"dtp": lambda: run(args.steps, args.threads, args.plan, None, args.device),
             "hf-loop": lambda: hf_loop_process(args.steps, args.threads, args.apply, args.device)}
@@ -167,7 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(len(names)):
             name = names[(i + r) % len(names)]  # rotate the starting arm every repeat
             load = _load()
-            samples.append({"repeat": r, "arm": name, "load_before": load, "tokens_per_s": arms[name]()})
+            try:
+                tokens_per_s = arms[name]()
+            except (ArmFailed, subprocess.TimeoutExpired) as e:
+                print(f"error: arm '{name}' failed in repeat {r}: {e}", file=sys.stderr)
+                return 1
+            samples.append({"repeat": r, "arm": name, "load_before": load, "tokens_per_s": tokens_per_s})
             print(f"repeat {r} {name:9s} {samples[-1]['tokens_per_s']:9.0f} tokens/s  (load {load})", flush=True)
     med = {n: statistics.median(s["tokens_per_s"] for s in samples if s["arm"] == n) for n in names}
     print("\n| arm | median tokens/s | ÷ hf-loop |\n|---|---|---|")

@@ -12,6 +12,7 @@ def test_arms_interleave_and_record_the_load(repo, tmp_path, monkeypatch):
     from dtp.bench import plain_tp1
 
     devices = []
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # the arms are stubs: no device is touched
     monkeypatch.setattr(plain_tp1, "hf_loop_process",
                         lambda steps, threads, apply=False, device="cpu": devices.append(device) or 1.0)
     monkeypatch.setattr(plain_tp1, "dtp_train", lambda steps, threads, plan, src, device: devices.append(device) or 2.0)
@@ -37,6 +38,26 @@ def test_apply_mode_times_dtp_apply_against_the_loop_at_its_shape(repo, tmp_path
     assert plain_tp1.main(["--apply", "--repeats", "1", "--steps", "3", "--threads", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert seen == [(True, "cpu")] and result["apply"] and result["median"] == {"dtp": 3.0, "hf-loop": 1.0}
+
+
+def test_no_gpu_and_a_failed_arm_are_one_line_errors(repo, tmp_path, monkeypatch, capsys):
+    from dtp.bench import plain_tp1
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert plain_tp1.main(["--device", "cuda", "--repeats", "1"]) == 2
+    assert capsys.readouterr().err == ("error: --device cuda: this machine has no CUDA device "
+                                       "(torch.cuda.is_available() is False)\n")
+
+    def failing(*args, **kwargs):
+        raise plain_tp1.ArmFailed("python -m dtp train ... exited 2: error: bad flag")
+
+    monkeypatch.setattr(plain_tp1, "dtp_train", failing)
+    monkeypatch.setattr(plain_tp1, "hf_loop_process", lambda *a, **k: 1.0)
+    out = tmp_path / "never.json"
+    assert plain_tp1.main(["--repeats", "1", "--steps", "3", "--threads", "1", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err == "error: arm 'dtp' failed in repeat 0: python -m dtp train ... exited 2: error: bad flag\n"
+    assert not out.exists()
 
 
 def test_the_loops_train(repo):
