@@ -6,7 +6,7 @@ import socket
 import statistics
 from pathlib import Path
 
-from dtp.bench.stats import median_ratio, verdict
+from dtp.bench.stats import Ratio, median_ratio, median_ratio_runs, verdict
 
 GOAL_VS_MEGATRON = 1.05  # dtp ÷ Megatron-style step time, upper end of the 95 % interval, tp ≥ 2, n_embd ≥ 512
 GOAL_VS_HAND = 1.02  # dtp ÷ hand-written parallelize_module: no slower (dtp's local hot path is faster)
@@ -16,18 +16,26 @@ def _ms(r: dict, arm: str) -> float:
     return statistics.median(r["times_ms"][arm])
 
 
+def _ratio(r: dict, a: str, b: str) -> Ratio:
+    """Arm `a` ÷ arm `b`: over one run's rounds, or over several runs (`--repeats`) with a two-level interval."""
+    by_run = r.get("times_ms_by_run")
+    if by_run and len(by_run[a]) > 1:
+        return median_ratio_runs(by_run[a], by_run[b])
+    return median_ratio(r["times_ms"][a], r["times_ms"][b])
+
+
 def compare(r: dict) -> dict:
     """One configuration's ratios, verdicts and independent references (Megatron's own counts and bytes)."""
     t, out = r["times_ms"], {}
     if "megatron" in t:
-        vm = median_ratio(t["dtp"], t["megatron"])
+        vm = _ratio(r, "dtp", "megatron")
         applies = r["config"]["tp"] >= 2 and r["config"]["n_embd"] >= 512
         out["dtp_vs_megatron"] = vm.to_json() | {"verdict": verdict(vm, high=GOAL_VS_MEGATRON), "goal_applies": applies}
     if "hand" in t:
-        vh = median_ratio(t["dtp"], t["hand"])
+        vh = _ratio(r, "dtp", "hand")
         out["dtp_vs_hand"] = vh.to_json() | {"verdict": verdict(vh, high=GOAL_VS_HAND)}
     if "dtp-compile" in t and "megatron" in t:
-        vc = median_ratio(t["dtp-compile"], t["megatron"])
+        vc = _ratio(r, "dtp-compile", "megatron")
         out["dtp_compile_vs_megatron"] = vc.to_json() | {"verdict": verdict(vc, high=GOAL_VS_MEGATRON)}
     if "megatron" in r["collectives"]:
         dtp_c, meg_c = r["collectives"]["dtp"], r["collectives"]["megatron"]
@@ -63,6 +71,11 @@ def _pct(v: float | None) -> str:
     return "–" if v is None else f"{v:.0%}"
 
 
+def _samples(r: dict) -> str:
+    runs, n = r.get("runs", 1), r["config"]["samples"]
+    return f"{runs} × {n}" if runs > 1 else str(n)
+
+
 def _cell(c: dict, key: str) -> str:
     if key not in c:
         return "–"
@@ -84,6 +97,12 @@ def markdown(result: dict) -> str:
              f"(dtp/Megatron ≤ {GOAL_VS_MEGATRON}, dtp/hand ≤ {GOAL_VS_HAND}); ~: not significant (the "
              "interval covers a threshold). Collectives and parameter bytes: dtp's, then the Megatron-style "
              "baseline's own count.", ""]
+    runs = max((r.get("runs", 1) for part in ("strong", "weak") for r in result[part]), default=1)
+    if runs > 1:
+        lines += [f"Each configuration ran {runs} times with fresh ranks (the configurations in turn between "
+                  "runs). Step times are medians of the pooled samples; a ratio is the geometric mean of the "
+                  "runs' own ratios of medians, its interval from a two-level bootstrap (runs resampled, then "
+                  "rounds within each), so it carries how much whole runs differ.", ""]
     for part in ("strong", "weak"):
         lines += [f"## {part.capitalize()} scaling", "",
                   "| tp | n_embd | samples | dtp ms | Megatron ms | hand ms | dtp/Megatron [95 %] | dtp/hand [95 %] | "
@@ -101,7 +120,7 @@ def markdown(result: dict) -> str:
             pb = r["param_bytes_per_rank"]
             worst = max(v for errs in r["parity"].values() for v in errs.values())
             lines.append(
-                f"| {cfg['tp']} | {cfg['n_embd']} | {cfg['samples']} | {_ms(r, 'dtp'):.1f} | "
+                f"| {cfg['tp']} | {cfg['n_embd']} | {_samples(r)} | {_ms(r, 'dtp'):.1f} | "
                 f"{_ms(r, 'megatron'):.1f} | {_ms(r, 'hand'):.1f} | {_cell(c, 'dtp_vs_megatron')} | "
                 f"{_cell(c, 'dtp_vs_hand')} | {_pct(c.get('efficiency'))} | {r['comm_ms']:.1f} | "
                 f"{n('dtp')} ({n('megatron')}) | {pb['dtp'] / 2**20:.2f} ({pb['megatron'] / 2**20:.2f}) MiB | "

@@ -62,15 +62,36 @@ def gemm_peak(n: int = 512, reps: int = 10, trials: int = 5) -> float:
         torch.set_num_threads(threads)
 
 
-def _run(cfgs: list[Config], progress) -> list[dict]:
+def _run(cfgs: dict[str, list[Config]], progress, repeats: int = 1) -> dict[str, list[dict]]:
+    """Each configuration measured `repeats` times on fresh ranks, every configuration in turn between runs."""
     from dtp.bench.scaling import measure
     from dtp.runtime.ranks import on_ranks
 
-    results = []
-    for cfg in cfgs:
-        results.append(on_ranks(measure, cfg.tp, cfg, timeout=3600)[0])
-        progress.update(1)
-    return results
+    runs: dict[tuple[str, int], list[dict]] = {(part, i): [] for part, c in cfgs.items() for i in range(len(c))}
+    for _ in range(repeats):
+        for (part, i), done in runs.items():
+            if not done or done[-1]["ok"]:  # a configuration that failed parity is not run again
+                cfg = cfgs[part][i]
+                done.append(on_ranks(measure, cfg.tp, cfg, timeout=3600)[0])
+            progress.update(1)
+    return {part: [pool_runs(runs[part, i]) for i in range(len(c))] for part, c in cfgs.items()}
+
+
+def pool_runs(runs: list[dict]) -> dict:
+    """One configuration's runs as one result: samples pooled (and kept per run, for the ratios), the worst
+    parity error of any run; a run that failed, or whose collectives differ from the first's, fails it."""
+    first = runs[0]
+    if len(runs) == 1 or not all(r["ok"] for r in runs):
+        return next((r for r in runs if not r["ok"]), first)
+    for r in runs[1:]:
+        if (r["collectives"], r["comm_bytes"]) != (first["collectives"], first["comm_bytes"]):
+            return first | {"ok": False, "error": "the collectives of one run differ from another's: "
+                            f"{first['collectives']} vs {r['collectives']}"}
+    arms = first["times_ms"]
+    parity = {arm: {k: max(r["parity"][arm][k] for r in runs) for k in errs} for arm, errs in first["parity"].items()}
+    return first | {"runs": len(runs), "parity": parity,
+                    "times_ms_by_run": {arm: [r["times_ms"][arm] for r in runs] for arm in arms},
+                    "times_ms": {arm: [t for r in runs for t in r["times_ms"][arm]] for arm in arms}}
 
 
 def _profile(strong: list[Config], root: Path, kind: str, tps: tuple[int, ...]) -> int:
@@ -108,6 +129,12 @@ def _samples(text: str) -> int:
     return n
 
 
+def _repeats(text: str) -> int:
+    if not (text.isdigit() and 1 <= int(text) <= 10):
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to 10, got {text!r}")
+    return int(text)
+
+
 def parser() -> argparse.ArgumentParser:
     """`dtp bench` options."""
     p = argparse.ArgumentParser(prog="dtp bench", description="scaling benchmarks next to a Megatron-style baseline "
@@ -124,6 +151,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="add an arm: dtp's sharded model under torch.compile")
     p.add_argument("--samples", type=_samples, help="timed rounds per configuration (default: 20; 3 with --smoke); "
                    "more samples narrow the intervals")
+    p.add_argument("--repeats", type=_repeats, default=1, help="measure each configuration this many times on "
+                   "fresh ranks (1-10) and pool them; the intervals then carry how much whole runs differ")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: the GPU check instead (NCCL parity, bf16 MFU, dtp/Megatron on GPU; see --dry-run)")
     p.add_argument("--dry-run", action="store_true", help="with --device cuda: run the GPU check's logic on CPU, tiny")
@@ -148,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         return _profile(cfgs["strong"], Path(args.out), kind, tuple(args.tp or (2,)))
     peak = gemm_peak()
-    with tqdm(total=sum(map(len, cfgs.values())) + (0 if args.no_fuzz else 1), desc="bench", unit="run") as bar:
-        result: dict = {kind_: _run(c, bar) for kind_, c in cfgs.items()}
+    total = args.repeats * sum(map(len, cfgs.values())) + (0 if args.no_fuzz else 1)
+    with tqdm(total=total, desc="bench", unit="run") as bar:
+        result: dict = _run(cfgs, bar, args.repeats)
         if not args.no_fuzz:
             from dtp.bench import fuzz_speed
 

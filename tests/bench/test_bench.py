@@ -5,11 +5,12 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
+import statistics
 from collections import Counter
 
 import pytest
 
-from dtp.bench.stats import Ratio, interleaved_orders, median_ratio, verdict
+from dtp.bench.stats import Ratio, interleaved_orders, median_ratio, median_ratio_runs, verdict
 
 
 def test_median_ratio_interval_on_synthetic_samples():
@@ -34,6 +35,29 @@ def test_interval_widens_with_noise_and_shrinks_with_samples():
     width = lambda r: r.high - r.low
     assert width(noisy) > 5 * width(calm)
     assert width(many) < width(noisy) / 3
+
+
+def test_runs_interval_carries_the_spread_between_runs():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    levels = (1.00, 1.02, 1.04, 1.06)  # four runs, each with its own ratio, and little noise within a run
+    a = [list(level + rng.normal(0, 0.005, 200)) for level in levels]
+    b = [list(1.0 + rng.normal(0, 0.005, 200)) for _ in levels]
+    as_one_run = median_ratio([t for run in a for t in run], [t for run in b for t in run])
+    runs = median_ratio_runs(a, b)
+    per_run = [statistics.median(x) / statistics.median(y) for x, y in zip(a, b)]
+    assert runs.value == pytest.approx(statistics.geometric_mean(per_run), rel=1e-12)
+    assert (runs.samples, runs.runs) == (800, 4)
+    assert as_one_run.high - as_one_run.low < 0.015  # resampling rounds alone: as if the runs could not differ
+    assert runs.low < 1.015 and runs.high > 1.045  # resampling runs too: the mean of 4 runs 0.026 apart (sd)
+    alike = median_ratio_runs([a[0]] * 3, [b[0]] * 3)
+    assert alike.high - alike.low < 0.004  # runs that agree: as narrow as one run's rounds allow
+    assert median_ratio_runs(a, b) == runs  # seeded
+    slower = median_ratio_runs([a[0], [1.3 * t for t in a[0]]], [b[0], [1.3 * t for t in b[0]]])
+    assert slower.value == pytest.approx(per_run[0], rel=1e-12)  # a run on a slower machine: same ratio
+    with pytest.raises(ValueError, match="per run"):
+        median_ratio_runs(a[:2], [b[0], b[1][:-1]])
 
 
 def test_median_ratio_rejects_unpaired_samples():
@@ -193,6 +217,51 @@ def test_smoke_run_writes_results(repo, tmp_path):
     (folder,) = (tmp_path / "results").iterdir()
     assert "-smoke-" in folder.name
     assert {"result.json", "results.md"} <= {p.name for p in folder.iterdir()}
+
+
+def test_repeats_pool_fresh_runs_in_turn(repo, tmp_path, monkeypatch):
+    """--repeats 2: each configuration runs twice, every configuration in turn between its runs, samples pooled,
+    intervals over runs. The ranks are real once per configuration; the second run is that result, slower."""
+    import dtp.runtime.ranks as ranks
+    from dtp.bench.run import main
+
+    real, seen, first = ranks.on_ranks, [], {}
+
+    def on_ranks(fn, world, cfg, timeout):
+        seen.append((cfg.tp, cfg.n_embd))
+        if (cfg.tp, cfg.n_embd) not in first:
+            first[cfg.tp, cfg.n_embd] = real(fn, world, cfg, timeout=timeout)[0]
+            return [first[cfg.tp, cfg.n_embd]]
+        r = first[cfg.tp, cfg.n_embd]
+        return [r | {"times_ms": {arm: [2 * t for t in ts] for arm, ts in r["times_ms"].items()}}]
+
+    monkeypatch.setattr(ranks, "on_ranks", on_ranks)
+    out = tmp_path / "r.json"
+    assert main(["--smoke", "--tp", "2", "--repeats", "2", "--no-fuzz", "--out", str(tmp_path), "--json",
+                 str(out)]) == 0
+    assert seen == [(2, 32), (2, 48), (2, 32), (2, 48)]  # strong, weak, then again
+    result = json.loads(out.read_text())
+    strong = result["strong"][0]
+    once = first[2, 32]["times_ms"]
+    assert strong["runs"] == 2 and strong["times_ms"]["dtp"] == once["dtp"] + [2 * t for t in once["dtp"]]
+    assert strong["times_ms_by_run"]["megatron"] == [once["megatron"], [2 * t for t in once["megatron"]]]
+    ratio = result["ratios"]["strong"]["2"]["dtp_vs_megatron"]
+    assert (ratio["runs"], ratio["samples"]) == (2, 6)
+    assert ratio["value"] == pytest.approx(statistics.median(once["dtp"]) / statistics.median(once["megatron"]))
+    folder = next(p for p in tmp_path.iterdir() if p.is_dir())
+    assert "| 2 | 32 | 2 × 3 |" in (folder / "results.md").read_text()
+
+
+def test_a_run_whose_collectives_differ_fails_the_configuration():
+    from dtp.bench.run import pool_runs
+
+    run = {"ok": True, "collectives": {"dtp": {"all_reduce": 3}}, "comm_bytes": {"dtp": {"all_reduce": 12}},
+           "parity": {"dtp": {"loss": 1e-7}}, "times_ms": {"dtp": [1.0]}}
+    other = run | {"collectives": {"dtp": {"all_reduce": 4}}, "parity": {"dtp": {"loss": 3e-7}}}
+    assert pool_runs([run, run | {"parity": {"dtp": {"loss": 3e-7}}}])["parity"] == {"dtp": {"loss": 3e-7}}
+    failed = pool_runs([run, other])
+    assert not failed["ok"] and "differ" in failed["error"]
+    assert pool_runs([run, {"ok": False, "error": "parity"}]) == {"ok": False, "error": "parity"}
 
 
 def test_gpu_check_dry_run_on_cpu(repo, tmp_path):
