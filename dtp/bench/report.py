@@ -92,8 +92,9 @@ def markdown(result: dict) -> str:
              f"{m['torch']} · cpu (gloo) · {result['kind']} run · single-thread GEMM "
              f"{result['gemm_flops_single_thread'] / 1e9:.1f} GFLOP/s (measured alone). Ranks beyond the core "
              f"count share cores.", "",
-             "Arms interleaved step by step (every order of the arms in turn), the slowest rank's time per step; ratios are of "
-             "medians with a paired-bootstrap 95 % interval. ✗: the interval lies outside the goal "
+             "Arms interleaved step by step (every order of the arms in turn), the slowest rank's time per "
+             "step; ratios are of medians with a paired-bootstrap 95 % interval. ✗: the interval lies outside "
+             "the goal "
              f"(dtp/Megatron ≤ {GOAL_VS_MEGATRON}, dtp/hand ≤ {GOAL_VS_HAND}); ~: not significant (the "
              "interval covers a threshold). Collectives and parameter bytes: dtp's, then the Megatron-style "
              "baseline's own count.", ""]

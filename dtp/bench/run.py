@@ -152,7 +152,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=_samples, help="timed rounds per configuration (default: 20; 3 with --smoke); "
                    "more samples narrow the intervals")
     p.add_argument("--repeats", type=_repeats, default=1, help="measure each configuration this many times on "
-                   "fresh ranks (1-10) and pool them; the intervals then carry how much whole runs differ")
+                   "fresh ranks (1-10); ratios are then taken over the runs, and their intervals carry how much "
+                   "whole runs differ")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: the GPU check instead (NCCL parity, bf16 MFU, dtp/Megatron on GPU; see --dry-run)")
     p.add_argument("--dry-run", action="store_true", help="with --device cuda: run the GPU check's logic on CPU, tiny")

@@ -252,6 +252,16 @@ def test_repeats_pool_fresh_runs_in_turn(repo, tmp_path, monkeypatch):
     assert "| 2 | 32 | 2 × 3 |" in (folder / "results.md").read_text()
 
 
+@pytest.mark.parametrize("bad", ["0", "11", "two", "-1"])
+def test_repeats_out_of_range_is_a_usage_error(bad, tmp_path, capsys):
+    from dtp.bench.run import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--repeats", bad, "--out", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert f"--repeats: must be an integer from 1 to 10, got '{bad}'" in capsys.readouterr().err
+
+
 def test_a_run_whose_collectives_differ_fails_the_configuration():
     from dtp.bench.run import pool_runs
 
