@@ -19,6 +19,15 @@ def dtp_cli(*args: str, timeout: float = 180, env: dict | None = None) -> subpro
                           text=True, timeout=timeout)
 
 
+def default_sigint() -> None:
+    """Popen's preexec_fn for a child that is sent Ctrl-C: SIGINT at its default, as a terminal's foreground
+    job has it. A shell that starts the suite in the background hands SIGINT down ignored, and Python then
+    keeps ignoring it (as it should: that is how nohup and `&` work), so the child would never see it."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def processes_with_mark(mark: str) -> list[int]:
     """PIDs of live processes whose environment holds DTP_TEST_MARK=mark."""
     pids = []

@@ -10,7 +10,7 @@ import sys
 import time
 import uuid
 
-from conftest import dtp_cli, processes_with_mark
+from conftest import default_sigint, dtp_cli, processes_with_mark
 
 LOOPBACK = ("0100007F", "00000000000000000000000001000000")  # 127.0.0.1 in /proc/net/tcp and tcp6
 
@@ -81,7 +81,7 @@ def test_tiny_timeout_is_the_timeout_message_and_leaves_nothing(repo, tmp_path):
 def _start(repo, tmp_path, mark: str, *argv: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DTP_TEST_MARK": mark, "TMPDIR": str(tmp_path)}
     proc = subprocess.Popen([sys.executable, "-m", "dtp", *argv], cwd=repo, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     deadline = time.monotonic() + 90
     while not any(p.name.startswith("dtp-") for p in tmp_path.iterdir()) and time.monotonic() < deadline:
         time.sleep(0.2)  # the temp dir exists once ranks are starting

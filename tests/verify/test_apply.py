@@ -6,7 +6,7 @@ import time
 import uuid
 
 import pytest
-from conftest import dtp_cli, processes_with_mark
+from conftest import default_sigint, dtp_cli, processes_with_mark
 
 from dtp.verify.apply import launch_apply
 from dtp.verify.rank import RunConfig
@@ -190,7 +190,8 @@ def test_ctrl_c_stops_every_rank(repo):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DTP_TEST_MARK": mark}
     proc = subprocess.Popen([sys.executable, "-m", "dtp", "apply", "plans/gpt2.tp",
                              "tests.fixtures.broken_models:hang_on_rank1", "--tp", "2", "--timeout", "120"],
-                            cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
     deadline = time.monotonic() + 60
     while len(processes_with_mark(mark)) < 3 and time.monotonic() < deadline:  # the parent and both ranks
         time.sleep(0.2)
