@@ -98,9 +98,9 @@ class _SumOverRanks(torch.autograd.Function):
         return grad, None
 
 
-def f(x: object, mesh: DeviceMesh, group: ProcessGroup | None = None) -> object:
-    """Megatron's f: this rank's copy of a replicated input whose gradient is all-reduced in backward (over
-    `group`, the 1-D mesh's own, when the caller has it at hand)."""
+def f(x: object, group: ProcessGroup) -> object:
+    """Megatron's f: this rank's copy of a replicated input whose gradient is all-reduced in backward over
+    `group`, the 1-D mesh's own."""
     if not isinstance(x, torch.Tensor):
         return x
     if isinstance(x, DTensor):  # a shared input (q/k/v siblings): their Partial gradients are summed first,
@@ -109,15 +109,15 @@ def f(x: object, mesh: DeviceMesh, group: ProcessGroup | None = None) -> object:
         return x.to_local(grad_placements=[Partial()])
     if not x.requires_grad:
         return x
-    return _CopyToRanks.apply(x, group if group is not None else mesh.get_group(0))
+    return _CopyToRanks.apply(x, group)
 
 
-def colwise_input(x: object, mesh: DeviceMesh, group: ProcessGroup) -> object:
+def colwise_input(x: object, group: ProcessGroup) -> object:
     """A colwise layer's input as this rank's local tensor: through f, or as it is over a one-rank mesh (tp 1
     under FSDP2), where there is nothing to reduce. `group` is the 1-D mesh's own."""
     if group.size() == 1:
         return x.to_local() if isinstance(x, DTensor) else x
-    return f(x, mesh, group)
+    return f(x, group)
 
 
 def g(y: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -199,7 +199,7 @@ def localize(module: nn.Module, side: str, mesh: DeviceMesh, before: tuple[set[i
     alone = mesh.size() == 1  # tp 1 under FSDP2: nothing to communicate
     if side == "colwise":
         def forward(self, x):
-            return _run(self, colwise_input(x, mesh, group), leaves.params(self, owned))
+            return _run(self, colwise_input(x, group), leaves.params(self, owned))
     else:
         def forward(self, x):
             params = leaves.params(self, owned)

@@ -79,7 +79,7 @@ def localize_vocab(module: nn.Module, side: str, mesh: DeviceMesh, before: tuple
 
         def forward(self, x):
             params = leaves.params(self, owned)
-            y = F.linear(colwise_input(x, mesh, group), params["weight"], params.get("bias"))
+            y = F.linear(colwise_input(x, group), params["weight"], params.get("bias"))
             out = _as_shards(y, self.weight.shape[0], mesh, specs)
             if not torch.compiler.is_compiling():  # an attribute set in a traced region would break the graph
                 out._dtp_head_local = (y, y._version, out._version, out.grad_fn)

@@ -131,7 +131,7 @@ def export_plan(plan: ir.Plan, model: nn.Module | None = None, choose=None) -> t
 
     `choose` picks `when` branches (`conditions.chooser`); without it every branch is exported."""
     out, warnings, _, sets = _export(plan, model, choose)
-    return out, [_set_left_out(s, "has no Hugging Face equivalent") for s in sets] + warnings
+    return out, [_set_left_out(s, NO_HF_EQUIVALENT) for s in sets] + warnings
 
 
 def _export(plan: ir.Plan, model: nn.Module | None, choose) -> tuple[dict[str, str], list[str], list[str], list]:
@@ -159,6 +159,9 @@ def _export(plan: ir.Plan, model: nn.Module | None, choose) -> tuple[dict[str, s
     return out, warnings, left_out, sets
 
 
+NO_HF_EQUIVALENT = "has no Hugging Face equivalent"
+
+
 def _set_left_out(s, why: str) -> str:
     return f"line {s.pos.line}: `set {s.pattern}.{s.attr}` {why}"
 
@@ -183,7 +186,7 @@ def export_for(plan: ir.Plan, model: nn.Module, tp: int) -> tuple[dict[str, str]
     if diags:
         raise UsageError(f"cannot pick the plan's `when` branches for this model at tp {tp}: "
                          + "; ".join(f"line {d.pos.line}: {d.message}" for d in diags))
-    unset = [_set_left_out(s, "has no Hugging Face equivalent") for s in sets]
+    unset = [_set_left_out(s, NO_HF_EQUIVALENT) for s in sets]
     if left_out:
         _refuse(unset + left_out, tp)
     try:
