@@ -99,12 +99,13 @@ def _check_flow(res: Resolution, model: nn.Module, rep: Reporter) -> None:
     """Follow the activations' layouts through the model (dtp/checks/flow.py)."""
     from dtp.checks import flow
     from dtp.layout.lower import module_layout
+    from dtp.layout.trace import model_trace
     from dtp.models import vocab_size
 
     sp = any(rule.style.name == "sequence_parallel" for rule in res.claims.values())
     layouts = {path: m for path, rule in res.claims.items()
                if (m := module_layout(rule.style, res.modules[path], sp)) is not None}
-    flow.analyse(res, sp, layouts, vocab_size(model), rep.add)
+    flow.analyse(res, sp, layouts, vocab_size(model), rep.add, model_trace(model))
 
 
 def check(plan: ir.Plan, model: nn.Module | None = None, tp: int | None = None, dp: int | None = None) -> Checked:
@@ -168,6 +169,10 @@ def _check(plan: ir.Plan, model: nn.Module | None, tp: int | None, dp: int | Non
         if fits and not structural:  # layouts of styles that do not apply would only echo those errors
             _check_flow(res, model, rep)
         _check_sets(res, tp, rep, plan)
+        at = tp if tp is not None else cond_tp
+        if not rep.groups and not structural and at is not None and at > 1:  # a run on one rank's shapes
+            from dtp.checks.rank_shapes import check_rank_shapes
+            check_rank_shapes(res, model, at, rep)
         diags += rep.diagnostics()
         _check_ties(res, model, diags)
         warnings = replication_warning(plan, res)

@@ -26,25 +26,16 @@ from dtp.checks.activations import PLAIN, Act, layout_text
 from dtp.checks.flow_sources import meet_by_source
 from dtp.errors import NOWHERE, Pos
 from dtp.layout.attention import attention_like
+from dtp.layout.blocks import blocks
 from dtp.layout.forward_source import branch_sources
 from dtp.layout.norms import is_norm
 from dtp.layout.resolve import Resolution
+from dtp.layout.trace import Trace, branch_flow
 
 Report = Callable[[Pos, int, str, str], None]  # (position, length, module path, message)
 
 def _relevant(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, nn.Embedding, nn.Dropout)) or is_norm(module)
-
-
-def _blocks(modules: Mapping[str, nn.Module]) -> list[str]:
-    """The outermost children of a ModuleList or Sequential that hold modules of their own."""
-    out: list[str] = []
-    for path, module in modules.items():
-        parent = path.rpartition(".")[0] if "." in path else ""
-        if (path and isinstance(modules.get(parent), (nn.ModuleList, nn.Sequential)) and any(module.children())
-                and not any(path.startswith(b + ".") for b in out)):
-            out.append(path)
-    return out
 
 
 def _execution_order(leaves: list[str], style_of: Callable[[str], str | None]) -> list[str]:
@@ -66,11 +57,13 @@ def _execution_order(leaves: list[str], style_of: Callable[[str], str | None]) -
 class _Walk:
     """One pass over the model; reports problems through `report` and stops where one makes the rest moot."""
 
-    def __init__(self, res: Resolution, layouts: Mapping[str, object], sp: bool, vocab: int | None, report: Report):
+    def __init__(self, res: Resolution, layouts: Mapping[str, object], sp: bool, vocab: int | None, report: Report,
+                 trace: Trace | None = None):
         self.res, self.layouts, self.sp, self.vocab, self.report = res, layouts, sp, vocab, report
         self.sp_rule = next((r for r in sorted(res.claims.values(), key=lambda r: (r.pos.line, r.pos.column))
                              if r.style.name == "sequence_parallel"), None)
-        self.block_paths = _blocks(res.modules)
+        self.block_paths = blocks(res.modules)
+        self.trace = trace
 
     # ---- reporting ----------------------------------------------------------------------------------
 
@@ -220,8 +213,10 @@ class _Walk:
     def branch(self, block: str, leaves: list[str], start: Act) -> None:
         """Walk one branch of a block from the residual stream and add its result back."""
         leaves = _execution_order(leaves, self.style)
-        sources = branch_sources(self.res.modules, leaves, (nn.Dropout,))
-        if sources is not None:  # the forward's source says which output each leaf reads
+        sources = branch_flow(self.trace, leaves) if self.trace is not None else None
+        if sources is None:
+            sources = branch_sources(self.res.modules, leaves, (nn.Dropout,))
+        if sources is not None:  # the forward (as it ran, else its source) says which output each leaf reads
             got = meet_by_source(self, sources, start)
             if got is not None:
                 self._join(leaves[0][len(block) + 1:].split(".")[0], got)
@@ -346,7 +341,8 @@ class _Walk:
                    "output=replicate", src)
 
 
-def analyse(res: Resolution, sp: bool, layouts: Mapping[str, object], vocab: int | None, report: Report) -> None:
+def analyse(res: Resolution, sp: bool, layouts: Mapping[str, object], vocab: int | None, report: Report,
+            trace: Trace | None = None) -> None:
     """Walk `res`'s model with the plan's module layouts (`dtp.layout.lower`'s) and report what cannot meet."""
     order: list[str] = []
     for path, module in res.modules.items():
@@ -354,4 +350,4 @@ def analyse(res: Resolution, sp: bool, layouts: Mapping[str, object], vocab: int
             continue  # inside a module already taken (a norm's own children)
         if path in layouts or _relevant(module):
             order.append(path)
-    _Walk(res, layouts, sp, vocab, report).walk(order)
+    _Walk(res, layouts, sp, vocab, report, trace).walk(order)

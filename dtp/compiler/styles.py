@@ -2,7 +2,6 @@
 replicated input, chained styles, and per-rank attribute rewrites (packed parts: dtp/compiler/placed.py)."""
 from __future__ import annotations
 
-import copy
 import inspect
 
 import torch
@@ -11,29 +10,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
+from dtp.layout.lower import rewrite
+
 
 class SetAttributes(ParallelStyle):
     """Rewrite integer attributes of a module on every rank (e.g. its head count to n_heads / tp).
 
-    `HOLDER.ATTR` rewrites an attribute of a plain object the module holds (Phi-3's `self.config`, shared by
-    every module and the model) copy-on-write: the module gets its own shallow copy with the new value, so
-    no other module, the model's own config or a reference copy of the model sees the change."""
+    `HOLDER.ATTR` rewrites an attribute of a plain object the module holds, copy-on-write
+    (dtp.layout.lower.rewrite)."""
 
     def __init__(self, values: dict[str, int]):
         super().__init__()
         self.values = dict(values)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        copies: dict[str, object] = {}
-        for attr, value in self.values.items():
-            holder, _, name = attr.rpartition(".")
-            if not holder:
-                setattr(module, attr, value)
-                continue
-            if holder not in copies:
-                copies[holder] = copy.copy(getattr(module, holder))
-                setattr(module, holder, copies[holder])
-            setattr(copies[holder], name, value)
+        rewrite(module, self.values)
         return module
 
     def __repr__(self) -> str:

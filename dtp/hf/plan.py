@@ -32,12 +32,18 @@ IMPORT: dict[str, str | None] = {
     "sequence_parallel": "sequence_parallel", "replicate": "replicate",
     "replicated_with_grad_allreduce": "replicate(reduce_grad=true)",
     "local_colwise": "colwise", "local_rowwise": "rowwise",  # the same maths without DTensor (lossy: local)
+    "unit_colwise": "colwise", "unit_rowwise": "rowwise",  # whole heads (transformers 5.25); lossy: replicas
     "packed_rowwise": None, "local_packed_rowwise": None, "local": None, "gather": None, "all_reduce": None,
-    "mla_kv_a_proj": None, "grouped_gemm": None, "ep_router": None, "moe_identity_expert": None,
-    "megamoe_router": None, "megamoe_experts": None, "moe_tp_experts": "experts",
+    "mla_kv_a_proj": None, "grouped_gemm": None, "ep_router": None, "ep_dispatch_experts": None,
+    "moe_identity_expert": None, "megamoe_router": None, "megamoe_experts": None, "moe_tp_experts": "experts",
+    "embedding_colwise": None, "local_params": None,  # hidden-dim embedding; a module's own per-head parameters
 }
 LOSSY = {"local_colwise": "runs on local tensors in HF; dtp uses DTensor (same layout)",
-         "local_rowwise": "runs on local tensors in HF; dtp uses DTensor (same layout)"}
+         "local_rowwise": "runs on local tensors in HF; dtp uses DTensor (same layout)",
+         "unit_colwise": "keeps whole heads, replicated where tp does not divide them; dtp's colwise splits them "
+                         "evenly (check refuses another tp, and names colwise(packed=[repeat(kv)]) for k/v heads)",
+         "unit_rowwise": "reads whole heads, replicated where tp does not divide them; dtp's rowwise splits them "
+                         "evenly"}
 
 
 def hf_plan_of(model: nn.Module) -> dict[str, str]:
@@ -238,6 +244,8 @@ def _export_style(style: ir.Style, key: str, module: nn.Module | None, warnings:
                             f"{layout.describe()}" + (", with biases" if hasattr(module, "down_proj_bias") else "")
                             + "; rule left out")
             return None
+        warnings.append(f"{where}: exported as moe_tp_experts, which transformers 5.25 deprecates (removal "
+                        "announced for 5.28; its MoE models now leave experts to the ep_plan)")
         return {f"{key}.gate_up_proj": "packed_colwise", f"{key}.down_proj": "rowwise", key: "moe_tp_experts"}
     warnings.append(f"{where}: no HF style for {name}; rule left out")
     return None

@@ -127,5 +127,28 @@ def config_heads(model: nn.Module) -> Heads | None:
                 continue
             head_dim = hidden // n_head[1]
         source = f"{attr}.{n_head[0]}"
+        if kv is None and getattr(config, "multi_query", None) is not True:  # no key/value count under a name we
+            # know: the forward's views say (gpt-fast's n_local_heads)
+            traced = _traced_kv(model, config, attr, n_head[1], head_dim)
+            if traced is not None:
+                return Heads(n_head[1], traced[0], head_dim, source, traced[1])
         return Heads(n_head[1], kv[1] if kv else n_head[1], head_dim, source, f"{attr}.{kv[0]}" if kv else source)
     return None
+
+
+def _traced_kv(model: nn.Module, config: object, attr: str, n_head: int, head_dim: int) -> tuple[int, str] | None:
+    """The key/value head count the forward views its projections with, when it is not the query count: one count
+    of heads of `head_dim` that divides `n_head` (e.g. 2 of 4), named after the config attribute that holds it."""
+    from dtp.layout.trace import model_trace  # a forward on fakes, once per model
+
+    tr = model_trace(model)
+    if tr is None or not tr.ok:
+        return None
+    counts = {v.heads for views in tr.views.values() for v in views
+              if v.head_dim == head_dim and v.heads != n_head and v.heads and n_head % v.heads == 0}
+    if len(counts) != 1:
+        return None
+    kv = counts.pop()
+    names = sorted(k for k in dir(config) if not k.startswith("_") and "head" in k.lower()
+                   and _read(config, k) == kv and not callable(_read(config, k)))
+    return kv, f"{attr}.{names[0]}" if names else "the forward's views of the key/value projections"

@@ -3,6 +3,7 @@ tp, decided with no process group, so that the checker's flow analysis, `explain
 all read the same decisions."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 
 import torch.nn as nn
@@ -56,6 +57,23 @@ class Lowered:
     rewrites: dict[str, dict[str, int]]  # module path ("" = the model) → attribute values at this tp
     sequence_parallel: bool  # activations between blocks are sharded on the sequence
     loss_parallel: bool  # the output projection keeps logits sharded on the vocabulary
+
+
+def rewrite(module: nn.Module, values: dict[str, int]) -> None:
+    """Set `module`'s attributes to `values` (a `set`'s result at a tp). `HOLDER.ATTR` rewrites an attribute of a
+    plain object the module holds (Phi-3's `self.config`, shared by every module and the model) copy-on-write: the
+    module gets its own shallow copy with the new value, so no other module, the model's own config or a reference
+    copy of the model sees the change."""
+    copies: dict[str, object] = {}
+    for attr, value in values.items():
+        holder, _, name = attr.rpartition(".")
+        if not holder:
+            setattr(module, attr, value)
+            continue
+        if holder not in copies:
+            copies[holder] = copy.copy(getattr(module, holder))
+            setattr(module, holder, copies[holder])
+        setattr(copies[holder], name, value)
 
 
 def _layout(style: ir.Style, key: str, default: Placement) -> Placement:

@@ -11,6 +11,7 @@ from dtp.models.spec import (
     FAMILIES,
     ModelSource,
     build,
+    cast,
     config_from_dict,
     max_sequence,
     read_config,
@@ -19,5 +20,5 @@ from dtp.models.spec import (
     zoo_names,
 )
 
-__all__ = ["GPT", "GPTConfig", "check_weights", "FAMILIES", "ModelSource", "build", "config_from_dict", "max_sequence", "read_config",
+__all__ = ["GPT", "GPTConfig", "check_weights", "FAMILIES", "ModelSource", "build", "cast", "config_from_dict", "max_sequence", "read_config",
            "resolve", "vocab_size", "zoo_names"]

@@ -181,9 +181,23 @@ def build(source: ModelSource | str, device: str | torch.device = "meta",
                                  f"{clip(str(err), 300)}") from None
             if not isinstance(model, nn.Module):
                 raise UsageError(f"model factory {source.factory} returned {type(model).__name__}, not an nn.Module")
-    if dtype is not None:
-        model = model.to(dtype)
-    return model
+    return cast(model, dtype)
+
+
+def cast(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+    """`model` with its floating tensors in `dtype` and its complex ones in the complex dtype of that precision
+    (torchtitan's rotary `freqs_cis` is complex64): `nn.Module.to(dtype)` would cast a complex buffer to a real one,
+    dropping its imaginary part, and the rotary embedding with it."""
+    if dtype is None:
+        return model
+    complex_dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            return t.to(dtype)
+        return t.to(complex_dtype) if t.is_complex() else t
+
+    return model._apply(convert)
 
 
 def vocab_size(model: nn.Module) -> int | None:

@@ -62,7 +62,7 @@ def build_on_meta(source: models.ModelSource | Callable[[], nn.Module],
             return models.build(source, device="cpu", dtype=dtype, weights=False)  # filled after sharding
         with torch.device("cpu"):
             model = source()
-        return model.to(dtype) if dtype is not None else model
+        return models.cast(model, dtype)
 
 
 def allocate(model: nn.Module, device: torch.device) -> None:

@@ -22,9 +22,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dtp import models
+from dtp.models.calling import Forward
 from dtp.runtime.replicas import check_replicas, replica_rtol, replicated_tensors
 from dtp.verify.parity import ParityCheck
-from dtp.verify.reference import Reference, full_value, logits_of, own_rng
+from dtp.verify.reference import Reference, full_value, own_rng
 
 MAX_PROBE_SEQ = 2048  # the longest probe by default: attention's cost grows as seq², and float64 runs it too
 
@@ -55,7 +56,7 @@ def _longest(truth: Reference, cap: int, tp: int, seq: int, vocab: int, device: 
             ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(0)).to(device)
             try:
                 with torch.no_grad(), own_rng(device):
-                    logits_of(model(ids))
+                    truth.run(ids)
                 return length
             except Exception:  # noqa: BLE001 - too long for this model: positions, masks or caches end earlier
                 length = length // 2 - (length // 2) % tp
@@ -81,7 +82,7 @@ def plan_probes(*, refs: list[Reference], model: nn.Module, max_seq: int | None,
 
 @torch.no_grad()
 def run_probes(parity: ParityCheck, *, sharded: nn.Module, refs: list[Reference], probes: list[Probe],
-               inputs: torch.Tensor, seed: int, vocab: int, device: torch.device) -> None:
+               inputs: torch.Tensor, seed: int, vocab: int, device: torch.device, forward: Forward) -> None:
     """Each probe's forward on every rank; on rank 0 its logits against the references'. `inputs` is this rank's
     part of the steps' batch (the eval probe at the training shape reads it)."""
     gen = torch.Generator().manual_seed(seed + 2)
@@ -90,12 +91,12 @@ def run_probes(parity: ParityCheck, *, sharded: nn.Module, refs: list[Reference]
             torch.randint(0, vocab, (probe.batch, probe.seq), generator=gen).to(device)
         for m in [sharded] + [r.model for r in refs]:
             m.train(probe.mode == "train")
-        got = full_value(logits_of(sharded(ids)))
+        got = full_value(forward(sharded, ids))
         if refs:
             outs = []
             for ref in refs:  # the generator state as the sharded forward left it: a shared dropout stream
                 with own_rng(device):
-                    outs.append(logits_of(ref.run(ids)))
+                    outs.append(ref.run(ids))
             parity.compare("probes", f"logits ({probe.label})", got, outs[0], outs[1] if len(outs) > 1 else None)
     for m in [sharded] + [r.model for r in refs]:
         m.train()

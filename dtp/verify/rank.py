@@ -21,6 +21,7 @@ from dtp.compiler.local_vocab import cross_entropy as sharded_cross_entropy
 from dtp.cost.param_bytes import ideal_param_bytes, local_param_bytes
 from dtp.cost.schedule import NotModeled, schedule, summarize
 from dtp.lang.parse import load
+from dtp.models.calling import PLAIN, Forward
 from dtp.runtime.build import build_sharded
 from dtp.runtime.comm import CommCounter, merge
 from dtp.runtime.mesh import make_mesh
@@ -32,7 +33,6 @@ from dtp.verify.reference import (
     LOW_PRECISION,
     MixedSGD,
     full_value,
-    logits_of,
     own_rng,
     reference_step,
     references,
@@ -60,6 +60,7 @@ class RunConfig:
     lr: float = 0.1
     max_seq: int | None = None  # the long probes' length (default: the model's maximum, at most MAX_PROBE_SEQ)
     probes: bool = True  # False only for dtp.bench.apply_cost's baseline: the steps' comparisons alone
+    forward: Forward = PLAIN  # how the model is called and where its logits are (dtp.models.calling.discover)
 
 
 def _sync(device: torch.device) -> None:
@@ -165,7 +166,7 @@ def _build(cfg: RunConfig, plan, mesh: DeviceMesh, device: torch.device, dtype: 
     rank = dist.get_rank()
     source = models.resolve(cfg.model)
     full = models.build(source, device="cpu", dtype=dtype).to(device) if rank == 0 else None
-    refs = references(full.train(), dtype, cfg.lr) if rank == 0 else []  # the float64 truth (+ same dtype)
+    refs = references(full.train(), dtype, cfg.lr, cfg.forward) if rank == 0 else []  # the float64 truth (+ same dtype)
     trail.phase = "sharding (apply)"
     meta = models.build(source, device="meta", dtype=dtype)  # shapes for check, schedule and bytes
     checked = checked_for(plan, meta, cfg.tp)
@@ -241,7 +242,7 @@ def _probe(parity: ParityCheck, cfg: RunConfig, built: _Built, mesh: DeviceMesh,
     probes = plan_probes(refs=built.refs, model=built.meta, max_seq=cfg.max_seq, tp=cfg.tp, batch=inputs.shape[0],
                          seq=cfg.seq, vocab=vocab, device=device)
     run_probes(parity, sharded=model, refs=built.refs, probes=probes, inputs=inputs, seed=cfg.seed, vocab=vocab,
-               device=device)
+               device=device, forward=cfg.forward)
     _compare_state(parity, built, mesh, device, dtype, "after the probes")
     parity.shapes = [f"train, {inputs.shape[0]}×{cfg.seq}: {cfg.steps} steps (logits, loss, gradients, parameters, "
                      "buffers; replicas on every rank)"] + [f"{p.label}: logits" for p in probes]
@@ -293,7 +294,7 @@ def _run(cfg: RunConfig, trails: list[ModuleTrail], mesh: DeviceMesh,
         with counters["forward"] if counting else contextlib.nullcontext(), \
                 activations.recording() if counting else contextlib.nullcontext():
             trail.phase = "forward"
-            logits = logits_of(model(inputs[mine]))
+            logits = cfg.forward(model, inputs[mine], targets[mine])
             trail.phase = "loss"
             loss = sharded_cross_entropy(logits, targets[mine])
         with counters["backward"] if counting else contextlib.nullcontext():

@@ -7,12 +7,14 @@ float64 are their own masters.
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+
+from dtp.models.calling import PLAIN, Forward
+from dtp.models.clone import clone
+from dtp.models.spec import cast
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 MOMENTUM = 0.9
@@ -56,7 +58,7 @@ def copy_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """An unsharded copy of `model` in `dtype`; in float64, Hugging Face MoE experts run their eager loop
     (torch's grouped matmul has no float64 kernel) and GPT-2's `reorder_and_upcast_attn` its plain path (the
     same scores, which it insists on computing in float32)."""
-    out = copy.deepcopy(model).to(dtype)
+    out = cast(clone(model), dtype)
     if dtype == torch.float64:
         for module in out.modules():
             config = getattr(module, "config", None)
@@ -68,16 +70,18 @@ def copy_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 class Reference:
-    """One unsharded copy of a model with its own optimizer, in a given dtype."""
+    """One unsharded copy of a model with its own optimizer, in a given dtype. The copy is the model's own code
+    (dtp.models.clone: closures over submodules call the copy's), called as `forward` says."""
 
-    def __init__(self, model: nn.Module, lr: float, dtype: torch.dtype | None = None):
-        self.model = copy_in(model, dtype) if dtype is not None else copy.deepcopy(model)
+    def __init__(self, model: nn.Module, lr: float, dtype: torch.dtype | None = None, forward: Forward = PLAIN):
+        self.model = copy_in(model, dtype) if dtype is not None else clone(model)
         self.opt = MixedSGD(self.model, lr)
         self.dtype = dtype
+        self.forward = forward
 
-    def run(self, inputs: torch.Tensor) -> object:
-        """The model's forward (the float64 truth's in float64 by default: `forward_as`)."""
-        return forward_as(self.model, self.dtype, inputs)
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's logits (the float64 truth's computed with float64 as the default dtype: `forward_as`)."""
+        return forward_as(self.model, self.dtype, inputs, targets, self.forward)
 
     def param(self, name: str) -> torch.Tensor | None:
         """A parameter as trained (its master copy)."""
@@ -89,15 +93,17 @@ class Reference:
         return p.grad if p is not None else None
 
 
-def forward_as(model: nn.Module, dtype: torch.dtype | None, inputs: torch.Tensor) -> object:
-    """`model(inputs)`; for the float64 truth with float64 as torch's default dtype, so that a tensor the model
-    makes without a dtype (XGLM's `torch.full((), finfo(weights.dtype).min)`) is float64 too, not an overflow."""
+def forward_as(model: nn.Module, dtype: torch.dtype | None, inputs: torch.Tensor, targets: torch.Tensor | None = None,
+               forward: Forward = PLAIN) -> torch.Tensor:
+    """`model`'s logits on `inputs`, called as `forward` says; for the float64 truth with float64 as torch's default
+    dtype, so that a tensor the model makes without a dtype (XGLM's `torch.full((), finfo(weights.dtype).min)`) is
+    float64 too, not an overflow."""
     if dtype != torch.float64:
-        return model(inputs)
+        return forward(model, inputs, targets)
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        return model(inputs)
+        return forward(model, inputs, targets)
     finally:
         torch.set_default_dtype(before)
 
@@ -105,11 +111,6 @@ def forward_as(model: nn.Module, dtype: torch.dtype | None, inputs: torch.Tensor
 def full_value(t: torch.Tensor) -> torch.Tensor:
     """A DTensor gathered whole (a collective: every rank calls it); a plain tensor as it is."""
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def logits_of(output: object) -> torch.Tensor:
-    """A model's logits (Hugging Face outputs carry `.logits`)."""
-    return output.logits if hasattr(output, "logits") else output
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -122,10 +123,10 @@ def own_rng(device: torch.device):
     return torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else [])
 
 
-def references(model: nn.Module, dtype: torch.dtype, lr: float) -> list[Reference]:
+def references(model: nn.Module, dtype: torch.dtype, lr: float, forward: Forward = PLAIN) -> list[Reference]:
     """The float64 truth and, for a lower dtype, the unsharded run in that dtype (dtp.verify.parity's rule)."""
-    truth = Reference(model, lr, torch.float64)
-    return [truth] if dtype == torch.float64 else [truth, Reference(model, lr)]
+    truth = Reference(model, lr, torch.float64, forward)
+    return [truth] if dtype == torch.float64 else [truth, Reference(model, lr, forward=forward)]
 
 
 def reference_step(ref: Reference, inputs: torch.Tensor, targets: torch.Tensor, mine: slice, split: bool,
@@ -134,11 +135,11 @@ def reference_step(ref: Reference, inputs: torch.Tensor, targets: torch.Tensor, 
 
     On its own copy of the generator state: the shared dropout stream stays in step with the other ranks."""
     with own_rng(device):
-        logits = logits_of(ref.run(inputs))
+        logits = ref.run(inputs, targets)
         loss = cross_entropy(logits, targets)
         loss.backward()
         if split:
             with torch.no_grad():
-                logits = logits_of(ref.run(inputs[mine]))
+                logits = ref.run(inputs[mine], targets[mine])
                 loss = cross_entropy(logits, targets[mine])
     return logits, loss

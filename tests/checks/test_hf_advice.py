@@ -118,10 +118,40 @@ def test_alibi_input_without_slice_input(capsys, tmp_path):
         "each rank would add to its own heads; cut it to this rank's heads: "
         "`transformer.h.*.self_attention: slice_input(name=alibi)`\n"
         "        self_attention.query_key_value: colwise\n                                        ^~~~~~~\n"))
-    rc, out = _check(capsys, tmp_path, FALCON, "falcon_rw", 2)  # Falcon folds the bias into the mask
-    assert rc == 2 and (
-        "cut it to this rank's heads (this model folds the bias into attention_mask too): "
-        "`transformer.h.*.self_attention: slice_input(name=[alibi, attention_mask], dim=1)`\n") in out
+
+
+# transformers 5.25's FalconAttention takes no `alibi`: FalconModel folds the bias into the 4-D attention_mask
+# alone, one (queries, keys) plane per head, and `check` finds no ALiBi input to ask a slice for; a run then
+# fails adding 4 heads' mask to 2 heads' scores. Strict: passes (and must lose the mark) once `check` refuses.
+MASK_GAP = pytest.mark.xfail(strict=True, reason="check misses an ALiBi bias that reaches attention only in the mask")
+
+
+def test_alibi_folded_into_the_mask_without_slice_input(capsys, tmp_path, request):
+    from dtp.layout.modules import forward_inputs
+    from dtp.models import hf
+
+    if "alibi" not in forward_inputs(hf.build("falcon_rw").transformer.h[0].self_attention)[0]:
+        request.applymarker(MASK_GAP)
+    rc, out = _check(capsys, tmp_path, FALCON, "falcon_rw", 2)
+    assert rc == 2 and "slice_input(name=" in out and "attention_mask], dim=1)`\n" in out
+
+
+# transformers 5.25's Falcon-7B attention repeats its one key/value head num_key_value_groups times (4 here, the
+# whole model's query heads) where each rank holds 2 query heads; plans/hf/falcon.tp version 3 did not rewrite it,
+# `check` passed it and the run failed (2 vs 4 heads). Strict: passes once `check` refuses the missing `set`.
+GROUPS_GAP = pytest.mark.xfail(strict=True, reason="check misses a key/value repeat count left at the whole model's")
+
+
+def test_multi_query_head_repeat_without_set(capsys, tmp_path, request):
+    from dtp.models import hf
+
+    text = FALCON.replace("colwise\n", "colwise(packed=[q, replicate(head), replicate(head)])\n", 1)
+    if not hasattr(hf.build("falcon").transformer.h[0].self_attention, "num_key_value_groups"):
+        assert _check(capsys, tmp_path, text, "falcon", 2)[0] == 0  # before 5.25: broadcast, nothing to rewrite
+        return
+    request.applymarker(GROUPS_GAP)
+    rc, out = _check(capsys, tmp_path, text, "falcon", 2)
+    assert rc == 2 and "`set transformer.h.*.self_attention.num_key_value_groups = " in out
 
 
 def test_head_count_attribute_without_set(capsys, tmp_path):

@@ -18,7 +18,7 @@ from dtp import models
 from dtp.checks.checker import check
 from dtp.cost.explain import explain
 from dtp.errors import PlanError, UsageError
-from dtp.hf.plan import export_for, export_plan, hf_plan_of, import_plan
+from dtp.hf.plan import IMPORT, export_for, export_plan, hf_plan_of, import_plan
 from dtp.hf.verify import PLANS, verify_on_rank
 from dtp.lang.parse import load, parse
 from dtp.layout.forward_source import forward_facts
@@ -143,6 +143,46 @@ def test_import_skips_keys_that_match_no_module_of_the_model():
     check(parse(text, "<imported>"), model, 2)  # without the skip: 3 "matches no module" errors
 
 
+def test_import_knows_every_style_transformers_registers():
+    import transformers.distributed.expert_parallel  # noqa: F401 - registers the expert-parallel styles
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    assert sorted(set(ALL_PARALLEL_STYLES.keys()) - set(IMPORT)) == []  # else "unknown Hugging Face style", dropped
+
+
+def test_import_of_unit_styles_splits_whole_heads_as_colwise():
+    # transformers 5.25's unit_colwise / unit_rowwise keep whole heads: colwise / rowwise where tp divides them
+    text, warnings = import_plan({"model.layers.*.self_attn.k_proj": "unit_colwise",
+                                  "model.layers.*.self_attn.o_proj": "unit_rowwise",
+                                  "model.layers.*.self_attn": "local_params"})
+    assert "model.layers.*.self_attn.k_proj: colwise\n" in text and "model.layers.*.self_attn.o_proj: rowwise\n" in text
+    assert warnings == [
+        "model.layers.*.self_attn.k_proj: 'unit_colwise' keeps whole heads, replicated where tp does not divide "
+        "them; dtp's colwise splits them evenly (check refuses another tp, and names colwise(packed=[repeat(kv)]) "
+        "for k/v heads)",
+        "model.layers.*.self_attn.o_proj: 'unit_rowwise' reads whole heads, replicated where tp does not divide "
+        "them; dtp's rowwise splits them evenly",
+        "model.layers.*.self_attn: 'local_params' has no dtp equivalent; rule dropped (module stays replicated)"]
+
+
+def test_unit_colwise_k_v_of_minicpm5_moe_import_as_colwise_checked_per_tp():
+    # (`dtp apply` of this import at tp 2: parity, 11 collectives measured == analytic)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("minicpm5_moe", vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                                  moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert hf_plan_of(model)["model.layers.*.self_attn.k_proj"] == "unit_colwise"
+    text, warnings = import_plan(hf_plan_of(model), "m", model)
+    assert "model.layers.*.self_attn.k_proj: colwise\n" in text and len(warnings) == 2  # k_proj, v_proj: lossy
+    plan = parse(text, "<imported>")
+    check(plan, model, 2)  # 2 key/value heads: one a rank, as HF's unit mesh gives
+    with pytest.raises(PlanError, match=r"2 key/value heads .* do not divide by tp=4.*colwise\(packed=\[repeat"):
+        check(plan, model, 4)  # HF replicates each over 2 ranks; dtp names repeat(kv)
+
+
 def test_import_names_what_is_lossy():
     text, warnings = import_plan({"model.layers.*.mlp.gate_proj": "local_colwise", "model.layers.*.x": "gather",
                                   "model.layers.*.y": "no_such_style"})
@@ -174,10 +214,19 @@ def test_shipped_plans_export_to_the_tp_plan_hf_ships(family):
     if len(out) == len(ships) + 1:  # transformers before 5.2x splits the input embedding only when it is tied
         embedding = next(path for path, m in model.named_modules() if m is model.get_input_embeddings())
         assert out.pop(embedding) == "embedding_rowwise"
+    experts = "model.layers.*.mlp.experts"
+    if family == "mixtral" and experts not in ships:  # transformers 5.25 leaves them to its ep_plan: whole under TP
+        assert {k: out.pop(k) for k in (f"{experts}.gate_up_proj", f"{experts}.down_proj", experts)} == {
+            f"{experts}.gate_up_proj": "packed_colwise", f"{experts}.down_proj": "rowwise", experts: "moe_tp_experts"}
     assert out == ships
-    # the head (no loss_parallel), and GPT-J's head count where its attention views heads as -1 (transformers 5.2x)
+    if family == "mixtral":
+        assert (f"line 20 ({experts}: experts): exported as moe_tp_experts, which transformers 5.25 deprecates "
+                "(removal announced for 5.28; its MoE models now leave experts to the ep_plan)") in warnings
+    # the head (no loss_parallel), GPT-J's head count where its attention views heads as -1 (transformers 5.2x),
+    # Mixtral's experts
     assert warnings == [w for w in warnings if "exported as colwise_gather_output" in w or
-                        "`set transformer.h.*.attn.num_attention_heads` left out: this model does not shape" in w]
+                        "`set transformer.h.*.attn.num_attention_heads` left out: this model does not shape" in w
+                        or "exported as moe_tp_experts" in w]
 
 
 @pytest.mark.parametrize("family, tp, left_out", [

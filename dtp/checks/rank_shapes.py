@@ -1,0 +1,113 @@
+"""Check rule: the model's forward runs on the shapes one rank holds.
+
+A plan can be consistent in every layout and still cut a tensor the model's own code sizes from elsewhere:
+nanoGPT views its heads with `C // self.n_head`, where `C` comes from `x.size()`, the block input's full width,
+so a rank holding half the heads has half the features and `view` fails mid-run. Whether that happens is a
+question about the model's code, and the code can answer it: the forward runs once on a fake twin of the model
+(dtp/layout/trace.py) whose split layers hold one rank's slice of their weights (rank 0's, as
+`ParamPlacement.local_shape` gives it) and whose `set` attributes hold their values at this tp — the shapes
+the hot path computes with, since the column and row layers and the vocabulary-parallel head run on local
+tensors. If the unsharded forward runs and this one raises, no run of the plan can succeed: that is a proof,
+reported at the rule that split the module where it raised, with the model's own line.
+
+Only what the twin models faithfully is run: `colwise`, `rowwise` and `vocab_parallel` on plain `nn.Linear` and
+`nn.Embedding` (sequence parallelism, replicate and `set` as they are). A plan with any other style on the way
+(slice_input, slice_params, experts, sharded_norm, a Linear subclass with its own forward, transformers' Conv1D)
+is not run here; the runtime proof of `dtp apply` remains.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.tensor import Shard
+
+from dtp.checks.messages import Reporter
+from dtp.lang.expr import ExprError
+from dtp.layout.lower import Lowered, lower, rewrite
+from dtp.layout.resolve import Resolution, generic_path
+from dtp.layout.trace import TRACES, Trace, model_trace, trace
+
+_MODELLED = {"colwise", "rowwise", "vocab_parallel", "sequence_parallel", "replicate"}
+
+
+def _modelled(res: Resolution, low: Lowered) -> bool:
+    """Whether every rule of the plan is one the twin reproduces (see the module docstring)."""
+    for path, rule in res.claims.items():
+        if rule.style.name not in _MODELLED:
+            return False
+        module = res.modules[path]
+        layout = low.modules.get(path)
+        if layout is None or rule.style.name == "sequence_parallel":
+            continue
+        if type(module).forward not in (nn.Linear.forward, nn.Embedding.forward):
+            return False
+    return True
+
+
+def _local(res: Resolution, low: Lowered, tp: int, path: str) -> bool:
+    """Whether module `path` computes on this rank's slice of its weights (rather than gathering them)."""
+    layout = low.modules.get(path)
+    if layout is None:
+        return False
+    if layout.style == "colwise":
+        return isinstance(layout.output, Shard) and layout.local
+    if layout.style == "rowwise":
+        return isinstance(layout.input, Shard)
+    return layout.style == "vocab_parallel" and not layout.embedding
+
+
+def _prepare(res: Resolution, low: Lowered, tp: int):
+    def prepare(twin: nn.Module, fake) -> None:
+        for path in res.claims:
+            if not _local(res, low, tp, path):
+                continue
+            module = twin.get_submodule(path)
+            placements = res.placements(path)
+            for name, param in list(module.named_parameters(recurse=False)):
+                shape = placements[name].local_shape(tuple(param.shape), tp)
+                setattr(module, name, nn.Parameter(fake(shape, param.dtype), requires_grad=param.requires_grad))
+        for path, values in low.rewrites.items():
+            rewrite(twin.get_submodule(path), values)
+    return prepare
+
+
+def _owner(res: Resolution, where: str | None) -> str | None:
+    """The claimed module nearest `where` (the module running when the forward raised): itself, one under it, or
+    one under its nearest ancestor that has any."""
+    path = where
+    while path is not None:
+        inside = [p for p in res.claims if p == path or p.startswith(path + ".") or not path]
+        if inside:
+            return inside[0]
+        path = path.rpartition(".")[0] if path else None
+    return None
+
+
+def check_rank_shapes(res: Resolution, model: nn.Module, tp: int, rep: Reporter) -> Trace | None:
+    """Run the forward on one rank's shapes (see the module docstring); report where it cannot run. Returns the
+    sharded trace (None when the plan or the model is not one this check can run)."""
+    if tp < 2:
+        return None
+    whole = model_trace(model)
+    if whole is None or not whole.ok:
+        return None
+    try:
+        low = lower(res, tp)
+    except ExprError:  # a `set` that does not divide at this tp: _check_sets says so where the tp is the user's
+        return None
+    if not _modelled(res, low):
+        return None
+    shard = trace(model, TRACES.forward(model), prepare=_prepare(res, low, tp))
+    if shard.ok:
+        return shard
+    owner = _owner(res, shard.where)
+    if owner is None:
+        return shard
+    rule = res.claims[owner]
+    where = generic_path(shard.where or owner)
+    line = f"`{shard.frame.split(': ', 1)[1]}` ({shard.frame.split(': ', 1)[0]})" if shard.frame else "its forward"
+    rep.add(rule.style.pos, len(rule.style.name), owner,
+            f"at tp={tp} a rank's share cannot run through {where}: {line} raises {shard.error}, while the whole "
+            f"model runs; the forward sizes tensors with numbers each rank holds less of: a module attribute can be "
+            f"rewritten (`set {where}.ATTR = ATTR / tp`), a width read from a tensor (`x.size()`) cannot; else keep "
+            f"{where} whole (no colwise or rowwise rule inside it)")
+    return shard
