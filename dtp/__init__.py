@@ -15,22 +15,21 @@ from dtp.lang.parse import load, parse
 if TYPE_CHECKING:
     import torch.nn as nn
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.parallel import ParallelStyle
 
     from dtp.checks.checker import Checked
     from dtp.lang.ir import Plan
-    from dtp.runtime.shard import Applied
+    from dtp.runtime.shard import Applied, Program
 
 
-def compile(plan: Plan | Checked, model: nn.Module, mesh: DeviceMesh) -> dict[str, ParallelStyle]:  # noqa: A001
-    """The `parallelize_module` plan for `model` on `mesh` (module path → ParallelStyle); imports torch on use."""
-    from dtp.compiler.compiler import compile_plan
+def compile(plan: Plan | Checked, model: nn.Module, mesh: DeviceMesh) -> Program:  # noqa: A001
+    """`plan` compiled for `model` on `mesh`: `.apply(model)` shards it (styles, ties, `set`s; dtp.runtime.shard)."""
+    from dtp.runtime.shard import program
 
-    return compile_plan(plan, model, mesh).styles
+    return program(plan, model, mesh)
 
 
 def apply(plan: Plan | Checked, model: nn.Module, mesh: DeviceMesh, seed: int = 0) -> Applied:
-    """Shard `model` in place under `plan` on `mesh`; returns how to read it back (dtp.runtime.shard.apply)."""
+    """`compile(plan, model, mesh).apply(model, seed)`: the Applied model, its `.full` and `.loss`."""
     from dtp.runtime.shard import apply as apply_plan
 
     return apply_plan(plan, model, mesh, seed)

@@ -198,10 +198,13 @@ def _around(module: nn.Module, pair: Pair, info: Heads, kv: str | None, rel) -> 
     named, _ = forward_inputs(module)
     bias = next((n for n in ALIBI_INPUTS if n in named), None)
     config = getattr(module, "config", None)
+    folded = getattr(config, "alibi", None) is True and "attention_mask" in named
     if bias and getattr(config, "alibi", True) is not False:
-        folded = getattr(config, "alibi", None) is True and "attention_mask" in named
         style = f"slice_input(name=[{bias}, attention_mask], dim=1)" if folded else f"slice_input(name={bias})"
         out.append(Line(pair.owner, style, f"the forward takes `{bias}`, a bias for every head built outside it"))
+    elif folded:  # transformers 5.25's Falcon: the ALiBi bias reaches attention inside the 4-D mask alone
+        out.append(Line(pair.owner, "slice_input(name=attention_mask, dim=1)", "the model folds an ALiBi bias for "
+                        "every head into `attention_mask`: this rank's heads' planes"))
     return out
 
 
@@ -235,6 +238,8 @@ def _sets(module: nn.Module, info: Heads, tp: int, local_kv: int, owner: str,
         else:  # a head count whose name says what it counts
             leaf = name.rpartition(".")[2].lower()
             said = next((q for q in _PRIORITY if any(w in leaf for w in quantities[q][2])), None)  # groups before kv
+            if info.kv_source.rpartition(".")[2].lower() == leaf and info.n_kv_head != info.n_head:
+                said = "key/value heads"  # the name the heads were found under (gpt-fast's n_local_heads)
             hits = {k: q for k, q in quantities.items() if k == said and q[0] == value}
         locals_ = {q[1] for q in hits.values()}
         if not hits or locals_ == {value}:

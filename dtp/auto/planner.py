@@ -23,6 +23,7 @@ from dtp.lang.parse import parse
 from dtp.layout.attention import attention_like
 from dtp.layout.modules import is_linear
 from dtp.layout.norms import is_norm
+from dtp.layout.trace import model_trace
 
 _MAX_ROUNDS = 64  # each round replicates at least one unit; a model has few kinds of unit
 
@@ -35,6 +36,7 @@ class AutoPlan:
     tp: int
     checked_tp: tuple[int, ...]
     refused: tuple[str, ...]  # "PATH: why" of every part left replicated
+    summary: str = ""  # "blocks split 2/2, attention whole in 0, MLP whole in 0; 12.5 % of the bytes on every rank"
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ def block_units(model: nn.Module, path: str, tp: int, sp: bool = False) -> list[
         norms = tuple(Line(n, "sequence_parallel", f"residual-stream {'norm' if is_norm(c) else 'dropout'}: runs on "
                            "this rank's tokens") for n, c in block.named_children() if is_norm(c) or _dropout(c))
         units.append(Unit("", "sequence", norms))
-    for pair in pairs(block):
+    for pair in pairs(block, model_trace(model), path):
         module = block.get_submodule(pair.owner) if pair.owner else block
         owner = f"{path}.{pair.owner}" if pair.owner else path
         if attention_like(module):
@@ -63,28 +65,39 @@ def block_units(model: nn.Module, path: str, tp: int, sp: bool = False) -> list[
             units.append(mlp_unit(module, pair, tp))
     units += [experts_unit(p, block.get_submodule(p), tp) for p in experts(block)]
     owners = {u.owner for u in units}
-    for sub, module in block.named_modules():  # an attention whose linears form no pair: say so, never guess
-        if (sub and sub not in owners and attention_like(module)
-                and any(is_linear(c) for c in module.children())):
-            units.append(Unit(sub, "attention", (), "its linear layers form no colwise → rowwise pair that its "
-                              "forward's source shows (e.g. low-rank or latent projections)"))
+    for sub, module in block.named_modules():  # linears that form no pair: say so, never guess, never silently
+        linears = [n for n, c in module.named_children() if is_linear(c)]
+        if sub in owners or not linears or not (attention_like(module) or len(linears) >= 2):
+            continue
+        kind = "attention" if attention_like(module) else "mlp"
+        units.append(Unit(sub, kind, (), "its linear layers form no colwise → rowwise pair that its forward shows "
+                          "(e.g. low-rank or latent projections, or a forward dtp could neither read nor run)"))
     return units
 
 
 def _groups(model: nn.Module, tp: int, sp: bool) -> list[_Group]:
-    out: list[_Group] = []
-    runs: list[tuple[str, list[int], tuple[Unit, ...]]] = []
+    """Runs of blocks with the same rules under one parent: `parent.*` when they are all its children (a
+    ModuleList, Sequential or ModuleDict), `parent.[a..b]` for numbered runs, else one group per block."""
+    runs: list[tuple[str, list[str], tuple[Unit, ...]]] = []
     for path in blocks(model):
-        parent, _, index = path.rpartition(".")
+        parent, _, name = path.rpartition(".")
         units = tuple(block_units(model, path, tp, sp))
-        if runs and runs[-1][0] == parent and runs[-1][2] == units and runs[-1][1][-1] == int(index) - 1:
-            runs[-1][1].append(int(index))
+        last = runs[-1] if runs else None
+        if last and last[0] == parent and last[2] == units and (not name.isdigit() or (
+                last[1][-1].isdigit() and int(last[1][-1]) == int(name) - 1)):
+            last[1].append(name)
         else:
-            runs.append((parent, [int(index)], units))
-    for parent, indices, units in runs:
-        every = len(model.get_submodule(parent)) == len(indices)
-        segment = "*" if every else str(indices[0]) if len(indices) == 1 else f"[{indices[0]}..{indices[-1]}]"
-        out.append(_Group(f"{parent}.{segment}", units))
+            runs.append((parent, [name], units))
+    out: list[_Group] = []
+    for parent, names, units in runs:
+        holder = model.get_submodule(parent)
+        every = isinstance(holder, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) and len(holder) == len(names)
+        if every:
+            out.append(_Group(f"{parent}.*" if parent else "*", units))
+        elif all(n.isdigit() for n in names) and len(names) > 1:
+            out.append(_Group(f"{parent}.[{names[0]}..{names[-1]}]", units))
+        else:
+            out += [_Group(".".join(p for p in (parent, n) if p), units) for n in names]
     return out
 
 
@@ -180,7 +193,33 @@ def auto_plan(model: nn.Module, model_name: str, tp: int, sp: bool = False, scan
     if refused_sp:
         refused.insert(0, f"sequence parallelism: dtp check: {refused_sp}")
         text = text.replace("\ndtp 1\n", f"\n# Without sequence parallelism: {refused_sp}\ndtp 1\n", 1)
-    return AutoPlan(text, tp, admitted, tuple(refused))
+    return AutoPlan(text, tp, admitted, tuple(refused), _summary(model, text, tp, groups))
+
+
+def _summary(model: nn.Module, text: str, tp: int, groups: list[_Group]) -> str:
+    """How much of the model the plan splits: blocks with a split part, blocks whose attention or MLP stays
+    whole, and the share of the parameter bytes every rank keeps whole."""
+    from dtp.cost.param_bytes import replicated_fraction
+
+    counts = {g.prefix: _count(model, g.prefix) for g in groups}
+    total = sum(counts.values())
+    split = sum(n for g in groups for n in [counts[g.prefix]] if any(u.lines for u in g.units))
+    whole = {kind: sum(counts[g.prefix] for g in groups if any(u.refused and u.kind == kind for u in g.units))
+             for kind in ("attention", "mlp")}
+    share = replicated_fraction(check(parse(text, "<auto>"), model, tp), model)
+    return (f"blocks split {split}/{total}, attention whole in {whole['attention']}, MLP whole in {whole['mlp']}; "
+            f"{100 * share:.1f} % of the parameter bytes stay whole on every rank")
+
+
+def _count(model: nn.Module, prefix: str) -> int:
+    """The blocks a group's pattern names."""
+    parent, _, segment = prefix.rpartition(".")
+    if segment == "*":
+        return len(model.get_submodule(parent)) if parent else 1
+    if segment.startswith("["):
+        a, b = segment[1:-1].split("..")
+        return int(b) - int(a) + 1
+    return 1
 
 
 def _is_sequence(key: tuple | None, top: list[Line], groups: list[_Group]) -> bool:

@@ -1,10 +1,13 @@
 """The parts of a model `dtp plan --auto` writes rules for, found by structure and data flow, never by names alone.
 
 - the input embedding and the output head (their rows are the vocabulary);
-- the blocks: the children of the model's ModuleList that hold modules of their own;
+- the blocks: children of a ModuleList, Sequential or ModuleDict, or sibling attributes of one class, that hold
+  modules of their own (dtp/layout/blocks.py);
 - inside a block, every module whose linear children form Megatron's pair: "first" layers reading the
   module's input (colwise) and one "second" layer reading only what they computed (rowwise), as the forward's
-  source says (dtp/layout/forward_source.py); a module with linears but no such pair (a router, a gate) is not one.
+  source says (dtp/layout/forward_source.py) or, where the source cannot be followed (a lambda, a partial, a
+  ModuleDict called from its parent), as one forward on fake tensors ran it (dtp/layout/trace.py); a module with
+  linears but no such pair (a router, a gate) is not one.
 """
 from __future__ import annotations
 
@@ -13,8 +16,10 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from dtp.layout.attention import PROJECTIONS, attention_like
+from dtp.layout.blocks import blocks as layout_blocks
 from dtp.layout.forward_source import forward_facts
 from dtp.layout.modules import features, is_experts, is_linear
+from dtp.layout.trace import Trace
 from dtp.models.spec import vocab_size
 
 
@@ -66,29 +71,52 @@ def ends(model: nn.Module) -> Ends:
 
 
 def blocks(model: nn.Module) -> list[str]:
-    """The model's repeated blocks: children of a ModuleList (or Sequential) that hold modules of their own."""
-    out: list[str] = []
-    for path, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and not any(path.startswith(b + ".") for b in out):
-            kids = [f"{path}.{n}" for n, c in module.named_children() if any(c.children())]
-            if len(kids) >= 1 and all(n.isdigit() for n, _ in module.named_children()):
-                out += kids
-    return out
+    """The model's repeated blocks, however the code holds them (dtp/layout/blocks.py)."""
+    return layout_blocks(dict(model.named_modules()))
 
 
-def pairs(block: nn.Module) -> list[Pair]:
-    """Every module in `block` (the block itself included) whose linear children form a colwise → rowwise pair."""
+def pairs(block: nn.Module, tr: Trace | None = None, at: str = "") -> list[Pair]:
+    """Every module in `block` (the block itself included) whose linear children form a colwise → rowwise pair:
+    as the forward's source shows, else as the model's trace `tr` saw it run (`at`: the block's path in it)."""
     out = []
     for path, module in block.named_modules():
         linears = [n for n, c in module.named_children() if is_linear(c)]
         if len(linears) < 2:
             continue
         pair = _pair(path, module, linears)
+        if pair is None and tr is not None:
+            pair = _traced_pair(tr, ".".join(p for p in (at, path) if p), path, module, linears)
         if pair is None and attention_like(module):
             pair = _named_pair(path, linears)
         if pair is not None:
             out.append(pair)
     return out
+
+
+def _traced_pair(tr: Trace, full: str, path: str, module: nn.Module, linears: list[str]) -> Pair | None:
+    """The pair as one forward ran it: for a forward the source reader cannot follow (a lambda over a ModuleDict,
+    minGPT's `mlpf`; a `functools.partial`; a `match`). Only modules the trace saw run."""
+    if not tr.ok or not all(tr.called(f"{full}.{n}") for n in linears):
+        return None
+    among = {f"{full}.{n}" for n in linears}
+    inside = full.rpartition(".")[0] if not tr.called(full) else full  # a container is never called: its parent's
+    fed = {n: tr.nearest(tr.edges.get(f"{full}.{n}", set()), among - {f"{full}.{n}"}, inside)[0] for n in linears}
+    seconds = [n for n in linears if fed[n]]
+    if len(seconds) != 1:
+        return None
+    second = seconds[0]
+    feeding = tuple(n for n in linears if f"{full}.{n}" in fed[second] and not fed[n])
+    if not feeding or any(features(module.get_submodule(n))[1] < 1 for n in feeding):
+        return None
+    if tr.called(full) and f"{full}.{second}" not in tr.nearest(tr.outputs.get(full, set()), among, full)[0]:
+        return None  # the module's result does not come from the second layer
+    firsts = {f"{full}.{n}" for n in feeding}
+    reads_second = tr.edges.get(f"{full}.{second}", set())
+    between = tuple(n for n, _ in module.named_children() if n not in linears and tr.called(f"{full}.{n}")
+                    and tr.nearest(tr.inputs.get(f"{full}.{n}", set()), firsts, inside)[0]
+                    and tr.nearest(reads_second, {f"{full}.{n}"}, inside)[0])
+    others = tuple(n for n in linears if n not in feeding and n != second)
+    return Pair(path, feeding, second, between, others)
 
 
 def _pair(path: str, module: nn.Module, linears: list[str]) -> Pair | None:

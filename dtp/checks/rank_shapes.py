@@ -17,11 +17,14 @@ is not run here; the runtime proof of `dtp apply` remains.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch.nn as nn
 from torch.distributed.tensor import Shard
 
 from dtp.checks.messages import Reporter
 from dtp.lang.expr import ExprError
+from dtp.layout.blocks import blocks
 from dtp.layout.lower import Lowered, lower, rewrite
 from dtp.layout.resolve import Resolution, generic_path
 from dtp.layout.trace import TRACES, Trace, model_trace, trace
@@ -55,10 +58,43 @@ def _local(res: Resolution, low: Lowered, tp: int, path: str) -> bool:
     return layout.style == "vocab_parallel" and not layout.embedding
 
 
-def _prepare(res: Resolution, low: Lowered, tp: int):
+_KEEP = 2  # blocks kept per container: every block of one class runs the same code on the same shapes
+
+
+def _shorten(twin: nn.Module) -> set[str]:
+    """Drop all but the first _KEEP blocks of each container of `twin` (a forward looping over them then runs
+    _KEEP); the paths of the blocks dropped."""
+    dropped: set[str] = set()
+    for path in blocks(dict(twin.named_modules())):
+        parent, _, name = path.rpartition(".")
+        holder = twin.get_submodule(parent) if parent else twin
+        if isinstance(holder, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) and list(holder._modules).index(name) >= _KEEP:
+            dropped.add(path)
+    for path in sorted(dropped, key=lambda p: -len(p)):
+        parent, _, name = path.rpartition(".")
+        holder = twin.get_submodule(parent) if parent else twin
+        if isinstance(holder, nn.ModuleDict):
+            del holder[name]
+        else:
+            holder._modules.pop(name)
+    for holder in twin.modules():  # ModuleList and Sequential index by position: renumber what is left
+        if isinstance(holder, (nn.ModuleList, nn.Sequential)):
+            holder._modules = dict(zip(map(str, range(len(holder._modules))), holder._modules.values()))
+    return dropped
+
+
+def _deep(model: nn.Module) -> bool:
+    """Whether some container holds more than 4 × _KEEP blocks: then shortening it pays for its extra run."""
+    found = blocks(dict(model.named_modules()))
+    parents = [p.rpartition(".")[0] for p in found]
+    return any(parents.count(p) > 4 * _KEEP for p in set(parents))
+
+
+def _prepare(res: Resolution, low: Lowered, tp: int, short: bool):
     def prepare(twin: nn.Module, fake) -> None:
+        dropped = _shorten(twin) if short else set()
         for path in res.claims:
-            if not _local(res, low, tp, path):
+            if any(path == d or path.startswith(d + ".") for d in dropped) or not _local(res, low, tp, path):
                 continue
             module = twin.get_submodule(path)
             placements = res.placements(path)
@@ -66,8 +102,21 @@ def _prepare(res: Resolution, low: Lowered, tp: int):
                 shape = placements[name].local_shape(tuple(param.shape), tp)
                 setattr(module, name, nn.Parameter(fake(shape, param.dtype), requires_grad=param.requires_grad))
         for path, values in low.rewrites.items():
-            rewrite(twin.get_submodule(path), values)
+            if not any(path == d or path.startswith(d + ".") for d in dropped):
+                rewrite(twin.get_submodule(path), values)
     return prepare
+
+
+# One rank's run by model and by what the twin changes: a plan checked again (auto's rounds, apply's pre-flight,
+# every `when` branch) runs once. Held weakly, as TRACES holds the model's own trace.
+_RUNS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Trace]] = weakref.WeakKeyDictionary()
+
+
+def _key(res: Resolution, low: Lowered, tp: int) -> tuple:
+    """What the rank's twin differs from the model by: the local layers (path, style, local shapes) and rewrites."""
+    local = tuple(sorted((path, tuple(sorted((n, repr(p)) for n, p in res.placements(path).items())))
+                         for path in res.claims if _local(res, low, tp, path)))
+    return tp, local, tuple(sorted((p, tuple(sorted(v.items()))) for p, v in low.rewrites.items()))
 
 
 def _owner(res: Resolution, where: str | None) -> str | None:
@@ -96,7 +145,14 @@ def check_rank_shapes(res: Resolution, model: nn.Module, tp: int, rep: Reporter)
         return None
     if not _modelled(res, low):
         return None
-    shard = trace(model, TRACES.forward(model), prepare=_prepare(res, low, tp))
+    key = _key(res, low, tp)
+    shard = _RUNS.setdefault(model, {}).get(key)
+    if shard is None:
+        forward = TRACES.forward(model)
+        # a deep model runs on its first blocks (the cost of a forward on fakes grows with depth), unless the
+        # shortened whole model cannot run (a forward that indexes its blocks by config.n_layer)
+        short = _deep(model) and trace(model, forward, prepare=lambda twin, fake: _shorten(twin)).ok
+        shard = _RUNS[model][key] = trace(model, forward, prepare=_prepare(res, low, tp, short))
     if shard.ok:
         return shard
     owner = _owner(res, shard.where)
@@ -105,9 +161,31 @@ def check_rank_shapes(res: Resolution, model: nn.Module, tp: int, rep: Reporter)
     rule = res.claims[owner]
     where = generic_path(shard.where or owner)
     line = f"`{shard.frame.split(': ', 1)[1]}` ({shard.frame.split(': ', 1)[0]})" if shard.frame else "its forward"
+    cache = _head_buffers(model, shard.where or owner)
+    held = (f"; {cache} holds every head of the whole model (a cache set up before sharding, as gpt-fast's "
+            "setup_caches makes it): dtp does not split buffers, so keep the attention whole or build the model "
+            "without the cache") if cache else ""
     rep.add(rule.style.pos, len(rule.style.name), owner,
             f"at tp={tp} a rank's share cannot run through {where}: {line} raises {shard.error}, while the whole "
             f"model runs; the forward sizes tensors with numbers each rank holds less of: a module attribute can be "
             f"rewritten (`set {where}.ATTR = ATTR / tp`), a width read from a tensor (`x.size()`) cannot; else keep "
-            f"{where} whole (no colwise or rowwise rule inside it)")
+            f"{where} whole (no colwise or rowwise rule inside it){held}")
     return shard
+
+
+def _head_buffers(model: nn.Module, path: str) -> str | None:
+    """The buffer under attention `path` (or its nearest attention ancestor) with a dimension of the model's head
+    count, named generically with that dimension: a KV cache sized for every head."""
+    from dtp.layout.attention import attention_like, config_heads
+
+    info = config_heads(model)
+    while path and not attention_like(model.get_submodule(path)):
+        path = path.rpartition(".")[0]
+    if info is None or not path:
+        return None
+    counts = {info.n_kv_head, info.n_head}
+    for name, buf in model.get_submodule(path).named_buffers():
+        dims = [d for d, n in enumerate(buf.shape) if n in counts and d > 0]
+        if buf.dim() >= 3 and dims:
+            return f"{generic_path(path)}.{name} (dim {dims[0]}: {buf.shape[dims[0]]})"
+    return None

@@ -92,6 +92,7 @@ def _auto(args: argparse.Namespace) -> int:
     found = auto_plan(model, args.auto, args.tp, args.sequence_parallel)
     for why in found.refused:
         print(f"note: {why}", file=sys.stderr)
+    print(f"dtp plan --auto: {found.summary}", file=sys.stderr)
     if args.tp not in found.checked_tp:
         print(f"note: dtp check accepts this plan at tp {', '.join(map(str, found.checked_tp))} only, not at "
               f"tp {args.tp}: the parts it refused stay replicated", file=sys.stderr)

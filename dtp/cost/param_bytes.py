@@ -55,6 +55,16 @@ def ideal_param_bytes(checked: Checked, model: nn.Module, tp: int, dp: int = 1, 
     return (replicated + sharded // tp) // dp
 
 
+def replicated_fraction(checked: Checked, model: nn.Module) -> float:
+    """The share of the model's parameter bytes that every rank holds whole (tied parameters once)."""
+    whole = total = 0
+    for placement, shape in _unique(checked, model):
+        n = int(torch.Size(shape).numel())
+        total += n
+        whole += n if placement.shard_dim is None else 0
+    return whole / total if total else 0.0
+
+
 def local_param_bytes(model: nn.Module) -> int:
     """The bytes of this rank's local shards (tied parameters once). Equal to the table under tp; under FSDP2
     a short last dp shard is a view of a padded allocation, which the table counts and this does not."""

@@ -92,10 +92,17 @@ class _Walker:
     def stmts(self, body: list[ast.stmt], env: dict[str, Tags], depth: int) -> Tags:
         returned: Tags = frozenset()
         for stmt in body:
-            if isinstance(stmt, ast.If):
-                flag = self._flag(stmt.test)
-                self.expr(stmt.test, env, depth)
-                branches = [stmt.body] if flag is True else [stmt.orelse] if flag is False else [stmt.body, stmt.orelse]
+            if isinstance(stmt, (ast.If, ast.Match)):
+                if isinstance(stmt, ast.Match):  # torchtitan picks its attention kernel by `match self.attn_type`
+                    self.expr(stmt.subject, env, depth)
+                    branches = [case.body for case in stmt.cases]
+                    if not any(isinstance(c.pattern, ast.MatchAs) and c.pattern.pattern is None for c in stmt.cases):
+                        branches.append([])  # no `case _`: the match may take no case
+                else:
+                    flag = self._flag(stmt.test)
+                    self.expr(stmt.test, env, depth)
+                    branches = [stmt.body] if flag is True else [stmt.orelse] if flag is False else \
+                        [stmt.body, stmt.orelse]
                 envs = []
                 for branch in branches:
                     local = dict(env)

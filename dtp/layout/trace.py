@@ -316,16 +316,32 @@ class Traces:
 
     def __init__(self) -> None:
         self._by_model: weakref.WeakKeyDictionary[nn.Module, tuple[Forward, Trace]] = weakref.WeakKeyDictionary()
+        self._calls: weakref.WeakKeyDictionary[nn.Module, Forward | None] = weakref.WeakKeyDictionary()
+
+    def calling(self, model: nn.Module, name: str) -> Forward:
+        """How to call `model` for every position's logits (`dtp.models.calling.discover`, once per model); a
+        UsageError naming the model as `name` when no call gives them."""
+        if self._calls.get(model) is None:
+            try:
+                self._calls[model] = discover(model, vocab_size(model), name)
+            except UsageError:
+                self._calls[model] = None
+                raise
+        return self._calls[model]  # type: ignore[return-value]
 
     def _get(self, model: nn.Module) -> tuple[Forward, Trace]:
         hit = self._by_model.get(model)
         if hit is None:
             try:
-                forward = discover(model, vocab_size(model), "model")
+                forward = self.calling(model, "model")
             except UsageError:  # a model dtp cannot call: traced plainly; apply says why before launch
                 forward = PLAIN
             hit = self._by_model[model] = (forward, trace(model, forward))
         return hit
+
+    def has(self, model: nn.Module) -> bool:
+        """Whether `model` was traced already."""
+        return model in self._by_model
 
     def of(self, model: nn.Module) -> Trace:
         """The trace of `model`, called as `dtp.models.calling.discover` says."""
@@ -343,7 +359,7 @@ def model_trace(model: nn.Module) -> Trace | None:
     """The trace of `model` (TRACES), or None for a model already sharded (its DTensors are not the model's shapes)."""
     from torch.distributed.tensor import DTensor
 
-    if any(isinstance(p, DTensor) for p in model.parameters()):
+    if not TRACES.has(model) and isinstance(next(iter(model.parameters()), None), DTensor):
         return None
     return TRACES.of(model)
 

@@ -28,6 +28,7 @@ from dtp.cost.fsdp import units
 from dtp.cost.param_bytes import local_param_bytes
 from dtp.cost.schedule import NotModeled, schedule, summarize
 from dtp.lang.parse import load as load_plan
+from dtp.models import calling
 from dtp.runtime.build import build_from_model, build_sharded
 from dtp.runtime.comm import CommCounter, merge
 from dtp.runtime.mesh import make_mesh
@@ -86,10 +87,6 @@ def _checkpoint_blocks(model: torch.nn.Module) -> list[str]:
     return blocks
 
 
-def _logits(output: object) -> torch.Tensor:
-    return output.logits if hasattr(output, "logits") else output
-
-
 class Trainer:
     """One rank's model, optimizer and data, and the step and evaluation functions."""
 
@@ -97,7 +94,10 @@ class Trainer:
         self.cfg, self.corpus, self.mesh = cfg, corpus, mesh
         self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
         self.source = models.resolve(cfg.model)
-        self.checked = check(load_plan(cfg.plan), models.build(self.source, device="meta"), cfg.tp)
+        meta = models.build(self.source, device="meta")
+        self.checked = check(load_plan(cfg.plan), meta, cfg.tp)
+        # how the model gives every position's logits (a tuple, targets, positions: dtp.models.calling)
+        self.forward = calling.discover(meta, models.vocab_size(meta), cfg.model)
         # The seed drives the model's own init (rank 0) and the stream replicated dropout shares.
         torch.manual_seed(cfg.seed)
         # plain: at tp 1 dp 1 the model stays plain PyTorch (no DTensor, no collectives; dtp.runtime.shard.apply)
@@ -133,7 +133,7 @@ class Trainer:
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self._autocast():
-            logits = _logits(self.model(inputs.to(self.device)))
+            logits = self.forward(self.model, inputs.to(self.device), targets.to(self.device))
         # in float32 from (possibly bf16) logits, as autocast does; vocabulary-parallel logits stay split
         return cross_entropy(logits, targets.to(self.device))
 

@@ -21,6 +21,7 @@ from dtp.cost.explain import human_bytes
 from dtp.cost.param_bytes import param_bytes_per_rank
 from dtp.errors import RunError, Terminated, UsageError
 from dtp.lang.parse import load, resolve_plan
+from dtp.layout.trace import TRACES
 from dtp.runtime import preflight
 from dtp.runtime.keyed_init import init_rule
 from dtp.runtime.launcher import launch_local, pick_device
@@ -89,6 +90,7 @@ def _preflight(args, tps: list[int], device: str, local: bool):
     vocab = models.vocab_size(model)
     if vocab is None:
         raise UsageError(f"{args.model}: cannot tell the vocabulary size (no config.vocab_size, no nn.Embedding)")
+    TRACES.calling(model, args.model)  # a model whose logits dtp cannot find: one line, exit 2, here
     for tp in tps:
         checked = check(plan, model, tp, args.dp)  # every tp, so a plan error is exit 2 before any rank starts
         shape_problem = sequence_shape_problem(checked, tp, args.seq)

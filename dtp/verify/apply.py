@@ -15,7 +15,7 @@ from dtp import models
 from dtp.checks.checker import check, render_warnings, sequence_shape_problem
 from dtp.errors import RunError, UsageError
 from dtp.lang.parse import load, resolve_plan
-from dtp.models import calling
+from dtp.layout.trace import TRACES
 from dtp.runtime import preflight
 from dtp.runtime.launcher import error_summary, launch_local, pick_device
 from dtp.runtime.torchrun import torchrun_group, torchrun_world
@@ -102,7 +102,7 @@ def apply_command(*, plan: str, model: str, tp: int | None, dp: int, batch: int,
     if vocab is None:
         raise UsageError(f"model {model} has no nn.Embedding and no config.vocab_size: dtp feeds it token "
                          "ids, so it must know the vocabulary size")
-    forward = calling.discover(meta, vocab, model)  # how to call it for every position's logits, or exit 2
+    forward = TRACES.calling(meta, model)  # how to call it for every position's logits, or exit 2
     checked = check(parsed, meta, tp, dp)  # exit 2 before any rank starts
     sys.stderr.write(render_warnings(checked))
     shape_problem = sequence_shape_problem(checked, tp, seq)

@@ -121,37 +121,29 @@ def test_alibi_input_without_slice_input(capsys, tmp_path):
 
 
 # transformers 5.25's FalconAttention takes no `alibi`: FalconModel folds the bias into the 4-D attention_mask
-# alone, one (queries, keys) plane per head, and `check` finds no ALiBi input to ask a slice for; a run then
-# fails adding 4 heads' mask to 2 heads' scores. Strict: passes (and must lose the mark) once `check` refuses.
-MASK_GAP = pytest.mark.xfail(strict=True, reason="check misses an ALiBi bias that reaches attention only in the mask")
-
-
-def test_alibi_folded_into_the_mask_without_slice_input(capsys, tmp_path, request):
-    from dtp.layout.modules import forward_inputs
-    from dtp.models import hf
-
-    if "alibi" not in forward_inputs(hf.build("falcon_rw").transformer.h[0].self_attention)[0]:
-        request.applymarker(MASK_GAP)
+# alone, one (queries, keys) plane per head, and a run without the slice fails adding 4 heads' mask to 2 heads'
+# scores; `check` asks for the mask's slice as it does for an `alibi` input (before 5.25: both names).
+def test_alibi_folded_into_the_mask_without_slice_input(capsys, tmp_path):
     rc, out = _check(capsys, tmp_path, FALCON, "falcon_rw", 2)
     assert rc == 2 and "slice_input(name=" in out and "attention_mask], dim=1)`\n" in out
+    fixed = FALCON + "transformer.h.*.self_attention: slice_input(name=[alibi, attention_mask], dim=1)\n"
+    assert _check(capsys, tmp_path, fixed, "falcon_rw", 2)[0] == 0  # plans/hf/falcon.tp's rule, either version
 
 
 # transformers 5.25's Falcon-7B attention repeats its one key/value head num_key_value_groups times (4 here, the
 # whole model's query heads) where each rank holds 2 query heads; plans/hf/falcon.tp version 3 did not rewrite it,
-# `check` passed it and the run failed (2 vs 4 heads). Strict: passes once `check` refuses the missing `set`.
-GROUPS_GAP = pytest.mark.xfail(strict=True, reason="check misses a key/value repeat count left at the whole model's")
-
-
-def test_multi_query_head_repeat_without_set(capsys, tmp_path, request):
+# `check` passed it and the run failed (2 vs 4 heads). `check` now asks for the `set`.
+def test_multi_query_head_repeat_without_set(capsys, tmp_path):
     from dtp.models import hf
 
     text = FALCON.replace("colwise\n", "colwise(packed=[q, replicate(head), replicate(head)])\n", 1)
     if not hasattr(hf.build("falcon").transformer.h[0].self_attention, "num_key_value_groups"):
         assert _check(capsys, tmp_path, text, "falcon", 2)[0] == 0  # before 5.25: broadcast, nothing to rewrite
         return
-    request.applymarker(GROUPS_GAP)
     rc, out = _check(capsys, tmp_path, text, "falcon", 2)
     assert rc == 2 and "`set transformer.h.*.self_attention.num_key_value_groups = " in out
+    fixed = text + "set transformer.h.*.self_attention.num_key_value_groups = num_heads / tp\n"
+    assert _check(capsys, tmp_path, fixed, "falcon", 2)[0] == 0
 
 
 def test_head_count_attribute_without_set(capsys, tmp_path):

@@ -18,13 +18,13 @@ from dtp.cli import main
 from dtp.cost.param_bytes import param_bytes_per_rank
 from dtp.lang.parse import load
 from dtp.layout.placement import ParamPlacement
+from dtp.models.calling import PLAIN
 from dtp.runtime.build import build_sharded
 from dtp.runtime.keyed_init import normal_at
 from dtp.runtime.launcher import launch_local
 from dtp.runtime.rows import row_order, shared_rows
 from dtp.train import data
 from dtp.train.optim import Schedule, clip_, grad_norm
-from dtp.verify.reference import logits_of
 
 
 def _mesh(world: int, dp: int = 1):
@@ -147,9 +147,9 @@ def _clip(rank, world, dp, plan="plans/gpt2.tp", spec="gpt2-tiny"):
     per = 4 // dp
     mine = slice(rank // (world // dp) * per, (rank // (world // dp) + 1) * per)
     with loss_parallel():
-        logits = logits_of(applied.model(ids[mine, :-1]))
+        logits = PLAIN.logits(applied.model(ids[mine, :-1]))
         F.cross_entropy(logits.flatten(0, 1), ids[mine, 1:].flatten()).backward()
-    ref_logits = logits_of(reference(ids[:, :-1]))
+    ref_logits = PLAIN.logits(reference(ids[:, :-1]))
     F.cross_entropy(ref_logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
     expected = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
     rows = shared_rows(applied)
