@@ -21,6 +21,7 @@ saying what the model returns.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -178,8 +179,6 @@ def _describe(output: object) -> str:
 
 def forward_names(model: nn.Module) -> tuple[str | None, str | None]:
     """The forward's positions and targets parameters (by the names the field gives them), if it takes them."""
-    import inspect
-
     try:
         names = list(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError):
