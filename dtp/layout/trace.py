@@ -136,19 +136,10 @@ class _Recorder(TorchFunctionMode):
             return frozenset().union(*(self.tag_of(v, depth + 1) for v in value.values()))
         return frozenset()
 
-    def set_tag(self, value: object, tags: frozenset[str], merge: bool, depth: int = 0) -> None:
-        if isinstance(value, torch.Tensor):
-            self.tags[id(value)] = (self.tags.get(id(value), frozenset()) | tags) if merge else tags
-            self.keep.append(value)
-        elif depth < _MAX_NEST and isinstance(value, (tuple, list)):
-            for v in value:
-                self.set_tag(v, tags, merge, depth + 1)
-        elif depth < _MAX_NEST and isinstance(value, Mapping):
-            for v in value.values():
-                self.set_tag(v, tags, merge, depth + 1)
-        elif depth < _MAX_NEST and hasattr(value, "__dataclass_fields__"):
-            for name in value.__dataclass_fields__:
-                self.set_tag(getattr(value, name, None), tags, merge, depth + 1)
+    def set_tag(self, value: object, tags: frozenset[str], merge: bool) -> None:
+        for t in _tensors(value):
+            self.tags[id(t)] = (self.tags.get(id(t), frozenset()) | tags) if merge else tags
+            self.keep.append(t)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
