@@ -22,17 +22,15 @@ if TYPE_CHECKING:
 
 
 def compile(plan: Plan | Checked, model: nn.Module, mesh: DeviceMesh) -> Program:  # noqa: A001
-    """`plan` compiled for `model` on `mesh`: `.apply(model)` shards it (styles, ties, `set`s; dtp.runtime.shard)."""
+    """`plan` compiled for `model` on `mesh`: `.apply(model, mesh)` shards it (styles, ties, `set`s, dropout)."""
     from dtp.runtime.shard import program
 
     return program(plan, model, mesh)
 
 
 def apply(plan: Plan | Checked, model: nn.Module, mesh: DeviceMesh, seed: int = 0) -> Applied:
-    """`compile(plan, model, mesh).apply(model, seed)`: the Applied model, its `.full` and `.loss`."""
-    from dtp.runtime.shard import apply as apply_plan
-
-    return apply_plan(plan, model, mesh, seed)
+    """`compile(plan, model, mesh).apply(model, mesh, seed=seed)`: the Applied model, its `.full` and `.loss`."""
+    return compile(plan, model, mesh).apply(model, mesh, seed=seed)
 
 
 __all__ = ["parse", "load", "check", "compile", "apply", "DtpError", "PlanError", "RunError", "UsageError"]

@@ -1,12 +1,16 @@
 """The import graph of dtp/ is the pipeline: one package per stage, ORDER lists the stages bottom up.
 
 An import may only point down to a lower level: never up, never sideways between packages on one level,
-never in a circle between module files, never to a private name of another module. docs/architecture.md
-explains the layers. The sources are read as text (ast); nothing from dtp is imported.
+never in a circle between module files, never to a private name of another module. An import sits at the top
+of its module, except on the torch-free path (`dtp --help`, `dtp fmt`, `dtp check PLAN`) and for an optional
+package. docs/architecture.md explains the layers, in ORDER, and names every module. The sources are read as
+text (ast); nothing from dtp is imported.
 """
 from __future__ import annotations
 
 import ast
+import itertools
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -31,6 +35,11 @@ MAX_TOP_MODULES = 6
 MAX_INIT_LINES = 40
 INIT_EXEMPT: set[str] = set()  # packages whose __init__.py need not be a small face (none)
 ALLOWED: set[str] = set()  # violations tolerated while the code moves into this layout; must shrink to empty
+TORCH_FREE_ROOTS = ("dtp.__main__", "dtp.cli")  # `python -m dtp` and the console script (dtp.cli:entry)
+HARD_DEPENDENCIES = {"torch", "lark", "yaml", "numpy", "tqdm", "hypothesis", "dtp"}  # pyproject's, and dtp
+MAX_FUNCTION_IMPORTS = 60  # function-level imports in all of dtp/ (torch-free path and optional packages)
+LATE = ("imported inside a function (move it to the top: only the torch-free CLI path and optional packages "
+        "import late)")
 
 
 class Edge(NamedTuple):
@@ -186,6 +195,123 @@ def violations(root: Path) -> list[str]:
     return lines + _circles(edges) + _structure(root, mods)
 
 
+def _is_type_checking(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`): imports for annotations only, never run."""
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
+            or isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _top_imports(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements a module runs when it is imported: its body, `if`/`try` blocks included, not the
+    functions' and classes' bodies, nor `if TYPE_CHECKING:`."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif isinstance(node, ast.If) and not _is_type_checking(node):
+            found += _top_imports(node.body) + _top_imports(node.orelse)
+        elif isinstance(node, ast.Try):
+            found += _top_imports(node.body + node.orelse + node.finalbody)
+            found += [n for h in node.handlers for n in _top_imports(h.body)]
+    return found
+
+
+def torch_free(root: Path) -> set[str]:
+    """The modules the CLI loads before any command runs (TORCH_FREE_ROOTS and all that their top-level imports
+    reach, each package's face with its modules): `dtp --help`, `dtp fmt` and `dtp check PLAN` import no torch
+    (tests/cli/test_lazy_imports.py), so torch is imported inside their functions."""
+    mods, seen = modules(root), set()
+    todo = list(TORCH_FREE_ROOTS)
+    while todo:
+        module = todo.pop()
+        if module in seen or module not in mods:
+            continue
+        seen.add(module)
+        tree = ast.parse((root / mods[module]).read_text())
+        for node in _top_imports(tree.body):
+            for edge in _edges(module, mods[module], node, mods):
+                parts = edge.target.split(".")  # importing dtp.lang.ir runs dtp/__init__ and dtp/lang/__init__
+                todo += [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    return seen
+
+
+class FunctionImport(NamedTuple):
+    """An import statement inside a function: `module` (file `rel`) imports `names` at `line`; `packages` are
+    their top-level names (dtp for a relative import)."""
+    module: str
+    rel: Path
+    line: int
+    names: tuple[str, ...]
+    packages: tuple[str, ...]
+
+
+def function_imports(root: Path) -> list[FunctionImport]:
+    """Every import statement inside a function body (methods and nested functions included) under root/dtp."""
+    found = set()
+    for module, rel in modules(root).items():
+        tree = ast.parse((root / rel).read_text(), str(rel))
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):  # a nested function's imports are found again from the outer one: a set
+                if isinstance(node, ast.Import):
+                    names = tuple(a.name for a in node.names)
+                elif isinstance(node, ast.ImportFrom):
+                    names = ("." * node.level + (node.module or ""),)
+                else:
+                    continue
+                packages = tuple("dtp" if n.startswith(".") else n.split(".")[0] for n in names)
+                found.add(FunctionImport(module, rel, node.lineno, names, packages))
+    return sorted(found)
+
+
+def optional(package: str) -> bool:
+    """A package dtp runs without: neither the standard library nor a dependency pyproject requires."""
+    return package not in HARD_DEPENDENCIES and package not in sys.stdlib_module_names
+
+
+def misplaced_imports(root: Path) -> list[str]:
+    """One line per import inside a function that belongs at the top of its module: neither on the torch-free
+    path nor of optional packages only."""
+    free = torch_free(root)
+    return [f"{imp.rel.as_posix()}:{imp.line}: {', '.join(imp.names)} {LATE}"
+            for imp in function_imports(root) if imp.module not in free and not all(map(optional, imp.packages))]
+
+
+def documented(root: Path) -> tuple[set[str], list[tuple[str, ...]]]:
+    """What docs/architecture.md states: the module files its tree names (a package line `dtp/x/` names
+    `dtp/x/__init__.py`; an indented line names the files of the package above it) and the layer order, the code
+    block that starts with `errors` (`a  <  b, c  <  …`, bottom up)."""
+    text = (root / "docs" / "architecture.md").read_text()
+    blocks = text.split("```")[1::2]
+    listed: set[str] = set()
+    package = None
+    for line in next((b for b in blocks if "dtp/__init__.py" in b), "").splitlines():
+        if line.startswith("dtp/"):
+            name = line.split()[0]
+            package = name if name.endswith("/") else None
+            listed.add(name + "__init__.py" if package else name)
+        elif line.startswith("  ") and package:  # `  ir.py  what it holds`, or several: `  check.py fmt.py`
+            listed |= {package + w for w in itertools.takewhile(lambda w: w.endswith(".py"), line.split())}
+        elif line and not line.startswith(" "):
+            package = None
+    order = next((b for b in blocks if b.strip().startswith("errors")), "")
+    levels = [tuple(p.strip() for p in level.split(",")) for level in " ".join(order.split()).split("<")]
+    return listed, levels
+
+
+def doc_drift(root: Path) -> list[str]:
+    """Where docs/architecture.md and dtp/ disagree: a module it does not name, a name with no module, the order."""
+    listed, levels = documented(root)
+    actual = {rel.as_posix() for rel in modules(root).values()}
+    lines = [f"docs/architecture.md does not name {rel}" for rel in sorted(actual - listed)]
+    lines += [f"docs/architecture.md names {rel}, which does not exist" for rel in sorted(listed - actual)]
+    if levels != ORDER:
+        lines.append(f"docs/architecture.md's layer order {levels} is not ORDER {ORDER}")
+    return lines
+
+
 def repo_root() -> Path:
     """The nearest directory above this file that holds pyproject.toml."""
     return next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
@@ -201,6 +327,29 @@ def test_allowed_is_not_stale() -> None:
     """Every ALLOWED entry still occurs: fixed ones must leave the list."""
     stale = ALLOWED - set(violations(repo_root())) if ALLOWED else set()
     assert not stale, "fixed, remove from ALLOWED:\n" + "\n".join(sorted(stale))
+
+
+def test_function_level_imports_only_where_needed() -> None:
+    """An import inside a function is on the torch-free CLI path or of an optional package; any other is at the
+    top of its module, where a reader sees what the module needs."""
+    found = misplaced_imports(repo_root())
+    assert not found, f"{len(found)} function-level imports belong at the top:\n" + "\n".join(found)
+
+
+def test_function_level_imports_stay_few() -> None:
+    """At most MAX_FUNCTION_IMPORTS function-level imports in all of dtp/."""
+    found = function_imports(repo_root())
+    by_file: dict[str, int] = {}
+    for imp in found:
+        by_file[imp.rel.as_posix()] = by_file.get(imp.rel.as_posix(), 0) + 1
+    shown = "\n".join(f"{n:3d} {rel}" for rel, n in sorted(by_file.items(), key=lambda kv: -kv[1]))
+    assert len(found) <= MAX_FUNCTION_IMPORTS, f"{len(found)} function-level imports:\n{shown}"
+
+
+def test_architecture_doc_names_every_module_and_the_order() -> None:
+    """docs/architecture.md names every module of dtp/ (and none that is gone) and states ORDER."""
+    found = doc_drift(repo_root())
+    assert not found, "\n".join(found)
 
 
 FACE = '"""A face."""\n__all__: list[str] = []\n'
@@ -272,3 +421,73 @@ def test_planted_violation_is_reported(tmp_path: Path, case: str) -> None:
     """Each planted breach is reported, exactly and with its position."""
     files, expected = CASES[case]
     assert sorted(violations(plant(tmp_path, files))) == sorted(expected)
+
+
+RUN = "dtp/verify/run.py"  # a module off CLEAN's torch-free path (__main__ → cli.main → runtime.build, dtp → checks)
+FUNCTION_CASES = {
+    "torch on the torch-free path": ({"dtp/lang/ir.py": "def f():\n    import torch\n"}, []),
+    "a face on the path brings its module": ({"dtp/lang/__init__.py": FACE + "from dtp.lang.format import x\n",
+                                              "dtp/lang/format.py": "def f():\n    import torch\n"}, []),
+    "optional packages": ({RUN: "def f():\n    import transformers\n    from matplotlib import pyplot\n"}, []),
+    "a dependency, the standard library, dtp": (
+        {RUN: "def f():\n    import torch.nn as nn\n\n    def g():\n        import os\n    from ..lang import ir\n"},
+        [f"{RUN}:2: torch.nn {LATE}", f"{RUN}:5: os {LATE}", f"{RUN}:6: ..lang {LATE}"]),
+    "a dependency beside an optional package": (
+        {RUN: "class A:\n    def f(self):\n        import yaml, tokenizers\n"},
+        [f"{RUN}:3: yaml, tokenizers {LATE}"]),
+    "TYPE_CHECKING is not on the path": (
+        {"dtp/cli/main.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dtp.verify import run\n",
+         RUN: "def f():\n    import torch\n"},
+        [f"{RUN}:2: torch {LATE}"]),
+}
+
+
+@pytest.mark.parametrize("case", FUNCTION_CASES)
+def test_planted_function_import_is_judged(tmp_path: Path, case: str) -> None:
+    """A function-level import is refused off the torch-free path unless every package it names is optional."""
+    files, expected = FUNCTION_CASES[case]
+    assert misplaced_imports(plant(tmp_path, files)) == expected
+
+
+def test_function_imports_are_counted_once(tmp_path: Path) -> None:
+    """Each import statement in a function counts once, a nested function's too; top-level ones not at all."""
+    root = plant(tmp_path, {RUN: "import os\n\ndef f():\n    import a, b\n\n    def g():\n        import c\n"})
+    assert [(imp.line, imp.names) for imp in function_imports(root)] == [(4, ("a", "b")), (7, ("c",))]
+
+
+DOC = """# Architecture
+
+```
+errors  <  lang
+        <  cli
+```
+
+```
+grammar/tp.lark   the language
+dtp/__init__.py   the face
+dtp/errors.py     diagnostics
+
+dtp/lang/         text
+  ir.py           the IR (see dtp/lang/parse.py)
+  gone.py
+dtp/cli/          the command line
+  __init__.py     the face
+  main.py run.py  one module per command
+tests/            see Testing
+```
+"""
+
+
+def test_doc_drift_is_reported(tmp_path: Path) -> None:
+    """A module the doc does not name, a name with no module, and an order that is not ORDER are each reported."""
+    tree = ["dtp/__init__.py", "dtp/errors.py", "dtp/lang/__init__.py", "dtp/lang/ir.py", "dtp/lang/parse.py",
+            "dtp/cli/__init__.py", "dtp/cli/main.py"]
+    for rel, text in {**dict.fromkeys(tree, ""), "docs/architecture.md": DOC}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert documented(tmp_path)[1] == [("errors",), ("lang",), ("cli",)]
+    assert doc_drift(tmp_path) == ["docs/architecture.md does not name dtp/lang/parse.py",
+                                   "docs/architecture.md names dtp/cli/run.py, which does not exist",
+                                   "docs/architecture.md names dtp/lang/gone.py, which does not exist",
+                                   f"docs/architecture.md's layer order {[('errors',), ('lang',), ('cli',)]} is not "
+                                   f"ORDER {ORDER}"]

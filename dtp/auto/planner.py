@@ -18,6 +18,7 @@ from dtp.auto.rules import Line, Unit
 from dtp.auto.structure import Ends, blocks, ends, experts, pairs
 from dtp.checks.checker import check
 from dtp.checks.messages import MAX_TP_SHOWN
+from dtp.cost.param_bytes import replicated_fraction
 from dtp.errors import PlanError, UsageError
 from dtp.lang.parse import parse
 from dtp.layout.attention import attention_like
@@ -199,8 +200,6 @@ def auto_plan(model: nn.Module, model_name: str, tp: int, sp: bool = False, scan
 def _summary(model: nn.Module, text: str, tp: int, groups: list[_Group]) -> str:
     """How much of the model the plan splits: blocks with a split part, blocks whose attention or MLP stays
     whole, and the share of the parameter bytes every rank keeps whole."""
-    from dtp.cost.param_bytes import replicated_fraction
-
     counts = {g.prefix: _count(model, g.prefix) for g in groups}
     total = sum(counts.values())
     split = sum(n for g in groups for n in [counts[g.prefix]] if any(u.lines for u in g.units))

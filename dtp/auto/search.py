@@ -17,6 +17,8 @@ import torch.nn as nn
 from dtp.auto.planner import auto_plan
 from dtp.errors import PlanError, UsageError
 from dtp.files import write_text
+from dtp.simulate.model import Run, simulate
+from dtp.simulate.prepare import Prepared
 
 GiB = 1024 ** 3
 RECOMPUTE = ("none", "selective", "op", "full")
@@ -62,9 +64,6 @@ def tp_values(gpus: int, per_node: int, limit: int = 64) -> list[int]:
 def search(model: nn.Module, model_spec: str, profile, gpus: int, seq: int, global_batch: int, *,
            micro_batches: list[int], precision: str, dp_modes: tuple[str, ...], log=None) -> list[Candidate]:
     """Every layout priced; feasible ones first, fastest first."""
-    from dtp.simulate.model import Run, simulate
-    from dtp.simulate.prepare import Prepared
-
     out: list[Candidate] = []
     with tempfile.TemporaryDirectory(prefix="dtp-search-") as scratch:
         for tp in tp_values(gpus, profile.gpus_per_node):

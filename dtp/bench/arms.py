@@ -23,11 +23,16 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 from dtp.bench.megatron import MegatronGPT
-from dtp.compiler.local_vocab import cross_entropy
+from dtp.checks.checker import check
 from dtp.compiler.placed import pack_parts
+from dtp.compiler.vocab_parallel import cross_entropy
 from dtp.cost.param_bytes import local_param_bytes
+from dtp.lang.parse import parse
 from dtp.layout.parts import equal_parts
+from dtp.models import ModelSource
 from dtp.models.gpt import GPT, GPTConfig
+from dtp.runtime.build import build_sharded
+from dtp.runtime.comm import CommCounter, merge
 from dtp.train.optim import LocalSGD
 
 # plans/gpt2.tp, shipped inside the package so `dtp bench` runs from any install (a test keeps them equal).
@@ -92,8 +97,6 @@ def _torch_loss(logits, y) -> torch.Tensor:
 def _dtensor_arm(name: str, model: torch.nn.Module, x, y, extra: dict | None = None, local_loss: bool = False) -> Arm:
     """An arm over a DTensor-sharded GPT (logits Shard(-1)): torch's `loss_parallel` and SGD, or dtp's local
     vocabulary-parallel cross-entropy and local SGD (`local_loss`)."""
-    from dtp.runtime.comm import CommCounter, merge
-
     # dtp's own: the local loss and SGD's update on the local tensors (dtp.train.optim, as its AdamW)
     opt = LocalSGD(model.parameters(), lr=LR) if local_loss else _sgd(model)
     loss_fn, ctx = (cross_entropy, contextlib.nullcontext) if local_loss else (_torch_loss, loss_parallel)
@@ -127,11 +130,6 @@ def _dtensor_arm(name: str, model: torch.nn.Module, x, y, extra: dict | None = N
 def _dtp_model(base: GPT, mesh):
     """dtp's sharded GPT through the one build path (dtp.runtime.build): built on meta, sharded by the plan, each
     rank's blocks scattered from rank 0's `base`; on one rank the plain model, as `dtp apply` and `dtp train` run."""
-    from dtp.checks.checker import check
-    from dtp.lang.parse import parse
-    from dtp.models import ModelSource
-    from dtp.runtime.build import build_sharded
-
     source = ModelSource("bench-gpt", "gpt", base.config)
     with torch.device("meta"):
         checked = check(parse(PLAN, "gpt2.tp"), GPT(base.config), mesh.size())

@@ -6,6 +6,12 @@ from __future__ import annotations
 
 import warnings
 
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from dtp.bench.arms import ARMS
+from dtp.models.gpt import GPT
+
 GROUPS = {  # substring of the profiler's row name → group; first match wins
     "gemm": ("aten::mm", "aten::addmm", "aten::bmm"),
     "communication": ("c10d", "allreduce", "all_reduce", "allgather", "all_gather", "reduce_scatter",
@@ -28,12 +34,6 @@ def group_of(name: str) -> str:
 
 def profile(rank: int, world: int, cfg, steps: int = 3) -> dict:
     """Rank 0's self CPU milliseconds per step by group and the top rows, for every arm of `cfg`."""
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from dtp.bench.arms import ARMS
-    from dtp.models.gpt import GPT
-
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     torch.manual_seed(0)

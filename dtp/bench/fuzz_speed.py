@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import time
 
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hseed
+
 from dtp.fuzz.cases import zoo_cases
 from dtp.fuzz.pool import Pools
 from dtp.fuzz.runner import evaluate, fuzz
@@ -16,8 +19,6 @@ def measure(examples: int = 40, baseline_examples: int = 6, seed: int = 11) -> d
     finally:
         pools.close()
     cases = []
-    from hypothesis import HealthCheck, Phase, given, settings
-    from hypothesis import seed as hseed
 
     @settings(max_examples=baseline_examples, database=None, deadline=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))

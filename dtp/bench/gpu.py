@@ -21,14 +21,23 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
+from dtp import models
+from dtp.bench import scaling
+from dtp.bench.arms import PLAN
+from dtp.bench.megatron import flops_per_token
+from dtp.bench.report import compare, results_folder
+from dtp.errors import RunError
+from dtp.runtime.launcher import launch_local
+
 # dense bf16 peak FLOP/s by device name (vendor datasheets); an unknown GPU gets achieved FLOP/s only
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
 
 
 def _apply_parity(out: Path, tp: int, device: str) -> dict:
     """`dtp apply PLAN gpt2-tiny --tp N --device D --json` in a subprocess: the user's path, exit status 0."""
-    from dtp.bench.arms import PLAN
-
     plan = out / "gpt2.tp"
     plan.write_text(PLAN)
     report = out / "apply.json"
@@ -43,12 +52,6 @@ def _apply_parity(out: Path, tp: int, device: str) -> dict:
 
 def train_step_mfu(model_name: str, device: str, batch: int, seq: int, steps: int = 10, warmup: int = 3) -> dict:
     """Median bf16-autocast training step (AdamW) of a zoo GPT at tp 1; MFU against the GPU's dense bf16 peak."""
-    import torch
-    import torch.nn.functional as F
-
-    from dtp import models
-    from dtp.bench.megatron import flops_per_token
-
     torch.manual_seed(0)
     model = models.build(model_name, device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
@@ -80,13 +83,9 @@ def train_step_mfu(model_name: str, device: str, batch: int, seq: int, steps: in
 def _ratio_on(cfg) -> dict:
     """The interleaved benchmark configuration on `cfg.tp` local ranks: spawned NCCL ranks, one GPU each, or,
     on CPU, forked gloo ranks (one thread each, as the CPU benchmark runs); a failed rank is a failed result."""
-    from dtp.bench.scaling import measure
-    from dtp.errors import RunError
-    from dtp.runtime.launcher import launch_local
-
     threads = None if cfg.device == "cuda" else 1
     try:
-        return launch_local(measure, cfg.tp, cfg, timeout=600, device=cfg.device, prefix="dtp-gpu-",
+        return launch_local(scaling.measure, cfg.tp, cfg, timeout=600, device=cfg.device, prefix="dtp-gpu-",
                             threads=threads)[0]
     except RunError as err:  # a rank that failed: the check's other results are still written, then exit 1
         return {"config": asdict(cfg), "ok": False, "error": str(err)}
@@ -94,11 +93,6 @@ def _ratio_on(cfg) -> dict:
 
 def main(root: Path, dry_run: bool = False) -> int:
     """Run the three checks; exit 1 when parity failed anywhere, 2 when no GPU is visible (without --dry-run)."""
-    import torch
-
-    from dtp.bench.report import compare, results_folder
-    from dtp.bench.scaling import Config
-
     gpus = torch.cuda.device_count()
     if not dry_run and gpus == 0:
         print("error: dtp bench --device cuda: no CUDA device is visible (use --dry-run to check the logic on CPU)",
@@ -114,12 +108,12 @@ def main(root: Path, dry_run: bool = False) -> int:
     result["apply"] = _apply_parity(out, tp, device)
     if dry_run:
         result["train"] = train_step_mfu("gpt2-tiny", "cpu", batch=2, seq=32, steps=2, warmup=1)
-        cfg = Config(n_layer=1, n_head=4, n_embd=32, vocab_size=64, seq=8, batch=2, tp=tp, warmup=1, samples=3,
-                     arms=("dtp", "hand", "megatron", "dtp-compile"))
+        cfg = scaling.Config(n_layer=1, n_head=4, n_embd=32, vocab_size=64, seq=8, batch=2, tp=tp, warmup=1,
+                             samples=3, arms=("dtp", "hand", "megatron", "dtp-compile"))
     else:
         result["train"] = train_step_mfu("gpt2-medium", "cuda", batch=8, seq=1024)
-        cfg = Config(n_layer=8, n_head=16, n_embd=1024, vocab_size=32768, seq=1024, batch=8, tp=tp, warmup=3,
-                     samples=20, device="cuda", arms=("dtp", "hand", "megatron", "dtp-compile"))
+        cfg = scaling.Config(n_layer=8, n_head=16, n_embd=1024, vocab_size=32768, seq=1024, batch=8, tp=tp,
+                             warmup=3, samples=20, device="cuda", arms=("dtp", "hand", "megatron", "dtp-compile"))
     ratio = _ratio_on(cfg)
     result["ratio"] = {"config": ratio["config"], "ok": ratio["ok"], "error": ratio.get("error"),
                        "times_ms": ratio.get("times_ms"), "parity": ratio.get("parity"),

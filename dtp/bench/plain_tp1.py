@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from dtp.runtime.threads import cores
 
 DIMS = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=64)  # gpt2-tiny
@@ -33,8 +35,7 @@ APPLY_BATCH, APPLY_SEQ, APPLY_LR = 2, 16, 0.1  # dtp apply's defaults (dtp.verif
 
 
 def _hf_model(threads: int, device: str = "cpu"):
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel  # optional package
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -45,16 +46,12 @@ def _hf_model(threads: int, device: str = "cpu"):
 
 
 def _sync(device: str) -> None:
-    import torch
-
     if device == "cuda":
         torch.cuda.synchronize()
 
 
 def hf_apply_loop(steps: int, threads: int, device: str = "cpu") -> float:
     """tokens/s of a plain loop at `dtp apply`'s shape: GPT2LMHeadModel, forward, loss, backward, torch SGD."""
-    import torch
-
     model = _hf_model(threads, device)
     opt = torch.optim.SGD(model.parameters(), lr=APPLY_LR)
     data = torch.randint(0, DIMS["vocab_size"], (steps, APPLY_BATCH, APPLY_SEQ + 1), device=device)
@@ -73,8 +70,6 @@ def hf_apply_loop(steps: int, threads: int, device: str = "cpu") -> float:
 
 def hf_loop(steps: int, threads: int, device: str = "cpu") -> float:
     """tokens/s of a plain loop: GPT2LMHeadModel, torch AdamW (β 0.9/0.95, decay on matrices), clip 1.0."""
-    import torch
-
     model = _hf_model(threads, device)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
@@ -161,13 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.hf_loop:
         print((hf_apply_loop if args.apply else hf_loop)(args.steps, args.threads, args.device))
         return 0
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            print("error: --device cuda: this machine has no CUDA device (torch.cuda.is_available() is False)",
-                  file=sys.stderr)
-            return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda: this machine has no CUDA device (torch.cuda.is_available() is False)",
+              file=sys.stderr)
+        return 2
     run = dtp_apply if args.apply else dtp_train
     arms = {"dtp": lambda: run(args.steps, args.threads, args.plan, None, args.device),
             "hf-loop": lambda: hf_loop_process(args.steps, args.threads, args.apply, args.device)}

@@ -142,12 +142,12 @@ def markdown(result: dict) -> str:
 def plots(result: dict, out: Path) -> list[str]:
     """PNG plots (step time per arm vs tp; dtp/Megatron with intervals); none, with a note, without matplotlib."""
     try:
-        import matplotlib
+        import matplotlib  # optional package
     except ImportError:
         print("note: matplotlib is not installed; plots skipped (pip install matplotlib)")
         return []
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional package, after use("Agg")
 
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     for i, part in enumerate(("strong", "weak")):

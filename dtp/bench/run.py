@@ -12,9 +12,16 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from tqdm import tqdm
+
+from dtp.bench import fuzz_speed
+from dtp.bench.breakdown import profile, table
+from dtp.bench.gpu import main as gpu_main
 from dtp.bench.report import markdown, plots, ratios, results_folder
-from dtp.bench.scaling import Config
+from dtp.bench.scaling import Config, measure
 from dtp.files import writable_dir, writable_file, write_text
+from dtp.runtime import ranks
 
 TPS = (1, 2, 4)
 KINDS = {  # per kind: strong model, weak head size and shape, warm-up rounds, timed rounds
@@ -44,8 +51,6 @@ def configs(kind: str, arms: tuple[str, ...], only_tp: tuple[int, ...] = (), sam
 
 def gemm_peak(n: int = 512, reps: int = 10, trials: int = 5) -> float:
     """Single-thread fp32 GEMM FLOP/s, best of `trials`, measured alone before any rank starts."""
-    import torch
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -64,15 +69,12 @@ def gemm_peak(n: int = 512, reps: int = 10, trials: int = 5) -> float:
 
 def _run(cfgs: dict[str, list[Config]], progress, repeats: int = 1) -> dict[str, list[dict]]:
     """Each configuration measured `repeats` times on fresh ranks, every configuration in turn between runs."""
-    from dtp.bench.scaling import measure
-    from dtp.runtime.ranks import on_ranks
-
     runs: dict[tuple[str, int], list[dict]] = {(part, i): [] for part, c in cfgs.items() for i in range(len(c))}
     for _ in range(repeats):
         for (part, i), done in runs.items():
             if not done or done[-1]["ok"]:  # a configuration that failed parity is not run again
                 cfg = cfgs[part][i]
-                done.append(on_ranks(measure, cfg.tp, cfg, timeout=3600)[0])
+                done.append(ranks.on_ranks(measure, cfg.tp, cfg, timeout=3600)[0])
             progress.update(1)
     return {part: [pool_runs(runs[part, i]) for i in range(len(c))] for part, c in cfgs.items()}
 
@@ -96,11 +98,8 @@ def pool_runs(runs: list[dict]) -> dict:
 
 def _profile(strong: list[Config], root: Path, kind: str, tps: tuple[int, ...]) -> int:
     """`--profile`: profile.json and profile.md in a new results folder."""
-    from dtp.bench.breakdown import profile, table
-    from dtp.runtime.ranks import on_ranks
-
     out = results_folder(root, f"{kind}-profile", datetime.datetime.now(datetime.timezone.utc))
-    result = {f"tp{c.tp}": on_ranks(profile, c.tp, c, timeout=3600)[0] for c in strong if c.tp in tps}
+    result = {f"tp{c.tp}": ranks.on_ranks(profile, c.tp, c, timeout=3600)[0] for c in strong if c.tp in tps}
     (out / "profile.json").write_text(json.dumps(result, indent=2) + "\n")
     text = "\n\n".join(f"tp={k[2:]}, n_embd={strong[0].n_embd}: self CPU ms per step on rank 0\n\n{table(v)}"
                         for k, v in result.items())
@@ -112,8 +111,6 @@ def _profile(strong: list[Config], root: Path, kind: str, tps: tuple[int, ...]) 
 
 def machine() -> dict:
     """What ran the benchmark."""
-    import torch
-
     return {"host": socket.gethostname(), "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "torch": torch.__version__, "device": "cpu",
             "python": platform.python_version(), "load_average": os.getloadavg()}
@@ -167,11 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json = writable_file(args.json, "--json")
     if args.device == "cuda" or args.dry_run:
-        from dtp.bench.gpu import main as gpu_main
-
         return gpu_main(Path(args.out), dry_run=args.dry_run)
-    from tqdm import tqdm
-
     kind = "smoke" if args.smoke else "quick" if args.quick else "full"
     arms = ("dtp", "hand", "megatron") + (("dtp-compile",) if args.compile else ())
     cfgs = configs(kind, arms, tuple(args.tp or ()), args.samples)
@@ -182,8 +175,6 @@ def main(argv: list[str] | None = None) -> int:
     with tqdm(total=total, desc="bench", unit="run") as bar:
         result: dict = _run(cfgs, bar, args.repeats)
         if not args.no_fuzz:
-            from dtp.bench import fuzz_speed
-
             result["fuzz"] = fuzz_speed.measure(examples={"full": 60, "quick": 20}.get(kind, 4),
                                                 baseline_examples={"full": 8, "quick": 3}.get(kind, 1))
             bar.update(1)

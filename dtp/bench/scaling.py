@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from dtp.bench.arms import ARMS, gpt_config
 from dtp.bench.megatron import BASELINE_VERSION, flops_per_token, relative_error
 from dtp.bench.stats import interleaved_orders
+from dtp.cost.schedule import schedule, summarize
 from dtp.models.gpt import GPT, GPTConfig
 
 RTOL = 1e-4  # float32, as `dtp apply`: sharding only reorders sums
@@ -115,8 +116,6 @@ def _comm_time(collectives, device: str = "cpu", reps: int = 5) -> float:
 def measure(rank: int, world: int, cfg: Config, builders: dict | None = None) -> dict:
     """Run on every rank; rank 0's dict is the result. `builders` replaces the arm registry (tests plant a
     broken arm this way)."""
-    from dtp.cost.schedule import schedule, summarize
-
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     builders = builders or ARMS
     mesh = init_device_mesh(cfg.device, (world,), mesh_dim_names=("tp",))

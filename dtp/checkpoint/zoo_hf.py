@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from dtp.models.gpt import GPT
+from dtp.models.llama import Llama
+
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
 def zoo_hf_config(model: nn.Module) -> dict | None:
     """The Hugging Face config a zoo GPT or Llama exports as (`architectures` names the class), else None."""
-    from dtp.models.gpt import GPT
-    from dtp.models.llama import Llama
-
     if isinstance(model, GPT):
         c = model.config
         return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": c.n_layer, "n_head": c.n_head,

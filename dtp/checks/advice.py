@@ -2,9 +2,13 @@
 agrees with the data-parallel size it runs at (`mesh dp, tp` needs --dp ≥ 2; `mesh tp` admits any --dp)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dtp.errors import NOWHERE, Diagnostic, Pos
 from dtp.lang import ir
-from dtp.layout.resolve import Resolution
+
+if TYPE_CHECKING:  # a model's resolution: torch; `check_mesh` runs in `dtp check PLAN`
+    from dtp.layout.resolve import Resolution
 
 REPLICATED_WARNING = 0.5  # warn when more than this fraction of the parameter bytes stays on every rank
 

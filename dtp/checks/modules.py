@@ -2,7 +2,7 @@
 shards (vocabulary rows may be uneven), and, in attention, whole heads per rank (dtp/checks/heads.py)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import torch.nn as nn
 
 from dtp.checks import heads, norms, parts, slices
 from dtp.checks.messages import MAX_TP_SHOWN, Reporter, working_tp
@@ -15,14 +15,9 @@ from dtp.layout.placement import sharded_sizes
 from dtp.layout.resolve import Resolution
 from dtp.models import vocab_size
 
-if TYPE_CHECKING:
-    import torch.nn as nn
-
 
 def module_fits(style: str, module: nn.Module, vocab: int | None) -> str | None:
     """None when `style` can apply to `module`, else what the style needs."""
-    import torch.nn as nn
-
     if style in ("colwise", "rowwise"):
         return None if is_linear(module) else f"{style} applies to nn.Linear or transformers' Conv1D"
     if style == "experts":

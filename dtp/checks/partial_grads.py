@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from dtp.layout.attention import attention_like, heads
 from dtp.layout.modules import is_linear
 from dtp.layout.resolve import generic_path, sharded_colwise
 
@@ -64,8 +65,6 @@ def check_partial_grads(res, model: nn.Module, tp: int | None, rep) -> None:
 
 def _per_head(model: nn.Module, path: str, module: nn.Module, own: list) -> bool:
     """Whether an attention module's own parameters hold one value per head (GPT-OSS's `sinks`)."""
-    from dtp.layout.attention import attention_like, heads
-
     info = heads(model, path, module) if attention_like(module) else None
     return info is not None and any(p.dim() >= 1 and p.shape[0] in (info.n_head, info.n_kv_head) for _, p in own)
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from dtp.checks.messages import working_tp
 from dtp.lang import ir
+from dtp.layout.attention import config_heads
 from dtp.layout.modules import features, is_linear
 from dtp.layout.norms import norm_width
 from dtp.layout.parts import PartsError, resolve_parts
@@ -26,7 +27,6 @@ def check_parts(path: str, module: nn.Module, style: ir.Style, root: nn.Module, 
     except PartsError as err:
         rep.add(opt.value_pos, length, path, str(err))
         return
-    from dtp.layout.attention import config_heads  # torch, only once a model is checked
     info = config_heads(root)
     for index, (size, sharded) in enumerate(parts):
         what = f"packed part {index + 1} ({opt.value.items[index]}, {size} features)"

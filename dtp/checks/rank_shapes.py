@@ -24,6 +24,7 @@ from torch.distributed.tensor import Shard
 
 from dtp.checks.messages import Reporter
 from dtp.lang.expr import ExprError
+from dtp.layout.attention import attention_like, config_heads
 from dtp.layout.blocks import blocks
 from dtp.layout.lower import Lowered, lower, rewrite
 from dtp.layout.resolve import Resolution, generic_path
@@ -176,8 +177,6 @@ def check_rank_shapes(res: Resolution, model: nn.Module, tp: int, rep: Reporter)
 def _head_buffers(model: nn.Module, path: str) -> str | None:
     """The buffer under attention `path` (or its nearest attention ancestor) with a dimension of the model's head
     count, named generically with that dimension: a KV cache sized for every head."""
-    from dtp.layout.attention import attention_like, config_heads
-
     info = config_heads(model)
     while path and not attention_like(model.get_submodule(path)):
         path = path.rpartition(".")[0]

@@ -4,8 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from dtp.cli.args import DTYPES, bounded, positive_float, positive_int, seed_int, timeout_seconds
+from dtp.cli.args import bounded, positive_float, positive_int, seed_int, timeout_seconds
 from dtp.files import writable_file, write_text
+from dtp.runtime.job import DEVICES, DTYPES
 
 
 def add_parser(sub) -> None:
@@ -24,7 +25,7 @@ def add_parser(sub) -> None:
     a.add_argument("--seed", type=seed_int, default=0)
     a.add_argument("--lr", type=positive_float, default=0.1, help="SGD learning rate (momentum 0.9)")
     a.add_argument("--dtype", choices=DTYPES, default="float32")
-    a.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+    a.add_argument("--device", choices=DEVICES, default="auto",
                    help="auto: CUDA when there is a GPU for every rank, else CPU")
     a.add_argument("--timeout", type=timeout_seconds, default=300.0, help="seconds before every rank is stopped (exit 1)")
     a.add_argument("--json", metavar="PATH", help="also write the report as JSON")

@@ -7,7 +7,7 @@ import math
 import re
 from typing import Callable
 
-DTYPES = ("float32", "bfloat16", "float64")  # `dtp apply --dtype` (dtp.verify.rank.DTYPES maps them to torch's)
+from dtp.runtime.job import MAX_SEED, MAX_TIMEOUT  # the limits a Job holds every command to
 
 
 def _integer(text: str) -> int:
@@ -36,18 +36,12 @@ def positive_float(text: str) -> float:
     return value
 
 
-MAX_TIMEOUT = 7 * 24 * 3600.0  # seconds: a week; a larger wait overflows the timers it is handed to
-
-
 def timeout_seconds(text: str) -> float:
     """argparse type: a finite number of seconds in (0, one week]."""
     value = positive_float(text)
     if value > MAX_TIMEOUT:
         raise argparse.ArgumentTypeError(f"expected at most {MAX_TIMEOUT:.0f} seconds (a week), got {text[:40]}")
     return value
-
-
-MAX_SEED = 2**63 - 2**16  # torch seeds are 64-bit; ranks add their index
 
 
 def seed_int(text: str) -> int:

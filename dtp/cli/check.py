@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dtp.checks.checker import check, render_warnings
 from dtp.cli.args import positive_int
+from dtp.lang.parse import load
 
 
 def add_parser(sub) -> None:
@@ -19,9 +21,6 @@ def add_parser(sub) -> None:
 
 def load_checked(plan_path: str, model_spec: str | None, tp: int | None, dp: int | None = None):
     """(plan, model on the meta device or None, Checked); the plan's warnings go to stderr."""
-    from dtp.checks.checker import check, render_warnings
-    from dtp.lang.parse import load
-
     plan = load(plan_path)
     model = None
     if model_spec:  # torch only when there is a model: `dtp check PLAN` never imports it

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from dtp.files import writable_dir, writable_file
+
 
 def add_parser(sub) -> None:
     """Register `dtp export`."""
@@ -20,7 +22,6 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     """Write the checkpoint's unsharded state dict and say where, how many tensors, how long."""
     from dtp.checkpoint.export import export
-    from dtp.files import writable_dir, writable_file
 
     # outputs checked before the checkpoint is read: never a device, FIFO, directory or /proc (issue 20)
     if args.hf_dir:

@@ -5,6 +5,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from dtp.lang.format import format_plan
+from dtp.lang.parse import load
+
 
 def add_parser(sub) -> None:
     """Register `dtp fmt`."""
@@ -18,9 +21,6 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print, rewrite or check each plan in its canonical form."""
-    from dtp.lang.format import format_plan
-    from dtp.lang.parse import load
-
     status = 0
     for name in args.files:
         plan = load(name)

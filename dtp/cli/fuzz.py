@@ -31,4 +31,7 @@ def run(args: argparse.Namespace) -> int:
     """Fuzz meshes, shapes and seeds (or replay a saved case, or fuzz the parser)."""
     from dtp.fuzz.session import fuzz_command
 
-    return fuzz_command(args)
+    return fuzz_command(plan=args.plan, model=args.model, examples=args.examples, seed=args.seed,
+                        max_world=args.max_world, save_to=args.save, replay=args.replay, factory=args.factory,
+                        mutate=args.mutate, parser=args.parser, shrink=not args.no_shrink, timeout=args.timeout,
+                        show_progress=args.progress)

@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 
 from dtp.cli.args import positive_int
+from dtp.errors import UsageError
 from dtp.files import writable_file, write_text
+from dtp.lang import conditions
+from dtp.lang.parse import load
 
 MAX_AUTO_TP = 4096  # a typo must not plan for a million ranks
 
@@ -38,12 +42,8 @@ def run(args: argparse.Namespace) -> int:
     """Print or write the plan for a Hugging Face model, or print a plan as an HF tp_plan (JSON)."""
     from dtp import models
     from dtp.hf.plan import export_for, export_plan, from_hf
-    from dtp.lang import conditions
-    from dtp.lang.parse import load
 
     if args.sequence_parallel and not args.auto or args.verify and not args.auto:
-        from dtp.errors import UsageError
-
         raise UsageError("--sequence-parallel and --verify go with --auto MODEL")
     if args.auto:
         return _auto(args)
@@ -78,14 +78,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _auto(args: argparse.Namespace) -> int:
     """Write the plan `--auto` finds; with --verify, prove it with `dtp apply`."""
-    import tempfile
-
     from dtp import models
     from dtp.auto.planner import auto_plan
 
     if args.tp > MAX_AUTO_TP:
-        from dtp.errors import UsageError
-
         raise UsageError(f"--tp {args.tp} is more than {MAX_AUTO_TP}")
     output = writable_file(args.output, "-o") if args.output else None  # before the model is built
     model = models.build(models.resolve(args.auto), device="meta")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from dtp.lang.parse import load, shipped_plans
+
 
 def add_parser(sub) -> None:
     """Register `dtp plans`."""
@@ -18,8 +20,6 @@ def _summary(text: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Print every shipped plan's name, its `plan NAME version V` and what it is for."""
-    from dtp.lang.parse import load, shipped_plans
-
     rows = []
     for name, path in shipped_plans().items():
         plan = load(path)

@@ -9,6 +9,7 @@ from typing import NoReturn
 
 from dtp.cli import apply, bench, check, explain, export, fmt, fuzz, plan, plans, search, simulate, train
 from dtp.errors import DtpError, Terminated
+from dtp.runtime.torchrun import leave_rank, under_torchrun
 
 COMMANDS = (check, fmt, explain, apply, fuzz, simulate, search, train, export, bench, plan, plans)  # in `dtp --help`'s order
 
@@ -50,7 +51,6 @@ def entry() -> NoReturn:
     # Before torch is imported: its C++ logs (a rendezvous that finds no peer prints stack frames, a process group
     # torn down at Ctrl-C prints warnings) would bury dtp's one-paragraph messages. Errors still show.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    from dtp.runtime.torchrun import leave_rank, under_torchrun
 
     code = main()
     if under_torchrun():

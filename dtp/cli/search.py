@@ -7,6 +7,8 @@ import json
 import sys
 
 from dtp.cli.args import bounded
+from dtp.errors import UsageError
+from dtp.files import writable_file, write_text
 
 LIMITS = {"gpus": 1 << 20, "seq": 1 << 20, "global_batch": 1 << 24, "micro_batch": 1 << 16}  # typos, not clusters
 SHOWN = 12
@@ -33,8 +35,6 @@ def run(args: argparse.Namespace) -> int:
     """Price every layout and print the ranked table and the command that runs the winner."""
     from dtp import models
     from dtp.auto.search import search, why_lost
-    from dtp.errors import UsageError
-    from dtp.files import writable_file, write_text
     from dtp.simulate import profile
 
     modes = tuple(m.strip() for m in args.dp_modes.split(",") if m.strip())

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from dtp.cli.args import bounded
+from dtp.files import writable_file
 
 # a typo must not ask for a million GPUs
 LIMITS = {"tp": 4096, "dp": 1 << 20, "micro_batch": 1 << 16, "global_batch": 1 << 24, "seq": 1 << 20}
@@ -48,10 +49,15 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Predict one configuration, the paper's sweep, or calibrate this machine."""
-    from dtp.files import writable_file
     from dtp.simulate.session import simulate_command
 
     for flag in ("json", "plot", "markdown", "output"):  # every output proven writable before any work
         if getattr(args, flag):
             writable_file(getattr(args, flag), "-o" if flag == "output" else f"--{flag}")
-    return simulate_command(args)
+    return simulate_command(plan=args.plan, model=args.model, profile_name=args.profile, tp=args.tp, dp=args.dp,
+                            micro_batch=args.micro_batch, global_batch=args.global_batch, seq=args.seq,
+                            precision=args.precision, recompute=args.recompute, optimizer=args.optimizer,
+                            dp_overlap=args.dp_overlap, fsdp=args.fsdp, tp_overlap=args.tp_overlap,
+                            torch_compile=args.compile, attention=args.attention, reproduce=args.reproduce,
+                            sweep_paper=args.sweep, json_path=args.json, plot=args.plot, markdown=args.markdown,
+                            calibrate=args.calibrate, output=args.output)

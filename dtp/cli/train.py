@@ -3,8 +3,10 @@ or the tp ranks' replicas diverged, or the curves differ; 2 a plan, data or flag
 from __future__ import annotations
 
 import argparse
+import sys
 
 from dtp.cli.args import bounded, memory_size, positive_int, seed_int, timeout_seconds, tp_list
+from dtp.files import writable_dir, writable_file
 
 MAX_INTERVAL = 10**9  # steps: far beyond any run, so a typo is an error rather than a silent "never"
 interval = bounded(MAX_INTERVAL, low=0)  # 0, or a number of steps
@@ -64,14 +66,21 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train (or compare tps) and print the summary."""
-    from dtp.files import writable_dir, writable_file
+    from dtp.train.loop import TrainConfig
     from dtp.train.session import train_command
 
     # outputs proven usable before the model is built or any rank starts: never a file where a directory
-    # belongs, a device, a FIFO or /proc (issue 20); nothing is created yet
+    # belongs, a device, a FIFO or /proc; nothing is created yet
     writable_dir(args.out, "--out", create=False)
     if args.checkpoint:
         writable_dir(args.checkpoint, "--checkpoint", create=False)
-    if args.json:
-        args.json = writable_file(args.json, "--json")
-    return train_command(args)
+    json_path = writable_file(args.json, "--json") if args.json else None
+    cfg = TrainConfig(plan=args.plan, model=args.model, tp=args.tp, dp=args.dp, batch=args.batch, seq=args.seq,
+                      seed=args.seed, dtype=args.dtype, device=args.device, timeout=args.timeout, steps=args.steps,
+                      lr=args.lr, min_lr=args.min_lr, warmup=args.warmup, weight_decay=args.weight_decay,
+                      clip=args.clip, eval_every=args.eval_every, checkpoint_activations=args.checkpoint_activations,
+                      out=args.out, progress=sys.stderr.isatty(), checkpoint=args.checkpoint,
+                      save_every=args.save_every or 0, resume=args.resume, convert=args.convert, init=args.init,
+                      check_replicas=args.check_replicas, threads=args.threads)
+    return train_command(cfg, data_path=args.data, tokenizer=args.tokenizer, compare_tp=args.compare_tp,
+                         max_rank_memory=args.max_rank_memory, json_path=json_path)

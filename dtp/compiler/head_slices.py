@@ -15,14 +15,13 @@ sum: each rank's gradient covers its own heads' values, which are all it holds (
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.nn.utils.stateless import _reparametrize_module
 
+from dtp.compiler.layer import TensorParallelGroup, become
 from dtp.compiler.placed import distribute_param
 from dtp.layout.modules import forward_params
 from dtp.layout.placement import ParamPlacement
@@ -95,6 +94,18 @@ class SliceHeadsInput(ParallelStyle):
         return f"SliceHeadsInput({', '.join(self.names)}, heads={self.heads}, dim={self.dim})"
 
 
+class SlicedHeads:
+    """The forward of a module holding this rank's heads of its own per-head parameters: its own forward, on
+    their local tensors."""
+
+    _sliced_params: tuple[str, ...]
+
+    def forward(self, *args, **kwargs):  # noqa: D102 - the class says it
+        local = {n: getattr(self, n).to_local() for n in self._sliced_params}
+        with _reparametrize_module(self, local):
+            return super().forward(*args, **kwargs)
+
+
 class SliceHeadsParams(ParallelStyle):
     """The module's own parameters `names`, each holding every head at dimension `dim`, kept as Shard(dim)
     DTensors (this rank's heads) and handed to its forward as local tensors. No communication."""
@@ -106,13 +117,5 @@ class SliceHeadsParams(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name in self.names:
             distribute_param(module, name, ParamPlacement(self.dim), device_mesh)
-        inner = module.forward
-
-        @functools.wraps(inner)  # the signature stays readable (a shared input's hook looks for its name)
-        def forward(*args, **kwargs):
-            local = {n: getattr(module, n).to_local() for n in self.names}
-            with _reparametrize_module(module, local):
-                return inner(*args, **kwargs)
-
-        module.forward = forward
-        return module
+        module._sliced_params = self.names
+        return become(module, SlicedHeads, TensorParallelGroup.of(device_mesh, None))

@@ -16,10 +16,13 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.distributed_c10d import ProcessGroup
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.nn.utils.stateless import _reparametrize_module
 
+from dtp.compiler.layer import TensorParallelGroup, become
+from dtp.compiler.mappings import copy_to_ranks, sum_over_ranks
 from dtp.layout.experts import experts_layout
 from dtp.layout.modules import is_conv1d
 from dtp.layout.parts import Parts, equal_parts, local_rows, repeated
@@ -191,8 +194,10 @@ class CopiedOutputRowwise(RowwiseParallel):
         return out.clone() if use_local_output and not isinstance(out, DTensor) else out
 
 
-class VocabParallelEmbedding(CopiedOutputRowwise):
-    """An nn.Embedding's rows split by vocabulary, its output all-reduced (and copied when local)."""
+class RowwiseEmbedding(CopiedOutputRowwise):
+    """An nn.Embedding's rows split by vocabulary as torch's RowwiseParallel does it, its output all-reduced (and
+    copied when local): for the layouts dtp.compiler.vocab_parallel's layer does not compute (sequence
+    parallelism, options that read the whole table)."""
 
 
 class PlacedRowwise(CopiedOutputRowwise):
@@ -247,48 +252,47 @@ def _eager_if_misaligned(module: nn.Module, tp: int) -> None:
     module.config._experts_implementation = "eager"
 
 
+class ParallelExperts:
+    """The forward of a module holding every expert's FFN slice: its own forward on the local slices, with f on
+    the replicated inputs (hidden states, routing weights: each rank's gradient covers its FFN slice only) and
+    g on its partial output."""
+
+    _tp: TensorParallelGroup
+
+    def forward(self, *args, **kwargs):  # noqa: D102 - the class says it
+        group = self._tp.group
+        args = (*(copy_to_ranks(a, group) for a in args[:1]), *(_f32(a, group) for a in args[1:]))
+        kwargs = {k: _f32(v, group) for k, v in kwargs.items()}
+        local = {n: p.to_local() for n, p in self.named_parameters(recurse=False)}
+        if "down_proj_bias" in local and self._tp.rank != 0:
+            # Added after the sum over the FFN dimension: once in the partial sums, on the first rank.
+            # Elsewhere it adds zero yet takes the same gradient, so it stays replicated with no all-reduce.
+            bias = local["down_proj_bias"]
+            local["down_proj_bias"] = bias - bias.detach()
+        with _reparametrize_module(self, local):
+            out = super().forward(*args, **kwargs)
+        return sum_over_ranks(out.clone(), group)  # g reduces in place: on a copy, as out may be saved
+
+
+def _f32(t: object, group: ProcessGroup) -> object:
+    """f on a routing weight, its gradient summed in at least float32 (Mixtral's router hands them on in float32
+    anyway, Qwen2-MoE's not)."""
+    if not isinstance(t, torch.Tensor) or not t.requires_grad or t.element_size() >= 4:
+        return copy_to_ranks(t, group)
+    return copy_to_ranks(t.float(), group).to(t.dtype)
+
+
 class ExpertsParallel(ParallelStyle):
     """Every expert's FFN dimension split over tp (Megatron's MLP layout, once per expert) on a module that
     holds the experts as 3-D parameters (dtp/layout/experts.py: Mixtral's [gate; up] (E, 2·I, H), GPT-OSS's
-    transposed, interleaved, with biases). The module runs on local slices; the gradients of its replicated
-    inputs (hidden states, routing weights) are all-reduced (f) and its partial output all-reduced (g).
-    Routing happens outside, on replicated input, so every rank picks the same experts."""
+    transposed, interleaved, with biases): a `ParallelExperts` layer. Routing happens outside, on replicated
+    input, so every rank picks the same experts."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _eager_if_misaligned(module, device_mesh.size())  # before the parameters become DTensors
         for name, placement in param_placements("experts", module).items():
             distribute_param(module, name, placement, device_mesh)
-        inner = module.forward
-        first = device_mesh.get_local_rank() == 0
-
-        def f(t: object) -> object:  # identity forward, gradient all-reduced (Megatron's f)
-            if not isinstance(t, torch.Tensor) or not t.requires_grad:
-                return t
-            return DTensor.from_local(t, device_mesh, [Replicate()], run_check=False).to_local(
-                grad_placements=[Partial()])
-
-        def f32(t: object) -> object:  # routing weights: their gradient summed in at least float32
-            if not isinstance(t, torch.Tensor) or not t.requires_grad or t.element_size() >= 4:
-                return f(t)
-            return f(t.float()).to(t.dtype)  # Mixtral's router hands them on in float32 anyway, Qwen2-MoE's not
-
-        def forward(*args, **kwargs):
-            # the hidden states and the routing weights: each rank's gradient covers its FFN slice only
-            args = (*(f(a) for a in args[:1]), *(f32(a) for a in args[1:]))
-            kwargs = {k: f32(v) for k, v in kwargs.items()}
-            local = {n: p.to_local() for n, p in module.named_parameters(recurse=False)}
-            if "down_proj_bias" in local and not first:
-                # Added after the sum over the FFN dimension: once in the partial sums, on the first rank.
-                # Elsewhere it adds zero yet takes the same gradient, so it stays replicated with no all-reduce.
-                bias = local["down_proj_bias"]
-                local["down_proj_bias"] = bias - bias.detach()
-            with _reparametrize_module(module, local):
-                out = inner(*args, **kwargs)
-            out = DTensor.from_local(out, device_mesh, [Partial()], run_check=False)
-            return out.redistribute(placements=[Replicate()]).to_local()  # g
-
-        module.forward = forward
-        return module
+        return become(module, ParallelExperts, TensorParallelGroup.of(device_mesh, None))
 
 
 def unpack_placed(full: torch.Tensor, placement: ParamPlacement, tp: int) -> torch.Tensor:

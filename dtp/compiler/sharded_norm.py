@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from dtp.compiler.layer import TensorParallelGroup, become
 from dtp.compiler.placed import all_reduce_grad, distribute_param
 from dtp.layout.norms import epsilon, rms_norm
 from dtp.layout.placement import ParamPlacement
@@ -45,6 +46,20 @@ class _SumOverRanks(torch.autograd.Function):
         return all_reduce_grad(grad.contiguous(), ctx.mesh), None
 
 
+class ShardedRMSNorm:
+    """The forward of an RMS norm over this rank's features: one input (however it is passed), local slices."""
+
+    _tp: TensorParallelGroup
+
+    def forward(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:  # noqa: D102 - the class says it
+        tp = self._tp
+        x = args[0] if args else next(iter(kwargs.values()))
+        if isinstance(x, DTensor):
+            x = x.redistribute(placements=[Shard(-1)]).to_local()
+        reduce = (lambda t: _SumOverRanks.apply(t, tp.mesh)) if tp.size > 1 else (lambda t: t)
+        return rms_norm(x, self.weight.to_local(), epsilon(self), x.shape[-1] * tp.size, reduce)
+
+
 class ShardedNorm(ParallelStyle):
     """An RMS norm on this rank's slice of a colwise-sharded feature dimension: weight sharded like the
     features (`placement`), the sum of squares all-reduced; reads and hands on local slices."""
@@ -55,19 +70,7 @@ class ShardedNorm(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         distribute_param(module, "weight", self.placement, device_mesh)
-        tp, eps = device_mesh.size(), epsilon(module)
-
-        def reduce(t: torch.Tensor) -> torch.Tensor:
-            return _SumOverRanks.apply(t, device_mesh) if tp > 1 else t
-
-        def forward(*args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
-            x = args[0] if args else next(iter(kwargs.values()))  # the norm's one input, however it is passed
-            if isinstance(x, DTensor):
-                x = x.redistribute(placements=[Shard(-1)]).to_local()
-            return rms_norm(x, module.weight.to_local(), eps, x.shape[-1] * tp, reduce)
-
-        module.forward = forward
-        return module
+        return become(module, ShardedRMSNorm, TensorParallelGroup.of(device_mesh, None))
 
     def __repr__(self) -> str:
         return f"ShardedNorm({self.placement})"

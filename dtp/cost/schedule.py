@@ -110,7 +110,7 @@ def _tensor_parallel(checked: Checked, tp: int, batch: int, seq: int, dtype: tor
 
     if low.loss_parallel:
         head = next(p for p, m in low.modules.items() if m.style == "vocab_parallel" and not m.embedding)
-        # dtp's vocab-parallel cross-entropy (dtp.compiler.local_vocab) reads bf16 logits in float32: its
+        # dtp's vocab-parallel cross-entropy (dtp.compiler.vocab_parallel) reads bf16 logits in float32: its
         # three statistics travel in at least float32 (torch's loss_parallel sends the target logit in bf16)
         stats = max(elem, 4)
         for what, size in (("max", stats), ("sum of exponentials", stats), ("target logit", stats)):

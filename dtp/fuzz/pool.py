@@ -10,6 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dtp.runtime.launcher import init_rank, loopback_listener, serve_store, start_ranks, stop_ranks
@@ -21,8 +22,6 @@ READY = "ready"  # what a rank answers once it has joined the process group and 
 
 
 def _worker(rank: int, world: int, port: int, jobs: list, results, tp: int, dp: int) -> None:
-    import torch.distributed as dist
-
     init_rank(rank, world, port, "cpu", RANK_TIMEOUT_S)  # loopback rendezvous; Ctrl-C is the parent's
     mesh = make_mesh(tp, dp)
     results.put((rank, READY, None))

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dtp import files
+import yaml
+
+from dtp import files, models
 from dtp.errors import UsageError, clip, shorten
+from dtp.fuzz.cases import Case
+from dtp.runtime.preflight import check_memory, check_world, estimate
 
 MAX_CASE_BYTES = 4 * 2**20  # a case holds one plan (≤ 4 MiB is what `dtp check` reads) and a few numbers
 DTYPES = ("float32", "bfloat16", "float64")
@@ -35,8 +39,6 @@ def _int_field(path: str, data: dict, key: str, low: int, default: int | None) -
 
 
 def _model(path: str, model: object, allow_factory: str | None) -> object:
-    from dtp import models
-
     if isinstance(model, dict):
         models.config_from_dict(f"in case {path}", model)  # typed and bounded, as a YAML config
         return model
@@ -57,9 +59,6 @@ def _model(path: str, model: object, allow_factory: str | None) -> object:
 
 def load_checked_case(path: str, allow_factory: str | None = None):
     """(Case, the error it was saved with) from a case file whose every field has been checked."""
-    from dtp.fuzz.cases import Case
-    from dtp.runtime.preflight import check_world
-
     data = _read(path)
     plan = data.get("plan")
     if not isinstance(plan, str):
@@ -88,11 +87,6 @@ def load_checked_case(path: str, allow_factory: str | None = None):
 
 def check_case_memory(case) -> None:
     """Refuse a case whose run would not fit in this machine's memory (the same estimate as `dtp apply`)."""
-    import yaml
-
-    from dtp import models
-    from dtp.runtime.preflight import check_memory, estimate
-
     if isinstance(case.model, dict):
         family, config = models.config_from_dict("case", case.model)
         source = models.ModelSource(yaml.safe_dump(case.model), family, config)

@@ -17,7 +17,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch.distributed.device_mesh import init_device_mesh
+
+from dtp.checks.checker import check
+from dtp.cost.explain import explain
+from dtp.errors import DtpError
+from dtp.hf.plan import PLANS
 from dtp.hf.variant_list import VARIANTS, Variant
+from dtp.hf.verify import verify
+from dtp.lang.parse import load as load_plan
+from dtp.models import hf
+from dtp.runtime.ranks import on_ranks
 
 BATCH = 8  # variants per rank launch: the fork and rendezvous cost is shared
 
@@ -40,10 +50,6 @@ class Outcome:
 
 def verify_variants_on_rank(rank: int, world: int, items: list[tuple[str, str, dict]]) -> list[dict]:
     """For `dtp.runtime.ranks.on_ranks`: verify each (name, family, overrides) on one tp mesh, in turn."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from dtp.hf.verify import verify
-
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out = []
     for name, family, overrides in items:
@@ -56,10 +62,6 @@ def verify_variants_on_rank(rank: int, world: int, items: list[tuple[str, str, d
 
 
 def _plan(variant: Variant):
-    from dtp.hf.plan import PLANS
-    from dtp.lang.parse import load as load_plan
-    from dtp.models import hf
-
     return load_plan(str(PLANS / f"{hf.FAMILIES.get(variant.family, (variant.family,))[0]}.tp"))
 
 
@@ -76,11 +78,6 @@ def _landed(config, key: str, want) -> bool:
 
 def precheck(variant: Variant, tp: int) -> Outcome | None:
     """The outcome decided before any rank starts (a build failure, `check` refusing or crashing), or None."""
-    from dtp.checks.checker import check
-    from dtp.cost.explain import explain
-    from dtp.errors import DtpError
-    from dtp.models import hf
-
     try:
         model = hf.build(variant.family, **variant.overrides)
     except Exception as err:  # noqa: BLE001 - transformers rejects the config itself: not dtp's business
@@ -123,9 +120,6 @@ def judge(variant: str, tp: int, r: dict) -> Outcome:
 
 def run_batch(batch: list[Variant], tp: int, timeout: float) -> list[Outcome]:
     """Run `batch` on tp ranks; a launch that fails as a whole (crash, hang) is retried one variant at a time."""
-    from dtp.errors import DtpError
-    from dtp.runtime.ranks import on_ranks
-
     items = [(v.name, v.family, v.overrides) for v in batch]
     try:
         results = on_ranks(verify_variants_on_rank, tp, items, timeout=timeout * len(batch))

@@ -10,11 +10,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
-from dtp.compiler.local_vocab import cross_entropy
+from dtp.checks.checker import checked_for
+from dtp.compiler.vocab_parallel import cross_entropy
 from dtp.cost.schedule import schedule, summarize
 from dtp.hf.plan import PLANS
 from dtp.lang.parse import load as load_plan
+from dtp.models import hf
+from dtp.runtime.build import build_sharded
 from dtp.runtime.comm import CommCounter
 from dtp.verify.parity import ParityCheck
 from dtp.verify.reference import copy_in, forward_as, full_value
@@ -24,10 +28,6 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
            overrides: dict | None = None) -> dict:
     """{family, ok, logits, loss, grads, worst, measured, analytic} for one family (its tiny config with
     `overrides` on top) on `mesh` (every rank)."""
-    from dtp.checks.checker import checked_for
-    from dtp.models import hf
-    from dtp.runtime.build import build_sharded
-
     rank = mesh.get_local_rank()
     torch.manual_seed(seed)
     reference = hf.build(family, **(overrides or {})).train()  # unsharded, float32: the error sharding may add is measured against its own
@@ -80,8 +80,6 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
 
 def verify_on_rank(rank: int, world: int, families: list) -> list[dict]:
     """Verify every family (or (family, plan path)) in turn on one tp mesh of an initialised world."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out = []
     for item in families:

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from dtp.lang.conditions import CONFIG_ATTRS
 from dtp.layout.modules import features
+from dtp.layout.trace import model_trace
 
 # Names of query/key/value projections across common codebases (Hugging Face, nanoGPT, Meta's Llama, MPT).
 PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "q_attn", "query_key_value", "wq", "wk",
@@ -139,8 +140,6 @@ def config_heads(model: nn.Module) -> Heads | None:
 def _traced_kv(model: nn.Module, config: object, attr: str, n_head: int, head_dim: int) -> tuple[int, str] | None:
     """The key/value head count the forward views its projections with, when it is not the query count: one count
     of heads of `head_dim` that divides `n_head` (e.g. 2 of 4), named after the config attribute that holds it."""
-    from dtp.layout.trace import model_trace  # a forward on fakes, once per model
-
     tr = model_trace(model)
     if tr is None or not tr.ok:
         return None

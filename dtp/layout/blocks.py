@@ -11,10 +11,8 @@ A block is such a child that holds modules of its own; the outermost win (a bloc
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch.nn as nn
+import torch.nn as nn
 
 
 def _parent(path: str) -> str:
@@ -22,8 +20,6 @@ def _parent(path: str) -> str:
 
 
 def _container_children(path: str, module: nn.Module) -> list[str]:
-    import torch.nn as nn
-
     kids = [(n, c) for n, c in module.named_children() if any(c.children())]
     if isinstance(module, (nn.ModuleList, nn.Sequential)):
         return [f"{path}.{n}" if path else n for n, _ in kids]
@@ -38,8 +34,6 @@ def _container_children(path: str, module: nn.Module) -> list[str]:
 def blocks(modules: Mapping[str, nn.Module]) -> list[str]:
     """The paths of the model's blocks (see the module docstring), in registration order, outermost only.
     `modules` is `dict(model.named_modules())`."""
-    import torch.nn as nn
-
     held = {p for path, m in modules.items() for p in _container_children(path, m)}
     for path, module in modules.items():  # sibling attributes of one class
         if isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):

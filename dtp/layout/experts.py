@@ -14,10 +14,8 @@ one rank only (dtp/compiler/placed.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch.nn as nn
+import torch.nn as nn
 
 PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
@@ -42,8 +40,6 @@ class ExpertsLayout:
 
 def experts_layout(module: nn.Module) -> ExpertsLayout | None:
     """The layout of `module`'s expert parameters, or None if it holds none dtp can split."""
-    import torch.nn as nn
-
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == down.dim() == 3):
         return None

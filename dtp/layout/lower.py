@@ -113,7 +113,7 @@ def module_layout(style: ir.Style, module: nn.Module, sp: bool) -> ModuleLayout 
 
 def lower(res: Resolution, tp: int) -> Lowered:
     """Layouts for every module the plan claims, the shared-input groups and the `set` values at `tp`."""
-    sp = any(rule.style.name == "sequence_parallel" for rule in res.claims.values())
+    sp = res.sequence_parallel
     modules: dict[str, ModuleLayout] = {}
     for path, rule in res.claims.items():
         layout = module_layout(rule.style, res.modules[path], sp)

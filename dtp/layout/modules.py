@@ -3,23 +3,21 @@ feature counts, expert modules, and the inputs a forward takes."""
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING
+
+import torch.nn as nn
 
 from dtp.layout.experts import experts_layout
 
-if TYPE_CHECKING:  # torch is imported by the functions that look at modules: `dtp check PLAN` needs none
-    import torch.nn as nn
-
 
 def is_conv1d(module: nn.Module) -> bool:
-    """transformers' `Conv1D` (GPT-2): a linear layer whose weight is stored transposed, (in, out)."""
-    return type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int)
+    """transformers' `Conv1D` (GPT-2): a linear layer whose weight is stored transposed, (in, out); also once a
+    dtp style made it its layer (ColumnParallelConv1D, a subclass)."""
+    named = any(cls.__name__ == "Conv1D" for cls in type(module).__mro__)
+    return named and isinstance(getattr(module, "nf", None), int)
 
 
 def is_linear(module: nn.Module) -> bool:
     """nn.Linear (or a subclass such as Falcon's FalconLinear) or transformers' Conv1D."""
-    import torch.nn as nn
-
     return isinstance(module, nn.Linear) or is_conv1d(module)
 
 

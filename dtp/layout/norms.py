@@ -2,11 +2,10 @@
 that `sharded_norm` runs and its check probes a module's forward against."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-if TYPE_CHECKING:
-    import torch
-    import torch.nn as nn
+import torch
+import torch.nn as nn
 
 
 def norm_width(module: nn.Module) -> int:
@@ -17,8 +16,6 @@ def norm_width(module: nn.Module) -> int:
 
 def is_norm(module: nn.Module) -> bool:
     """LayerNorm, RMSNorm, or a model's own `*LayerNorm`/`*RMSNorm` class (Hugging Face's LlamaRMSNorm)."""
-    import torch.nn as nn
-
     name = type(module).__name__
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or name.endswith(("RMSNorm", "LayerNorm"))
 
@@ -35,8 +32,6 @@ def epsilon(module: nn.Module) -> float | None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None, features: int,
              reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """w · x / sqrt(reduce(Σ x²) / features + eps), the statistics in at least float32."""
-    import torch
-
     dtype = x.dtype
     xf = x.to(torch.promote_types(dtype, torch.float32))
     squares = reduce(xf.pow(2).sum(-1, keepdim=True))  # (batch, seq, 1)

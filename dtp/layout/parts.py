@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dtp.lang import ir
+from dtp.layout.attention import config_heads
 
 NAMES = ("q", "kv", "head")
 
@@ -45,7 +46,6 @@ def _size(item: str | int, root: nn.Module) -> int:
         if item < 1:
             raise PartsError(f"part size {item} must be positive")
         return item
-    from dtp.layout.attention import config_heads  # torch, only once a model is checked
     info = config_heads(root)
     if item not in NAMES:
         raise PartsError(f"unknown part '{item}'; a part is q, kv, head, an integer, or replicate(PART)")
@@ -85,7 +85,6 @@ def _item(item: object, root: nn.Module) -> tuple[int, bool | int]:
         inner = item[len("replicate("):-1]
         return _size(int(inner) if inner.isdigit() else inner, root), False
     if item == "repeat(kv)":
-        from dtp.layout.attention import config_heads
         size = _size("kv", root)
         return size, config_heads(root).n_kv_head  # type: ignore[union-attr]
     if isinstance(item, str) and "(" in item:

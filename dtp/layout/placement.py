@@ -8,14 +8,12 @@ output projection.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+
+import torch.nn as nn
 
 from dtp.layout.experts import experts_layout
 from dtp.layout.modules import features, is_conv1d, is_linear
 from dtp.layout.parts import local_rows, reduced_rows
-
-if TYPE_CHECKING:  # torch is imported by the functions that look at modules: `dtp check PLAN` needs none
-    import torch.nn as nn
 
 
 @dataclass(frozen=True)
@@ -94,8 +92,6 @@ def param_placements(style: str | None, module: nn.Module, packed: int = 1,
 
 def sharded_sizes(style: str, module: nn.Module, packed: int = 1) -> list[tuple[str, int]]:
     """(dimension description, size) pairs that tp must divide for `style` on `module`."""
-    import torch.nn as nn
-
     if style == "experts":
         layout = experts_layout(module)
         if layout is None:

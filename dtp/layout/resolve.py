@@ -8,17 +8,18 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
+
+import torch
+import torch.nn as nn
 
 from dtp.errors import MAX_SHOWN, Diagnostic, did_you_mean
 from dtp.lang import conditions, ir
+from dtp.lang.vocabulary import slice_names
 from dtp.layout.modules import features, is_linear
 from dtp.layout.norms import norm_width
 from dtp.layout.parts import try_parts
 from dtp.layout.placement import ParamPlacement, param_placements
-
-if TYPE_CHECKING:
-    import torch.nn as nn
 
 
 def _segment_matches(seg: ir.Segment, name: str) -> bool:
@@ -89,14 +90,18 @@ class Resolution:
     sets: Mapping[tuple[str, str], ir.FlatSet]  # (module path, attribute) → the set statement
     diagnostics: list[Diagnostic] = field(default_factory=list)
 
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether a rule runs norms sequence-parallel: the activations between blocks are then split on the
+        sequence."""
+        return any(rule.style.name == "sequence_parallel" for rule in self.claims.values())
+
     def placements(self, path: str) -> dict[str, ParamPlacement]:
         """Where each of module `path`'s own parameters lives under the rule claiming it (if any)."""
         rule = self.claims.get(path)
         if rule is None:
             return param_placements(None, self.modules[path])
         if rule.style.name == "slice_params":
-            from dtp.lang.vocabulary import slice_names
-
             dim = rule.style.option("dim", 0)
             return param_placements("slice_params", self.modules[path], sliced=slice_names(rule.style),
                                     dim=dim if isinstance(dim, int) and not isinstance(dim, bool) else 0)
@@ -137,9 +142,6 @@ def _pick(candidates: list, path: str, what: str, diags: list[Diagnostic], repor
 
 def held_object(module: nn.Module, name: str) -> object | None:
     """The plain object (a config, not a module, tensor or number) `module` keeps in attribute `name`."""
-    import torch
-    import torch.nn as nn
-
     value = vars(module).get(name)
     if value is None or isinstance(value, (nn.Module, torch.Tensor, int, float, str, bool, tuple, list, dict)):
         return None

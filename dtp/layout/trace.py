@@ -30,6 +30,8 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from dtp.errors import UsageError
@@ -217,8 +219,6 @@ def trace(model: nn.Module, forward: Forward = PLAIN, batch: int = 2, seq: int =
           prepare: Prepare | None = None) -> Trace:
     """Run `model`'s forward once on fakes of its tensors, token ids (batch, seq) in; what it did (see Trace).
     `prepare(twin, fake)`, when given, changes the twin first (`fake(shape, dtype)` makes a tensor of its kind)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode  # torch's own tracing tensors (torch.export, compile)
-
     out = Trace()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     quiet = logging.getLogger("torch._subclasses.fake_tensor")
@@ -348,8 +348,6 @@ TRACES = Traces()  # facts about model objects, kept as long as the models live 
 
 def model_trace(model: nn.Module) -> Trace | None:
     """The trace of `model` (TRACES), or None for a model already sharded (its DTensors are not the model's shapes)."""
-    from torch.distributed.tensor import DTensor
-
     if not TRACES.has(model) and isinstance(next(iter(model.parameters()), None), DTensor):
         return None
     return TRACES.of(model)

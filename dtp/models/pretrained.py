@@ -183,12 +183,13 @@ def runs(rows: list[int]) -> Iterator[tuple[int, int]]:
         yield start, prev + 1
 
 
-def aliases(model: nn.Module) -> dict[int, list[str]]:
-    """id(parameter) → every name it has (tied weights: the embedding and lm_head), first name first."""
-    out: dict[int, list[str]] = {}
+def aliases(model: nn.Module) -> dict[str, list[str]]:
+    """A parameter's first name (as `named_parameters()` gives it) → every name it has (tied weights: the
+    embedding and lm_head), first name first."""
+    names: dict[nn.Parameter, list[str]] = {}  # keyed by the object, as named_parameters' own memo is
     for name, p in model.named_parameters(remove_duplicate=False):
-        out.setdefault(id(p), []).append(name)
-    return out
+        names.setdefault(p, []).append(name)
+    return {group[0]: group for group in names.values()}
 
 
 @torch.no_grad()
@@ -196,8 +197,8 @@ def load_whole(model: nn.Module, directory: str) -> None:
     """Copy every parameter of `model` (unsharded) from the directory's files, converted to its dtype."""
     names = aliases(model)
     with Weights(directory) as w:
-        for _, p in model.named_parameters():
-            p.copy_(w.read(w.find(names[id(p)], tuple(p.shape))))
+        for name, p in model.named_parameters():
+            p.copy_(w.read(w.find(names[name], tuple(p.shape))))
 
 
 def check_weights(model: nn.Module, directory: str) -> None:
@@ -205,5 +206,5 @@ def check_weights(model: nn.Module, directory: str) -> None:
     safetensors headers only, so a bad directory is exit 2 before any rank starts."""
     names = aliases(model)
     with Weights(directory) as w:
-        for _, p in model.named_parameters():
-            w.find(names[id(p)], tuple(p.shape))
+        for name, p in model.named_parameters():
+            w.find(names[name], tuple(p.shape))

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from dtp import models
 from dtp.checks.checker import Checked
 from dtp.errors import UsageError
+from dtp.runtime.data_parallel import data_parallel
 from dtp.runtime.keyed_init import fill_keyed
 from dtp.runtime.pretrained import fill_pretrained
 from dtp.runtime.rows import param_layouts
@@ -129,8 +130,6 @@ def build_sharded(plan: Checked, source: models.ModelSource | Callable[[], nn.Mo
     rank then continues from rank 0's CPU generator state —, read
     from a pretrained directory's files when `pretrained`) → FSDP2 over dp (which shards the materialised tp-local tensors again).
     `plain`: on a one-rank world (tp 1, dp 1) the model stays plain PyTorch (dtp.runtime.shard.apply)."""
-    from dtp.runtime.data_parallel import data_parallel
-
     model = build_on_meta(source, dtype)
     applied = apply(plan, model, mesh, seed, plain=plain and dp == 1)
     allocate(model, device)

@@ -11,8 +11,12 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+from torch.distributed.distributed_c10d import ProcessGroup, _resolve_process_group
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from dtp.cost.schedule import sent_bytes
 
 _C10D_NAMES = {"allreduce_": "all_reduce", "allgather_": "all_gather", "_allgather_base_": "all_gather",
                "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
@@ -56,8 +60,6 @@ def op_name(op: object) -> str:
 
 
 def _group_size(tree: object) -> int:
-    from torch.distributed.distributed_c10d import ProcessGroup, _resolve_process_group
-
     leaves, _ = tree_flatten(tree)
     for leaf in leaves:
         if isinstance(leaf, ProcessGroup):
@@ -95,7 +97,6 @@ class CommCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):  # e.g. DTensor's RNG op: not a collective
             return func(*args, **kwargs)
-        from torch.distributed.tensor import DTensor
 
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor desugar into plain ops (and collectives) first
@@ -119,8 +120,6 @@ class CommCounter(TorchDispatchMode):
 def merge(phases: dict[str, CommCounter]) -> dict:
     """{"total", "by_op", "forward", "backward", "bytes", "sent_bytes"} over counters keyed by phase; the
     optimizer's collectives (none under tensor parallelism) count as backward."""
-    from dtp.cost.schedule import sent_bytes
-
     out: dict = {"total": 0, "by_op": {}, "forward": {}, "backward": {}, "bytes": {}, "sent_bytes": {}}
     for phase, c in phases.items():
         key = "forward" if phase == "forward" else "backward"

@@ -1,6 +1,7 @@
 """Local ranks: start `world` processes on this machine, rendezvous on loopback only, collect what each returns.
 
-The one launcher: every command that starts ranks on this machine goes through it.
+The one launcher: every command that starts ranks on this machine goes through it (a prepared job through
+dtp.runtime.preflight.launch, which joins torchrun's world instead when torchrun started this process).
 torch's TCPStore listens on every interface (`::`) whatever host it is given, so the parent binds a loopback
 socket itself and hands it to the store (`master_listen_fd`); gloo's and NCCL's own sockets are pinned to the
 loopback interface. Under torchrun none of this runs: the launcher's settings stand.
@@ -22,11 +23,11 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
-from dtp.errors import RunError, Terminated, UsageError
+from dtp.errors import RunError, Terminated
 from dtp.runtime.threads import threads_per_rank
+from dtp.runtime.torchrun import RENDEZVOUS
 
 GRACE_S = 3.0  # after a first failure, how long the other ranks get to report theirs before they are stopped
-RENDEZVOUS = "rendezvous"  # where a rank failed that never joined the process group
 
 
 def die_with_parent() -> None:
@@ -298,13 +299,3 @@ def _launch_once(fn, world: int, args: tuple, timeout: float, left: float, devic
             return failures, []
         return [], [pickle.loads(Path(tmp, f"{r}.pkl").read_bytes()) for r in range(world)]
 
-
-def pick_device(requested: str, world: int) -> str:
-    """`auto` is CUDA only when this machine has a GPU for every local rank, else CPU."""
-    import torch
-
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available on this machine")
-    return requested

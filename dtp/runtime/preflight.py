@@ -1,4 +1,11 @@
-"""Before any rank starts: is the world one this machine can host, and does the run fit in its memory?
+"""Before any rank starts: the one pre-flight of every command that starts ranks (`prepare`), the one launch of
+what it prepared (`launch`: local ranks or torchrun's), what the ranks take from it (`trusted`), and the estimates
+of whether the world fits this machine and its memory.
+
+`prepare(job)` refuses, with one paragraph each (exit 2), whatever can be known before a process starts: the
+world (torchrun's or this machine's), the device, the plan (its text parsed and checked against the model at the
+job's tp), the model's vocabulary, how it is called and its pretrained weights. The ranks receive the job, plan
+text included, and `trusted` parses that text and matches it to the rank's model without checking it again.
 
 The estimate is deliberately simple and stated in the message: rank 0 builds the whole model (P bytes) and
 scatters the shards (dtp.runtime.build), every rank holds its shards, their gradients and momentum; rank 0 also keeps the unsharded
@@ -11,9 +18,128 @@ Megatron-SP paper's per-layer count (Korthikanti et al., 2022: 34·s·b·h + 5·
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, replace
 
-from dtp.errors import UsageError
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dtp import models
+from dtp.checks.checker import Checked, check, render_warnings, sequence_shape_problem
+from dtp.errors import PlanError, RunError, UsageError
+from dtp.lang import ir
+from dtp.lang.parse import parse
+from dtp.layout.resolve import resolve
+from dtp.layout.trace import TRACES
+from dtp.models.calling import Forward
+from dtp.runtime.job import Job
+from dtp.runtime.launcher import error_summary, launch_local
+from dtp.runtime.torchrun import torchrun_group, torchrun_world
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A job that passed the pre-flight, and what the pre-flight learnt (`launch` runs it)."""
+
+    job: Job  # its device decided: cpu or cuda
+    checked: Checked  # the job's plan text, checked against the model at job.tp (and job.dp)
+    source: models.ModelSource
+    meta: nn.Module  # the model, its parameters on the meta device
+    vocab: int
+    forward: Forward  # how the model gives every position's logits (dtp.models.calling)
+    world: int | None  # torchrun's WORLD_SIZE; None: local ranks, started by this process
+
+    @property
+    def device(self) -> str:
+        """cpu or cuda."""
+        return self.job.device
+
+    @property
+    def reports(self) -> bool:
+        """Whether this process reports the outcome: a local run's parent, or torchrun's rank 0."""
+        return self.world is None or os.environ.get("RANK") == "0"
+
+
+def prepare(job: Job, *, weights: bool = True) -> Prepared:
+    """Everything that can refuse `job` before any rank starts, one paragraph each (exit 2): the world, the device,
+    the plan's text parsed and checked against the model at job.tp, the sequence, the vocabulary, how the model is
+    called, and its pretrained weights (`weights`: the ranks will read them). Plan warnings go to stderr. The
+    memory estimates are the command's own: what a rank holds differs between commands."""
+    world = torchrun_world()  # None: not launched by torchrun (a stray variable is ignored, with a warning)
+    ranks = job.tp * job.dp
+    if world is not None and ranks != world:
+        raise UsageError(f"--tp {job.tp} × --dp {job.dp} = {ranks} ranks, but torchrun started WORLD_SIZE={world}")
+    device = pick_device(job.device, 1 if world else ranks)
+    if world is None:
+        check_world(ranks, device)
+        if device == "cuda" and ranks > cuda_device_count():
+            raise UsageError(f"tp={job.tp} × dp={job.dp} needs {ranks} GPUs; this machine has "
+                             f"{cuda_device_count()}. Use --device cpu, or torchrun across machines")
+    plan = parse(job.plan_text, job.plan)  # messages name the plan as the user named it
+    cwd = os.getcwd()
+    try:
+        source = models.resolve(job.model)
+        meta = models.build(source, device="meta")
+        if weights and source.pretrained is not None:  # a missing or mis-shaped tensor
+            models.check_weights(meta, source.pretrained)
+    finally:
+        os.chdir(cwd)  # ranks start where the user started dtp, whatever a model factory did
+    block = getattr(getattr(meta, "config", None), "block_size", None)
+    if isinstance(block, int) and job.seq > block:
+        raise UsageError(f"--seq {job.seq} exceeds the model's block_size {block}")
+    vocab = model_vocab(meta, job.model)
+    forward = TRACES.calling(meta, job.model)  # how to call it for every position's logits
+    checked = check(plan, meta, job.tp, job.dp)
+    sys.stderr.write(render_warnings(checked))
+    problem = sequence_shape_problem(checked, job.tp, job.seq)
+    if problem:
+        raise UsageError(problem)
+    return Prepared(replace(job, device=device), checked, source, meta, vocab, forward, world)
+
+
+def launch(prepared: Prepared, rank_fn, *args, prefix: str = "dtp-", threads: int | None = None) -> list:
+    """Run `rank_fn(rank, world, prepared.job, *args)` on every rank of a prepared job; what each returned, in rank
+    order. Not under torchrun: tp × dp local ranks (`launch_local`). Under torchrun: this process as its rank of
+    torchrun's world (torchrun's rendezvous), the results gathered to every rank. A failing rank is a RunError
+    either way (one paragraph: the rank, where, what it raised). The ranks receive the job's plan as text, the
+    text `prepare` checked: what runs is what was checked, whatever happens to the file."""
+    job = prepared.job
+    if job.plan_text != prepared.checked.plan.source or job.tp != prepared.checked.tp:
+        raise AssertionError("launch: the job's plan or tp is not the one its pre-flight checked")
+    if prepared.world is None:
+        return launch_local(rank_fn, job.tp * job.dp, job, *args, timeout=job.timeout, device=job.device,
+                            prefix=prefix, threads=threads)
+    with torchrun_group(job.device, job.timeout) as rank:
+        try:
+            mine = rank_fn(rank, prepared.world, job, *args)
+        except Exception as err:  # noqa: BLE001 - one paragraph per failing rank, as for local ranks
+            e = error_summary(err, rank)
+            raise RunError(f"the run failed on rank {rank} in {e['where']}: {e['error']}", rank, e["where"],
+                           e["error"]) from None
+        gathered: list = [None] * prepared.world
+        dist.all_gather_object(gathered, mine)
+    return gathered
+
+
+def model_vocab(model: nn.Module, name: str) -> int:
+    """The vocabulary size of `model` (named `name` in the message), which every command feeds token ids."""
+    vocab = models.vocab_size(model)
+    if vocab is None:
+        raise UsageError(f"model {name} has no nn.Embedding and no config.vocab_size: dtp feeds it token ids, so "
+                         "it must know the vocabulary size")
+    return vocab
+
+
+def trusted(plan: ir.Plan, model: nn.Module, tp: int) -> Checked:
+    """On a rank: `plan` (the job's text, parsed) matched against this rank's `model` and taken as checked. The
+    parent's `prepare` checked the same text against the same model at the same tp, so the rules do not run
+    again; only the matching the compiler reads (`resolve`) is redone, for this rank's model."""
+    res = resolve(plan, model, tp)
+    if res.diagnostics:  # only a plan that never went through `prepare` gets here
+        raise PlanError(res.diagnostics, plan.source)
+    return Checked(plan=plan, resolution=res, tp=tp, admissible_tp=(tp,))
+
 
 _LAYER_KEYS = ("n_layer", "num_hidden_layers", "n_layers", "num_layers")
 _HIDDEN_KEYS = ("n_embd", "hidden_size", "dim", "d_model")
@@ -108,8 +234,15 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
+def pick_device(requested: str, world: int) -> str:
+    """`auto` is CUDA only when this machine has a GPU for every local rank, else CPU."""
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available on this machine")
+    return requested
+
+
 def cuda_device_count() -> int:
     """GPUs visible to this process."""
-    import torch
-
     return torch.cuda.device_count()

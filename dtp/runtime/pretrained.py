@@ -23,7 +23,7 @@ def fill_pretrained(applied: Applied, directory: str) -> None:
     names = aliases(applied.model)
     with Weights(directory) as weights:
         for lay in param_layouts(applied):
-            name = weights.find(names.get(id(lay.param), [lay.name]), lay.shape)
+            name = weights.find(names.get(lay.name, [lay.name]), lay.shape)
             if lay.dim is None:
                 lay.local.copy_(weights.read(name))
                 continue

@@ -52,12 +52,12 @@ def row_order(entry: ParamPlacement | None, n: int, tp: int) -> tuple[int, torch
 
 def param_layouts(applied: Applied) -> Iterator[ParamLayout]:
     """Every parameter of `applied.model` once, with its index map."""
-    seen: set[int] = set()
+    seen: set[nn.Parameter] = set()  # tied owners: the first one only (named_parameters' own memo)
     for path, module in applied.model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
-            if id(p) in seen:
+            if p in seen:
                 continue
-            seen.add(id(p))
+            seen.add(p)
             name = f"{path}.{pname}" if path else pname
             shape, dim, order, tp = tuple(p.shape), None, None, 1
             placement = p.placements[0] if isinstance(p, DTensor) else None  # the tp mesh: before FSDP2

@@ -10,8 +10,8 @@ from datetime import timedelta
 from typing import Iterator, NoReturn
 
 from dtp.errors import RunError, UsageError
-from dtp.runtime.launcher import RENDEZVOUS
 
+RENDEZVOUS = "rendezvous"  # where a rank failed that never joined the process group
 TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _warned_partial = False  # the stray-variable warning is printed once per process
 

@@ -12,8 +12,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from dtp.compiler.local_pair import all_reduce
+from dtp.compiler.mappings import all_reduce
 from dtp.runtime.ranks import on_ranks
+from dtp.simulate import calibrate_ops as ops
 
 SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # all-reduce buffers, bytes
 
@@ -33,7 +34,7 @@ def elementwise_bandwidth(n: int = 1 << 22, reps: int = 20) -> float:
 
 def _allreduce_times(rank: int, world: int, sizes: tuple[int, ...], reps: int) -> list[float]:
     """Seconds one all-reduce adds to a loop of compute segments, per size: as dtp's f and g call it (the process
-    group's own, in place on a just-computed tensor, and its wait: dtp.compiler.local_pair.all_reduce) and where (between a layer's matmuls, with no barrier: the ranks'
+    group's own, in place on a just-computed tensor, and its wait: dtp.compiler.mappings.all_reduce) and where (between a layer's matmuls, with no barrier: the ranks'
     drift between collectives, and the gloo threads waking on a core the other rank's compute holds, are
     part of its cost, as in a training step). Each segment is one ~3 ms Linear GEMM; the loop's time less the
     same loop without collectives, over its collectives."""
@@ -101,8 +102,6 @@ def _num(x: float) -> str:
 
 def profile_yaml(name: str, worlds: tuple[int, ...] = (2, 4)) -> tuple[str, dict]:
     """Measure and return (the profile's YAML text, the raw measurements)."""
-    from dtp.simulate import calibrate_ops as ops
-
     flops, table, backward = ops.single_thread(ops.gemm_layouts)
     attention, attention_back = ops.single_thread(lambda: ops.attention(flops))
     op_bw, op_back = ops.single_thread(ops.memory_ops)

@@ -5,7 +5,6 @@ attention kernel's rate and backward ratio, each memory-bound aten op's forward 
 op's forward and backward. Nothing here runs a model or a training step."""
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -13,7 +12,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from dtp.compiler.vocab_parallel import cross_entropy
 from dtp.simulate.ops import Recorder
 
 TOKENS = (256, 1024, 4096)  # rows of a Linear's input (batch × sequence)
@@ -160,20 +163,9 @@ def memory_ops(n: int = MEMORY_ELEMENTS) -> tuple[dict[str, float], dict[str, fl
 def parallel_loss(world: int = 2, n: int = 4 * MEMORY_ELEMENTS) -> tuple[float, float, str]:
     """(GB/s over the traffic ops.py records for the loss's log-softmax on one rank's vocabulary shard, backward
     ÷ forward, which implementation) of the vocabulary-parallel cross-entropy as dtp runs it at tp `world`
-    (dtp.compiler.local_vocab's, else torch's loss_parallel): several passes (row maxima, shift, exp, sums,
-    normalise) where one kernel runs unsharded. Timed in this process over a fake `world`-rank group: its
-    collectives do nothing (their time is the all-reduces' own, priced as communication)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.parallel import loss_parallel
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    try:
-        from dtp.compiler.local_vocab import cross_entropy as loss_fn
-        which, context = "dtp.compiler.local_vocab", contextlib.nullcontext
-    except ImportError:  # a dtp without its own: torch's DTensor program
-        loss_fn, which, context = (lambda x, y: F.cross_entropy(x.flatten(0, -2), y.flatten()),
-                                   "torch loss_parallel", loss_parallel)
+    (dtp.compiler.vocab_parallel's): several passes (row maxima, shift, exp, sums, normalise) where one kernel
+    runs unsharded. Timed in this process over a fake `world`-rank group: its collectives do nothing (their time
+    is the all-reduces' own, priced as communication)."""
     vocab = 4096
     rows = n // vocab
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
@@ -181,13 +173,13 @@ def parallel_loss(world: int = 2, n: int = 4 * MEMORY_ELEMENTS) -> tuple[float, 
         mesh = init_device_mesh("cpu", (world,))
         local = torch.randn(1, rows, vocab // world, requires_grad=True)
         targets = torch.randint(0, vocab, (1, rows))
-        with context():
-            def forward() -> torch.Tensor:
-                return loss_fn(DTensor.from_local(local, mesh, [Shard(-1)], run_check=False), targets)
 
-            ahead = _typical(forward, cold=True)
-            back = _backward_seconds(forward, local, torch.ones(()))
-        return 4 * 2 * rows * vocab / world / ahead / 1e9, max(0.05, back / ahead), which
+        def forward() -> torch.Tensor:
+            return cross_entropy(DTensor.from_local(local, mesh, [Shard(-1)], run_check=False), targets)
+
+        ahead = _typical(forward, cold=True)
+        back = _backward_seconds(forward, local, torch.ones(()))
+        return 4 * 2 * rows * vocab / world / ahead / 1e9, max(0.05, back / ahead), "dtp.compiler.vocab_parallel"
     finally:
         dist.destroy_process_group()
 
@@ -196,9 +188,6 @@ def sgd_dtensor_tensor(rank: int, world: int, small: int = 64) -> float:
     """Seconds per parameter tensor of torch's SGD step with momentum on sharded (DTensor) parameters of 16
     elements each, on a real `world`-rank group (run on ranks: dtp.runtime.ranks.on_ranks): DTensor's dispatch
     of every op, which a sharded model's optimizer pays per tensor."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-
     mesh = init_device_mesh("cpu", (world,))
     ps = [torch.nn.Parameter(DTensor.from_local(torch.randn(16), mesh, [Shard(0)])) for _ in range(small)]
     for p in ps:

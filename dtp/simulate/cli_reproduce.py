@@ -1,30 +1,28 @@
 """`dtp simulate --reproduce SOURCE`: each published row of a source, predicted, with its error."""
 from __future__ import annotations
 
-import argparse
 import json
 
 from dtp.errors import UsageError
+from dtp.files import shipped
+from dtp.simulate import consistency, reproduce, sweep
+from dtp.simulate.profile import load
+from dtp.simulate.report import write_output
 
 
-def reproduce_command(args: argparse.Namespace) -> int:
-    """Print (and with --markdown/--json write) predicted vs published for SOURCE, or for `all`."""
-    from dtp.simulate import consistency, reproduce, sweep
-    from dtp.simulate.profile import load
-    from dtp.simulate.report import write_output
-
-    name = args.reproduce
+def reproduce_command(name: str, *, markdown: str | None = None, json_path: str | None = None) -> int:
+    """Print (and write to `markdown` and `json_path`) predicted vs published for source `name`, or for `all`."""
     names = list(reproduce.NAMES) if name == "all" else [name]
     if name != "all" and name not in reproduce.NAMES:
         raise UsageError(f"--reproduce: unknown source '{name[:60]}' (sources: {', '.join(reproduce.NAMES)}, all)")
     texts, data = [], {}
     for one in names:
         if one == "megatron2019":  # the paper's own experiment, as --sweep runs it
-            prof = load("dgx2h-v100")
-            prepared = sweep.prepare("plans/gpt2.tp", "megatron-1.2b")
-            rows = sweep.paper_sweep("plans/gpt2.tp", "megatron-1.2b", prof, prepared=prepared)
-            traces = consistency.markdown(consistency.strong_fit("plans/gpt2.tp", prof, prepared),
-                                          consistency.data_parallel("plans/gpt2.tp", prof, prepared))
+            prof, plan = load("dgx2h-v100"), str(shipped("plans/gpt2.tp"))  # the package's plan, from any directory
+            prepared = sweep.prepare(plan, "megatron-1.2b")
+            rows = sweep.paper_sweep(plan, "megatron-1.2b", prof, prepared=prepared)
+            traces = consistency.markdown(consistency.strong_fit(plan, prof, prepared),
+                                          consistency.data_parallel(plan, prof, prepared))
             texts.append(f"## megatron2019: Shoeybi et al. 2019, Fig. 5 and Table 8\n\n{sweep.markdown(rows, prof)}\n"
                          f"{traces}")
             data[one] = [r.to_json() for r in rows]
@@ -37,8 +35,8 @@ def reproduce_command(args: argparse.Namespace) -> int:
                       "error": o.error, "simulation": o.result.to_json()} for o in outcomes]
     text = "\n".join(texts)
     print(text, end="")
-    if args.markdown:
-        write_output(args.markdown, text)
-    if args.json:
-        write_output(args.json, json.dumps(data, indent=2) + "\n")
+    if markdown:
+        write_output(markdown, text)
+    if json_path:
+        write_output(json_path, json.dumps(data, indent=2) + "\n")
     return 0

@@ -14,11 +14,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from dtp.cost.fsdp import unit_bytes
 from dtp.cost.schedule import Collective, recomputed, schedule, sent_bytes
 from dtp.layout.lower import lower
 from dtp.simulate import comm
 from dtp.simulate.comm import ring_time
-from dtp.simulate.flops import RECOMPUTE, Flops, block_paths
+from dtp.simulate.flops import RECOMPUTE, SHARDING_STYLES, Flops, block_paths
 from dtp.simulate.kernels import ELEM, compute_parts, kernel_time  # noqa: F401 - kernel_time: part of the API
 from dtp.simulate.memory import GiB, Memory, Shape, activation_bytes, loss_bytes, memory
 from dtp.simulate.profile import Profile
@@ -229,13 +230,10 @@ def _beside_wgrad(c: Collective) -> bool:
 def workload(checked, model, tp: int, *, seq: int, micro_batch: int, precision: str, flops: Flops,
              params_per_rank: float, shape: Shape) -> Workload:
     """The model side for one tp: the analytic schedule of one micro-batch, FSDP's units and what memory needs."""
-    from dtp.cost.fsdp import unit_bytes
-
     low = lower(checked.resolution, tp)
     colls = schedule(checked, tp, micro_batch, seq, dtype=DTYPE[precision], lowered=low, plain=False)
     total = float(sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()))
     units = tuple(float(n) for _, n in unit_bytes(checked, model, tp, 1, 1))
-    from dtp.simulate.flops import SHARDING_STYLES
 
     tensors = dict(model.named_parameters())  # tied parameters once
     sharded = {path for path, rule in checked.resolution.claims.items() if rule.style.name in SHARDING_STYLES}

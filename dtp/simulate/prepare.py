@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from dtp import models
+from dtp.checks.checker import check
 from dtp.errors import UsageError
+from dtp.lang.parse import load
 from dtp.simulate import flops as fl
 from dtp.simulate.memory import Shape, params_per_rank
 from dtp.simulate.model import Workload, workload
@@ -47,9 +49,6 @@ class Prepared:
     _cache: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from dtp.checks.checker import check
-        from dtp.lang.parse import load
-
         self.plan = load(self.plan_path)
         self.model = models.build(models.resolve(self.model_spec), device="meta")
         checked = check(self.plan, self.model, None)  # syntax and model checks, any tp
@@ -66,8 +65,6 @@ class Prepared:
 
     def workload(self, tp: int, micro_batch: int, precision: str) -> Workload:
         """The workload at `tp` (a plan that does not fit tp is a positioned plan error, exit 2)."""
-        from dtp.checks.checker import check
-
         key = (tp, micro_batch, precision)
         if key not in self._cache:
             checked = check(self.plan, self.model, tp)

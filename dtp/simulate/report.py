@@ -1,25 +1,27 @@
 """The human report of one simulated iteration."""
 from __future__ import annotations
 
+from dtp.errors import UsageError
+from dtp.files import write_text
 from dtp.simulate.flops import narayanan_flops
 from dtp.simulate.model import Result
+from dtp.simulate.prepare import Prepared
+from dtp.simulate.profile import Profile
 
 GiB = 1024 ** 3
 
 
 def write_output(path: str, text: str) -> None:
     """Write a result file the user named (a regular file only, replaced atomically); UsageError if it cannot be."""
-    from dtp.errors import UsageError
-    from dtp.files import write_text
-
     try:
         write_text(path, text)
     except OSError as err:
         raise UsageError(f"cannot write {path}: {err.strerror}") from None
 
 
-def render(r: Result, prepared, args, prof, seconds: float) -> str:
-    """A few aligned lines: what ran, time breakdown, throughput, memory, the FLOP cross-check."""
+def render(r: Result, prepared: Prepared, prof: Profile, seconds: float) -> str:
+    """A few aligned lines: what ran (the model and plan as `prepared` names them), time breakdown, throughput,
+    memory, the FLOP cross-check."""
     run, mem, shape = r.run, r.memory, prepared.shape
     overlap = "overlapped with backward" if run.dp_overlap else "after backward"
     if run.fsdp:
@@ -29,7 +31,7 @@ def render(r: Result, prepared, args, prof, seconds: float) -> str:
         dp_line = (f"DP comm      gradient all-reduce {r.dp_sent_bytes / GiB:.3f} GiB sent per rank, "
                    f"{r.dp_comm_total_s:.4g} s, {overlap}")
     lines = [
-        f"{args.model} with {args.plan} on {prof.name}: tp {run.tp} × dp {run.dp}{' (FSDP)' if run.fsdp else ''} = "
+        f"{prepared.model_spec} with {prepared.plan_path} on {prof.name}: tp {run.tp} × dp {run.dp}{' (FSDP)' if run.fsdp else ''} = "
         f"{run.gpus} GPUs, micro-batch {run.micro_batch} × {run.microbatches}, global batch {run.global_batch}, "
         f"seq {run.seq}, {run.precision}, recompute {run.recompute}, {run.optimizer}, {run.attention} attention"
         f"{', compiled' if run.compile else ''}{', TP overlapped with weight gradients' if run.tp_overlap else ''}",

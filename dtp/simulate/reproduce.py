@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from dtp.errors import UsageError
+from dtp.files import shipped
 from dtp.simulate.flops import narayanan_flops
 from dtp.simulate.model import Result, Run, simulate
 from dtp.simulate.prepare import Prepared
@@ -33,7 +34,7 @@ class Row:
 
     label: str
     model: str
-    plan: str
+    plan: str  # a shipped plan ("plans/gpt2.tp"), read through the package, never the working directory
     run: Run
     published_s: float | None  # None: only the memory is checked (a speed dtp cannot model)
     published: str  # the figure as the source gives it
@@ -149,7 +150,7 @@ def predict(src: Source, prof: Profile | None = None, cache: dict | None = None)
     for row in src.rows:
         key = (row.plan, row.model, row.run.seq)
         if key not in prepared:
-            prepared[key] = Prepared(row.plan, row.model, row.run.seq)
+            prepared[key] = Prepared(str(shipped(row.plan)), row.model, row.run.seq)
         work = prepared[key].workload(row.run.tp, row.run.micro_batch, row.run.precision)
         out.append(Outcome(row, simulate(work, row.run, prof)))
     return out

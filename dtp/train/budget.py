@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from dtp.cost.explain import human_bytes
+from dtp.cost.param_bytes import param_bytes_per_rank
 from dtp.errors import UsageError
+from dtp.runtime.preflight import activation_elements, available_bytes
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -28,15 +31,11 @@ TORCH_FLOOR = 128 * 2**20  # a rank's own torch, gloo buffers and Python objects
 
 def state_bytes_per_rank(checked: Checked, model: nn.Module, tp: int, dp: int = 1) -> list[int]:
     """Each rank's parameters, gradients and AdamW moments (float32), from the placement table."""
-    from dtp.cost.param_bytes import param_bytes_per_rank
-
     return [STATE_COPIES * b for b in param_bytes_per_rank(checked, model, tp, dp, elem=4)]
 
 
 def check_budget(checked: Checked, model: nn.Module, tp: int, dp: int, budget: int) -> None:
     """Exit 2 (UsageError) when a rank's training state at `tp` × `dp` would exceed `budget` bytes."""
-    from dtp.cost.explain import human_bytes
-
     need = max(state_bytes_per_rank(checked, model, tp, dp))
     if need > budget:
         raise UsageError(f"at --tp {tp} --dp {dp} a rank would hold {human_bytes(need)} ({need} B) of parameters, "
@@ -48,10 +47,6 @@ def check_init_memory(checked: Checked, model: nn.Module, tp: int, dp: int, devi
                       available: int | None = None) -> None:
     """Exit 2 when rank 0's whole float32 model (`--init model`) and, on the CPU, every local rank's shards
     would not fit the memory this host has available (`available`, default: measured now)."""
-    from dtp.cost.explain import human_bytes
-    from dtp.cost.param_bytes import param_bytes_per_rank
-    from dtp.runtime.preflight import available_bytes
-
     available = available_bytes() if available is None else available
     if available is None:
         return
@@ -71,8 +66,6 @@ def train_memory(checked: Checked, model: nn.Module, tp: int, dp: int, *, batch:
                  vocab: int | None, act_elem: int, init_model: bool) -> tuple[int, int, int]:
     """(total, training state, activations) in bytes for every local rank of a run together, plus rank 0's
     whole float32 model under `--init model`."""
-    from dtp.runtime.preflight import activation_elements
-
     state = sum(state_bytes_per_rank(checked, model, tp, dp))
     acts = tp * dp * activation_elements(model, batch // dp, seq, vocab, tp) * act_elem
     full = sum(p.numel() for p in model.parameters()) * 4 if init_model else 0
@@ -83,9 +76,6 @@ def check_train_memory(checked: Checked, model: nn.Module, tp: int, dp: int, *, 
                        vocab: int | None, act_elem: int, init_model: bool, available: int | None = None) -> None:
     """Exit 2 when the local ranks' training state, activations and torch itself would not fit the memory
     this host has available (`available`, default: measured now), before any rank starts."""
-    from dtp.cost.explain import human_bytes
-    from dtp.runtime.preflight import available_bytes
-
     available = available_bytes() if available is None else available
     total, state, acts = train_memory(checked, model, tp, dp, batch=batch, seq=seq, vocab=vocab,
                                       act_elem=act_elem, init_model=init_model)

@@ -12,7 +12,7 @@ import logging
 import math
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,47 +20,43 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
 
 from dtp import models
-from dtp.checks.checker import check
-from dtp.compiler.local_vocab import cross_entropy
+from dtp.compiler.vocab_parallel import cross_entropy
 from dtp.cost.fsdp import units
 from dtp.cost.param_bytes import local_param_bytes
 from dtp.cost.schedule import NotModeled, schedule, summarize
-from dtp.lang.parse import load as load_plan
+from dtp.errors import UsageError, shorten
+from dtp.lang.parse import parse
 from dtp.models import calling
 from dtp.runtime.build import build_from_model, build_sharded
 from dtp.runtime.comm import CommCounter, merge
+from dtp.runtime.job import Job, finite, positive
 from dtp.runtime.mesh import make_mesh
+from dtp.runtime.preflight import trusted
 from dtp.runtime.rows import shared_rows
 from dtp.train import data, replica_checks, resume
 from dtp.train.meter import CommTimer, peak_memory, sync
 from dtp.train.optim import Schedule, adamw, clip_, set_lr
 
+TRAIN_DTYPES = ("float32", "bfloat16")  # bfloat16: autocast over float32 master weights
+INITS = ("model", "keyed")
 
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything a rank needs; plain data so that it pickles to spawned ranks."""
 
-    plan: str
-    model: str
-    tp: int = 2
-    dp: int = 1
-    batch: int = 8
-    seq: int = 64
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(Job):
+    """`dtp train`'s job: the plan, model and mesh (Job) and the training run's own settings, validated once."""
+
     steps: int = 200
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup: int = 20
+    lr: float = 3e-3  # the peak learning rate
+    min_lr: float = 3e-4  # at the end of the cosine
+    warmup: int | None = None  # linear warm-up steps; None: 10 % of the steps
     weight_decay: float = 0.1
-    clip: float = 1.0
-    dtype: str = "float32"
+    clip: float = 1.0  # global gradient-norm clip, 0 for none
     eval_every: int = 50
     eval_batches: int = 8
     checkpoint_activations: bool = False
-    seed: int = 0
-    device: str = "cpu"
-    timeout: float = 900.0
     out: str = "dtp-train"
     progress: bool = False  # a tqdm bar on rank 0 (a terminal); else a line per evaluation
     checkpoint: str | None = None  # save here every `save_every` steps (0: at the end only)
@@ -70,6 +66,34 @@ class TrainConfig:
     init: str = "model"  # "model": the model's own init, built on rank 0 and scattered; "keyed": drawn per shard
     check_replicas: int = 10  # compare the tp ranks' replicated tensors every N steps (0: at the end and saves only)
     threads: int | None = None  # intra-op threads per local rank (None: dtp.runtime.threads.threads_per_rank)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dtype not in TRAIN_DTYPES:
+            raise UsageError(f"--dtype {self.dtype}: dtp train runs {' or '.join(TRAIN_DTYPES)}")
+        if self.init not in INITS:
+            raise UsageError(f"--init must be {' or '.join(INITS)}, got {shorten(self.init)}")
+        for flag, value in (("--steps", self.steps), ("--eval-every", self.eval_every),
+                            ("eval_batches", self.eval_batches)):
+            positive(flag, value)
+        finite("--lr", self.lr, strict=True)
+        finite("--min-lr", self.min_lr)
+        finite("--weight-decay", self.weight_decay)
+        finite("--clip", self.clip)
+        if self.min_lr > self.lr:
+            raise UsageError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
+        if self.warmup is None:
+            object.__setattr__(self, "warmup", self.steps // 10)
+        if self.warmup < 0:
+            raise UsageError(f"--warmup must be 0 or more steps, got {self.warmup}")
+        if self.warmup > self.steps:
+            raise UsageError(f"--warmup {self.warmup} is longer than --steps {self.steps}")
+        if self.check_replicas < 0:
+            raise UsageError(f"--check-replicas must be 0 or more steps, got {self.check_replicas}")
+        if self.save_every and not self.checkpoint:
+            raise UsageError("--save-every needs --checkpoint DIR (where to save)")
+        if self.convert and not self.resume:
+            raise UsageError("--convert applies to --resume DIR only")
 
 
 COMM_SAMPLE = 10  # time collectives on every 10th step only: the timer's dispatch mode sees every op and slows it
@@ -95,7 +119,7 @@ class Trainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
         self.source = models.resolve(cfg.model)
         meta = models.build(self.source, device="meta")
-        self.checked = check(load_plan(cfg.plan), meta, cfg.tp)
+        self.checked = trusted(parse(cfg.plan_text, cfg.plan), meta, cfg.tp)  # the parent checked this text
         # how the model gives every position's logits (a tuple, targets, positions: dtp.models.calling)
         self.forward = calling.discover(meta, models.vocab_size(meta), cfg.model)
         # The seed drives the model's own init (rank 0) and the stream replicated dropout shares.
@@ -122,7 +146,7 @@ class Trainer:
 
     def train_state(self) -> dict:
         """What a checkpoint must keep besides the model and optimizer (the rest derives from it)."""
-        return {"step": self.step, "seed": self.cfg.seed, "config": asdict(self.cfg),
+        return {"step": self.step, "seed": self.cfg.seed, "config": self.cfg.to_json(),
                 "rng_cpu": torch.get_rng_state(),
                 "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
 
@@ -198,7 +222,6 @@ class Trainer:
 def _progress(cfg: TrainConfig, rank: int):
     if rank != 0 or not cfg.progress:
         return None
-    from tqdm import tqdm
 
     return tqdm(total=cfg.steps, desc="dtp train", unit="step", dynamic_ncols=True)
 

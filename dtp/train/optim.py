@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 from torch.optim.sgd import sgd
 
-from dtp.compiler.local_leaves import like
+from dtp.compiler.local_params import like
 
 
 @dataclass(frozen=True)

@@ -6,23 +6,26 @@ the step and the RNG states are all a resume needs, since batches and the learni
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.fsdp import FSDPModule
 
+from dtp import models
+from dtp.checkpoint.dcp import check_plan_matches, load_checkpoint, model_shape, save_checkpoint
+from dtp.checkpoint.files import CheckpointError, read_meta, some
+from dtp.checkpoint.optim_state import unpack
+from dtp.checkpoint.untrusted import SafeReader
+from dtp.cost.explain import human_bytes
 from dtp.errors import UsageError
+from dtp.train.plain_view import as_dtensors
 
 MAX_EXTRA_BYTES = 16 << 20  # train_state() is a few KiB (the RNG state); a larger claim is not ours
-
-
-def _plan_text(plan: str) -> str:
-    try:
-        return Path(plan).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise UsageError(f"cannot read plan {plan}: {err}") from None
 
 
 def _resolved(path: str, flag: str) -> Path:
@@ -35,13 +38,6 @@ def _resolved(path: str, flag: str) -> Path:
 
 def saved_state(directory: Path) -> tuple[dict, dict]:
     """(dtp.json, rank 0's train_state) of a complete checkpoint, read in this process without ranks."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from dtp.checkpoint.files import CheckpointError, read_meta
-    from dtp.checkpoint.optim_state import unpack
-    from dtp.checkpoint.untrusted import SafeReader
-
     meta = read_meta(directory)
     size = meta.get("objects", {}).get("extra/rank0")
     if not isinstance(size, int) or not 0 < size <= MAX_EXTRA_BYTES:
@@ -64,10 +60,6 @@ def saved_state(directory: Path) -> tuple[dict, dict]:
 
 def _check_model(meta: dict, spec: str, directory: Path) -> None:
     """Refuse, before any rank, a checkpoint whose model tensors are not this model's (names, full shapes)."""
-    from dtp import models
-    from dtp.checkpoint.dcp import model_shape
-    from dtp.checkpoint.files import CheckpointError, some
-
     model = models.build(models.resolve(spec), device="meta")
     persistent = model.state_dict(keep_vars=True).keys()
     here = {f"model/{n}": tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]
@@ -83,50 +75,38 @@ def _check_model(meta: dict, spec: str, directory: Path) -> None:
         raise CheckpointError(f"checkpoint {directory} does not fit {spec}: " + "; ".join(problems[:4]))
 
 
-def validate(args: argparse.Namespace) -> None:
-    """Checkpoint flags, and the checkpoint to resume from, before any rank starts (exit 2 with one paragraph).
-    Makes the directories absolute (ranks may run elsewhere) and records the resumed step in args."""
-    from dtp.checkpoint.dcp import check_plan_matches
-
-    if args.save_every and not args.checkpoint:
-        raise UsageError("--save-every needs --checkpoint DIR (where to save)")
-    if args.convert and not args.resume:
-        raise UsageError("--convert applies to --resume DIR only")
-    if args.compare_tp and (args.checkpoint or args.resume):
-        raise UsageError("--compare-tp trains from scratch at each tp; it takes no --checkpoint or --resume")
-    args.checkpoint = str(_resolved(args.checkpoint, "--checkpoint")) if args.checkpoint else None
-    args.resume_step = 0
-    if not args.resume:
-        return
-    directory = _resolved(args.resume, "--resume")
-    args.resume = str(directory)
+def validate(cfg):
+    """The checkpoint to resume from, before any rank starts (exit 2, one paragraph): it holds this model, this
+    plan (or `cfg.convert`) and a step before cfg.steps. Returns `cfg` (a TrainConfig) with its checkpoint
+    directories absolute: ranks may run elsewhere."""
+    if cfg.checkpoint:
+        cfg = replace(cfg, checkpoint=str(_resolved(cfg.checkpoint, "--checkpoint")))
+    if not cfg.resume:
+        return cfg
+    directory = _resolved(cfg.resume, "--resume")
     meta, extra = saved_state(directory)
     try:
-        check_plan_matches(meta, _plan_text(args.plan), directory, args.convert)
+        check_plan_matches(meta, cfg.plan_text, directory, cfg.convert)
     except UsageError as err:
         raise type(err)(f"{err} (`dtp train --convert`)") from None
-    _check_model(meta, args.model, directory)
-    args.resume_step = extra["step"]
-    if args.resume_step >= args.steps:
-        raise UsageError(f"checkpoint {directory} is at step {args.resume_step}, not before --steps "
-                         f"{args.steps}: nothing left to train (raise --steps)")
+    _check_model(meta, cfg.model, directory)
+    if extra["step"] >= cfg.steps:
+        raise UsageError(f"checkpoint {directory} is at step {extra['step']}, not before --steps "
+                         f"{cfg.steps}: nothing left to train (raise --steps)")
+    return replace(cfg, resume=str(directory))
 
 
 def _stored(trainer, plan_text: str):
     """The model as the checkpoint stores it: a plain tp-1 model's packed tensors as DTensors (dtp.train.plain_view)."""
     if not trainer.applied.plain:
         return contextlib.nullcontext()
-    from dtp.train.plain_view import as_dtensors
-
     return as_dtensors(trainer.model, trainer.optimizer, trainer.mesh, plan_text)
 
 
 def restore(trainer, cfg) -> dict:
     """Load cfg.resume into the rank's sharded model and optimizer, set its step and RNG; the load's stats."""
-    from dtp.checkpoint.dcp import load_checkpoint
-
     stats: dict = {}
-    text = _plan_text(cfg.plan)
+    text = cfg.plan_text  # the text the run was checked and built with
     with _stored(trainer, text):
         extra = load_checkpoint(cfg.resume, trainer.model, trainer.optimizer, mesh=trainer.mesh, plan_text=text,
                                 convert=cfg.convert, stats=stats)
@@ -144,16 +124,12 @@ def due(cfg, step: int) -> bool:
 
 def save(trainer, cfg) -> dict:
     """Save the rank's model, optimizer and train_state to cfg.checkpoint (every rank calls it); stats."""
-    from torch.distributed.fsdp import FSDPModule
-
-    from dtp.checkpoint.dcp import save_checkpoint
-
     # FSDP2 keeps the root's parameters gathered after a forward with no backward (an evaluation), and the
     # model then names those instead of the sharded ones the optimizer holds: shard them back first.
     for module in trainer.model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-    text = _plan_text(cfg.plan)
+    text = cfg.plan_text  # the text the run was checked and built with
     with _stored(trainer, text):
         stats = save_checkpoint(cfg.checkpoint, trainer.model, trainer.optimizer, mesh=trainer.mesh,
                                 plan_text=text, extra=trainer.train_state())
@@ -165,8 +141,6 @@ def resumed_line(s: dict) -> list[str]:
     r = s.get("resumed")
     if not r:
         return []
-    from dtp.cost.explain import human_bytes
-
     return [f"  resumed from {r['path']} at step {r['step']} "
             f"(loaded {human_bytes(r['bytes'])} in {r['seconds']:.2f} s)"]
 
@@ -176,8 +150,6 @@ def saved_line(s: dict) -> list[str]:
     saves = s.get("checkpoints")
     if not saves:
         return []
-    from dtp.cost.explain import human_bytes
-
     seconds = sorted(c["seconds"] for c in saves)
     return [f"  checkpoint: {s['config']['checkpoint']} saved after step {', '.join(str(c['step']) for c in saves)} "
             f"({human_bytes(saves[-1]['bytes'])}, {seconds[len(seconds) // 2]:.2f} s per save, median)"]

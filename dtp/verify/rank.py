@@ -1,4 +1,7 @@
-"""What every rank of `dtp apply` does: shard, train K steps beside an unsharded reference, compare, measure."""
+"""What every rank of `dtp apply` does: shard, train K steps beside an unsharded reference, compare, measure.
+
+A rank takes the plan as the job's text, parses it once and does not check it again: the parent's pre-flight
+(dtp.runtime.preflight.prepare) checked that text (`trusted`)."""
 from __future__ import annotations
 
 import contextlib
@@ -8,7 +11,7 @@ import resource
 import statistics
 import time
 import warnings
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -16,15 +19,17 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtp import models
-from dtp.checks.checker import checked_for
-from dtp.compiler.local_vocab import cross_entropy as sharded_cross_entropy
+from dtp.compiler.vocab_parallel import cross_entropy as sharded_cross_entropy
 from dtp.cost.param_bytes import ideal_param_bytes, local_param_bytes
 from dtp.cost.schedule import NotModeled, schedule, summarize
-from dtp.lang.parse import load
+from dtp.lang import ir
+from dtp.lang.parse import parse
 from dtp.models.calling import PLAIN, Forward
 from dtp.runtime.build import build_sharded
 from dtp.runtime.comm import CommCounter, merge
+from dtp.runtime.job import Job, positive
 from dtp.runtime.mesh import make_mesh
+from dtp.runtime.preflight import trusted
 from dtp.runtime.shard import Applied, tied_groups
 from dtp.verify.instruments import ActivationMeter, ModuleTrail
 from dtp.verify.parity import ParityCheck, dropout_sources
@@ -42,25 +47,21 @@ from dtp.verify.report import ApplyReport
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
-@dataclass(frozen=True)
-class RunConfig:
-    """Everything a rank needs; plain data so that it pickles to spawned ranks."""
+@dataclass(frozen=True, kw_only=True)
+class RunConfig(Job):
+    """`dtp apply`'s job: the plan, model and mesh (Job) and the parity run's own settings."""
 
-    plan: str
-    model: str
-    tp: int = 2
-    dp: int = 1
-    batch: int = 2
-    seq: int = 16
-    steps: int = 3
-    seed: int = 0
-    dtype: str = "float32"
-    device: str = "cpu"
-    timeout: float = 120.0
+    steps: int = 3  # SGD steps, each compared with the references
     lr: float = 0.1
     max_seq: int | None = None  # the long probes' length (default: the model's maximum, at most MAX_PROBE_SEQ)
-    probes: bool = True  # False only for dtp.bench.apply_cost's baseline: the steps' comparisons alone
-    forward: Forward = PLAIN  # how the model is called and where its logits are (dtp.models.calling.discover)
+    forward: Forward = PLAIN  # how the model is called and where its logits are (the pre-flight discovers it)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        positive("--steps", self.steps)
+        if self.max_seq is not None:
+            positive("--max-seq", self.max_seq)
+        # lr as given: the CLI refuses a non-finite one, and the verdict must catch what it does to the weights
 
 
 def _sync(device: torch.device) -> None:
@@ -76,7 +77,8 @@ def _device(cfg: RunConfig) -> torch.device:
 
 
 def run(cfg: RunConfig, mesh: DeviceMesh | None = None) -> ApplyReport | None:
-    """Run on an initialised process group; rank 0 returns the report.
+    """Run on an initialised process group; rank 0 returns the report. `cfg`'s plan is taken as checked (the
+    pre-flight checked its text; the fuzz pools check each case before they send it).
 
     A low-precision run is decided on a float32 run of the same plan first (its rounding cannot hide an error
     of 1e-5), then the run in its own dtype, against its unsharded run in that dtype; both must hold. An exception leaves with `__dtp_where__` saying which module
@@ -86,16 +88,17 @@ def run(cfg: RunConfig, mesh: DeviceMesh | None = None) -> ApplyReport | None:
     device = _device(cfg)
     mesh = mesh or make_mesh(cfg.tp, cfg.dp, cfg.device)
     try:
+        plan = parse(cfg.plan_text, cfg.plan)  # once, for both runs of a low-precision dtype
         # The run draws from the default generators (weights, shared dropout stream) seeded with the seed
         # on every rank, and hands the caller's generator states back unchanged.
         with own_rng(device):
             proof = None
             if DTYPES[cfg.dtype] in LOW_PRECISION:
                 _seed(cfg.seed, device)
-                proof = _run(replace(cfg, dtype="float32"), trails, mesh, device)
+                proof = _run(replace(cfg, dtype="float32"), plan, trails, mesh, device)
                 trails.clear()
             _seed(cfg.seed, device)
-            report = _run(cfg, trails, mesh, device)
+            report = _run(cfg, plan, trails, mesh, device)
             return report if report is None or proof is None else replace(report, parity=decided_by(proof.parity,
                                                                                                    report.parity))
     except Exception as err:
@@ -130,7 +133,7 @@ def _report(cfg: RunConfig, *, plan, parity: ParityCheck, collectives: dict, ana
         plan={"name": plan.name, "version": plan.plan_version, "file": cfg.plan},
         model=cfg.model,
         mesh={"tp": cfg.tp, "dp": cfg.dp},
-        config=asdict(cfg),
+        config=cfg.to_json(),
         torch=torch.__version__,
         backend=dist.get_backend(),
         parity=parity.to_json(),
@@ -159,7 +162,7 @@ class _Built:
     dropout: list[str]
 
 
-def _build(cfg: RunConfig, plan, mesh: DeviceMesh, device: torch.device, dtype: torch.dtype,
+def _build(cfg: RunConfig, plan: ir.Plan, mesh: DeviceMesh, device: torch.device, dtype: torch.dtype,
            trail: ModuleTrail) -> _Built:
     """One build path (dtp.runtime.build): rank 0 alone builds the whole model, with the model's own initialisation,
     for its unsharded references; every rank builds on meta, shards, and receives its blocks from rank 0."""
@@ -168,8 +171,8 @@ def _build(cfg: RunConfig, plan, mesh: DeviceMesh, device: torch.device, dtype: 
     full = models.build(source, device="cpu", dtype=dtype).to(device) if rank == 0 else None
     refs = references(full.train(), dtype, cfg.lr, cfg.forward) if rank == 0 else []  # the float64 truth (+ same dtype)
     trail.phase = "sharding (apply)"
-    meta = models.build(source, device="meta", dtype=dtype)  # shapes for check, schedule and bytes
-    checked = checked_for(plan, meta, cfg.tp)
+    meta = models.build(source, device="meta", dtype=dtype)  # shapes for the plan, the schedule and the bytes
+    checked = trusted(plan, meta, cfg.tp)
     applied = build_sharded(checked, source, mesh, seed=cfg.seed, device=device, dp=cfg.dp, dtype=dtype,
                             full=full, from_rank0=True, plain=True)  # tp 1 dp 1: plain PyTorch, no DTensor
     del full
@@ -262,14 +265,13 @@ def _analytic(cfg: RunConfig, built: _Built, dtype: torch.dtype) -> dict:
         return {"not_modeled": str(err)}
 
 
-def _run(cfg: RunConfig, trails: list[ModuleTrail], mesh: DeviceMesh,
+def _run(cfg: RunConfig, plan: ir.Plan, trails: list[ModuleTrail], mesh: DeviceMesh,
          device: torch.device) -> ApplyReport | None:
     """Build, train K steps comparing each with the references, measure; rank 0's report."""
     warnings.filterwarnings("ignore", message=".*returned a view tensor")  # FSDP2 root: logits are not edited in place
     # Gathering FSDP2 + TP parameters for the comparison warns that it takes two all-gathers; it may.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     dtype = DTYPES[cfg.dtype]
-    plan = load(cfg.plan)
     trail = ModuleTrail()
     trails.append(trail)
     built = _build(cfg, plan, mesh, device, dtype, trail)
@@ -320,16 +322,14 @@ def _run(cfg: RunConfig, trails: list[ModuleTrail], mesh: DeviceMesh,
 
         trail.phase = "comparison with the reference"
         _compare_params(parity, built, opt, step)
-        if cfg.probes:
-            _compare_state(parity, built, mesh, device, dtype, f"after step {step + 1}")
+        _compare_state(parity, built, mesh, device, dtype, f"after step {step + 1}")
 
     # Measured before the probes: their long forward raises the peak, and FSDP2 leaves its root unit gathered.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss
     measured = {"param_bytes": local_param_bytes(model), "peak": peak, "activations": activations.nbytes}
     trail.phase = "probes after the steps"
-    if cfg.probes:
-        _probe(parity, cfg, built, mesh, device, dtype, inputs[mine])
+    _probe(parity, cfg, built, mesh, device, dtype, inputs[mine])
 
     trail.phase = "report"
     analytic = _analytic(cfg, built, dtype)

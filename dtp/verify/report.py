@@ -15,7 +15,7 @@ class ApplyReport:
     plan: dict  # {name, version, file}
     model: str
     mesh: dict  # {tp, dp}
-    config: dict  # the RunConfig that ran
+    config: dict  # the RunConfig that ran (its to_json: the plan by name)
     torch: str
     backend: str
     parity: dict  # ParityCheck.to_json(): ok, the rule, the worst tensor, margins

@@ -5,7 +5,8 @@ import argparse
 
 import pytest
 
-from dtp.cli.args import DTYPES, bounded, memory_size, positive_int, seed_int, tp_list
+from dtp.cli.args import bounded, memory_size, positive_int, seed_int, tp_list
+from dtp.runtime.job import DTYPES
 
 
 def test_apply_offers_exactly_the_dtypes_a_rank_can_run():

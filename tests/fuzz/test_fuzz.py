@@ -78,10 +78,10 @@ def test_finds_model_that_depends_on_its_local_width(pools):
 def test_finds_compiler_that_drops_a_reduction(pools, monkeypatch):
     original = dtp.compiler.compiler._style
 
-    def no_all_reduce(m):
+    def no_all_reduce(m, module, leaves):
         if m.style == "rowwise":  # hands on partial sums as if they were the result
             return RowwiseParallel(input_layouts=m.input, output_layouts=Partial(), use_local_output=True)
-        return original(m)
+        return original(m, module, leaves)
 
     monkeypatch.setattr(dtp.compiler.compiler, "_style", no_all_reduce)
     assert _finds(pools, zoo_cases(max_world=2), 30).startswith(("parity failed", "collectives differ"))

@@ -128,7 +128,7 @@ def test_build_from_model_is_the_seeded_models_own_init_and_every_rank_continues
 
 
 def _leaves_after_a_step(rank, world, tp):
-    from dtp.compiler.local_vocab import cross_entropy
+    from dtp.compiler.vocab_parallel import cross_entropy
     from dtp.runtime.mesh import make_mesh
 
     source = models.resolve("gpt2-tiny")
@@ -137,13 +137,15 @@ def _leaves_after_a_step(rank, world, tp):
                             dp=world // tp)
     ids = torch.arange(32).reshape(2, 16) % 64
     cross_entropy(applied.model(ids[:, :-1]), ids[:, 1:]).backward()
-    return applied.leaves.enabled, len(applied.leaves._entries)
+    layer = applied.model.get_submodule("transformer.h.0.mlp.c_fc")
+    leaves = layer._tp.leaves
+    return type(layer).__name__, leaves is not None, 0 if leaves is None else len(leaves._entries)
 
 
-def test_localized_modules_make_leaves_except_under_fsdp2(repo):
-    """Without data parallelism the localized modules compute on parameter leaves; under FSDP2, which replaces
-    every parameter, they make none (a replaced parameter's id, reused by FSDP2's unsharded one on one rank,
-    once sent that rank's gradient down the leaf path: bench/results/2026-12-04d-fsdp2-flake.md)."""
-    enabled, made = launch_local(_leaves_after_a_step, 2, 2, timeout=120)[0]
-    assert enabled and made == 17  # gpt2-tiny: 2 blocks × 4 Linears × (weight, bias), and the tied wte/lm_head
-    assert launch_local(_leaves_after_a_step, 4, 2, timeout=120)[0] == (False, 0)
+def test_megatron_layers_make_leaves_except_under_fsdp2(repo):
+    """Without data parallelism the Megatron layers compute on parameter leaves; under FSDP2, which swaps its own
+    parameters in around each forward, they make none and read DTensor's to_local()."""
+    name, leaves, made = launch_local(_leaves_after_a_step, 2, 2, timeout=120)[0]
+    assert name == "ColumnParallelLinear" and leaves
+    assert made == 17  # gpt2-tiny: 2 blocks × 4 Linears × (weight, bias), and the tied wte/lm_head
+    assert launch_local(_leaves_after_a_step, 4, 2, timeout=120)[0] == ("ColumnParallelLinear", False, 0)

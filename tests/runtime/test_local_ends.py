@@ -1,5 +1,5 @@
-"""The vocabulary-parallel ends on local tensors (dtp/compiler/local_vocab.py) and the parameters' local leaves
-(dtp/compiler/local_leaves.py), on real gloo ranks against independent references: F.cross_entropy in float64
+"""The vocabulary-parallel ends on local tensors (dtp.compiler.vocab_parallel.py) and the parameters' local leaves
+(dtp/compiler/local_params.py), on real gloo ranks against independent references: F.cross_entropy in float64
 on the whole logits, torch's own `loss_parallel`, and the unsharded model trained step by step."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 import dtp
-from dtp.compiler.local_vocab import IGNORE_INDEX, cross_entropy
+from dtp.compiler.vocab_parallel import IGNORE_INDEX, cross_entropy
 from dtp.runtime.comm import CommCounter
 from dtp.runtime.ranks import on_ranks
 from dtp.verify.reference import full_value

@@ -16,7 +16,8 @@ from conftest import processes_with_mark
 
 from dtp.cli import main
 from dtp.runtime import preflight
-from dtp.train import session
+from dtp.train import budget, session
+from dtp.verify import apply
 
 TOO_MANY = max(16, 2 * preflight.max_cpu_world())  # 16 on a 2-core machine, as in the issue
 TRAIN = ["train", "plans/gpt2.tp", "gpt2-tiny", "--steps", "1", "--device", "cpu"]
@@ -27,7 +28,8 @@ def no_ranks(monkeypatch):
     """Fail the test if any rank would start."""
     def launch(*args, **kwargs):
         raise AssertionError("a rank was started")
-    monkeypatch.setattr(session, "launch_local", launch)
+    monkeypatch.setattr(session, "launch", launch)
+    monkeypatch.setattr(apply, "launch", launch)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -38,7 +40,8 @@ def no_ranks(monkeypatch):
 ])
 def test_a_run_the_machine_cannot_host_is_refused_before_any_rank(repo, tmp_path, capsys, monkeypatch, no_ranks,
                                                                   argv, message):
-    monkeypatch.setattr(preflight, "available_bytes", lambda: 16 * 2**30)  # the same verdict on any host
+    for module in (preflight, budget):  # the same verdict on any host
+        monkeypatch.setattr(module, "available_bytes", lambda: 16 * 2**30)
     start = time.monotonic()
     assert main([*argv, "--out", str(tmp_path / "out")]) == 2
     assert time.monotonic() - start < 5

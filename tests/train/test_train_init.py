@@ -14,7 +14,7 @@ from dtp.errors import UsageError
 from dtp.lang.parse import load
 from dtp.runtime.launcher import launch_local
 from dtp.runtime.mesh import make_mesh
-from dtp.train import data
+from dtp.train import budget, data
 from dtp.train.budget import check_init_memory
 from dtp.train.loop import TrainConfig, Trainer
 from tests.train.planted_init import PLAN
@@ -99,9 +99,7 @@ def test_rank0s_whole_model_must_fit_the_host(repo, tmp_path, capsys, monkeypatc
         check_init_memory(checked, meta, 2, 1, "cpu", available=600_000)
     check_init_memory(checked, meta, 2, 1, "cuda", available=600_000)  # the shards live on the GPUs
 
-    import dtp.runtime.preflight
-
-    monkeypatch.setattr(dtp.runtime.preflight, "available_bytes", lambda: 600_000)
+    monkeypatch.setattr(budget, "available_bytes", lambda: 600_000)
     short = tmp_path / "short.txt"
     short.write_text("def f():\n    return 1\n" * 10)
     args = ["train", "plans/gpt2.tp", "gpt2-tiny", "--device", "cpu", "--data", str(short), "--out", str(tmp_path)]
@@ -112,7 +110,7 @@ def test_rank0s_whole_model_must_fit_the_host(repo, tmp_path, capsys, monkeypatc
     assert main([*args, "--init", "keyed"]) == 2  # passes the init check; the whole run's memory does not fit
     err = capsys.readouterr().err
     assert "this run needs about" in err and "--init model" not in err and "use --init keyed" not in err
-    monkeypatch.setattr(dtp.runtime.preflight, "available_bytes", lambda: 10**12)
+    monkeypatch.setattr(budget, "available_bytes", lambda: 10**12)
     assert main([*args, "--init", "keyed"]) == 2  # refused later, for its short data
     assert "are too few for --batch" in capsys.readouterr().err
 

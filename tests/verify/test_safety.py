@@ -158,7 +158,7 @@ def test_factory_module_that_fails_to_import_is_a_usage_error(cli, tmp_path, mon
 def test_device_auto_means_cuda_only_with_a_gpu_per_rank(monkeypatch):
     import torch
 
-    from dtp.runtime.launcher import pick_device
+    from dtp.runtime.preflight import pick_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -7,7 +7,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel
 
-from dtp.compiler.local_pair import _CopyToRanks
+from dtp.compiler.mappings import _CopyToRanks
 from dtp.compiler.styles import SequenceParallelFromReplicated
 from dtp.runtime.ranks import on_ranks
 from dtp.verify.rank import RunConfig, run
