@@ -1,7 +1,7 @@
-"""Does `LocalParams` (dtp/compiler/local_params.py, the Megatron layers' one reach past DTensor's public API)
-still pay? The same GPT training step at tp 2 with the layers reading their parameters through leaves, and
-through DTensor's `to_local()`, in interleaved rounds on real gloo ranks; the median ratio with its bootstrap
-interval (dtp.bench.stats). A lab script, not part of the package:
+"""Does `LocalParams` (dtp/compiler/local_params.py, the Megatron layers' one reach past DTensor's
+public API) still pay? The same GPT training step at tp 2 with the layers reading their parameters
+through leaves, and through DTensor's `to_local()`, in interleaved rounds on real gloo ranks; the
+median ratio with its bootstrap interval (dtp.bench.stats). A lab script, not part of the package:
 `python bench/local_params_ab.py [--n-embd 256] [--rounds 150]` from a checkout with dtp installed."""
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ def _arm(rank: int, world: int, n_embd: int, rounds: int) -> dict[str, list[floa
     for name, leaves in (("leaves", True), ("to_local", False)):
         model = _model(n_embd)
         checked = check(plan, model, world)
-        program = Program(checked, compile_plan(checked, model, mesh, fsdp_follows=not leaves), mesh)
+        program = Program(
+            checked, compile_plan(checked, model, mesh, fsdp_follows=not leaves), mesh
+        )
         applied = program.apply(model, mesh)
         arms[name] = (model, applied, torch.optim.AdamW(model.parameters(), lr=1e-4))
     ids = torch.randint(0, 2048, (4, 129), generator=torch.Generator().manual_seed(1))

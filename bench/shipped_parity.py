@@ -1,9 +1,10 @@
-"""Every shipped Hugging Face plan through the whole `dtp apply` (steps, probes, buffers, replicas; bfloat16
-decided on a float32 run) at tp 2 and 4, in float32 and bfloat16, on the tiny configs of dtp.models.hf:
-the evidence that the proof's added comparisons pass correct plans. A family whose heads tp does not divide
-is refused by `check` (exit 2) and listed so. A lab script, not part of the package:
-`python bench/shipped_parity.py [OUT.md]` from a checkout with dtp installed (its report:
+"""Every shipped Hugging Face plan through the whole `dtp apply` (steps, probes, buffers, replicas;
+bfloat16 decided on a float32 run) at tp 2 and 4, in float32 and bfloat16, on the tiny configs of
+dtp.models.hf: the evidence that the proof's added comparisons pass correct plans. A family whose
+heads tp does not divide is refused by `check` (exit 2) and listed so. A lab script, not part of the
+package: `python bench/shipped_parity.py [OUT.md]` from a checkout with dtp installed (its report:
 bench/results/apply-probes_cpu-2core_2026-12-03_dtp.md)."""
+
 from __future__ import annotations
 
 import sys
@@ -26,14 +27,31 @@ def one(family: str, tp: int, dtype: str) -> dict:
     try:
         check(load(plan), models.build(models.resolve(spec), device="meta"), tp)
     except DtpError as err:
-        return {"family": family, "tp": tp, "dtype": dtype, "refused": str(err).splitlines()[0][:100]}
+        return {
+            "family": family,
+            "tp": tp,
+            "dtype": dtype,
+            "refused": str(err).splitlines()[0][:100],
+        }
     start = time.perf_counter()
     report = launch_apply(RunConfig(plan=plan, model=spec, tp=tp, dtype=dtype, timeout=600))
     par = report.parity
-    worst = max((par[q]["margin"], q) for q in ("logits", "loss", "grads", "params", "buffers", "probes") if q in par)
-    return {"family": family, "tp": tp, "dtype": dtype, "ok": par["ok"], "margin": worst[0], "where": worst[1],
-            "shapes": par["shapes"][1:], "seconds": time.perf_counter() - start,
-            "low_ok": par.get("low_precision", {}).get("ok")}
+    worst = max(
+        (par[q]["margin"], q)
+        for q in ("logits", "loss", "grads", "params", "buffers", "probes")
+        if q in par
+    )
+    return {
+        "family": family,
+        "tp": tp,
+        "dtype": dtype,
+        "ok": par["ok"],
+        "margin": worst[0],
+        "where": worst[1],
+        "shapes": par["shapes"][1:],
+        "seconds": time.perf_counter() - start,
+        "low_ok": par.get("low_precision", {}).get("ok"),
+    }
 
 
 def main(out: str | None) -> int:
@@ -45,18 +63,32 @@ def main(out: str | None) -> int:
                 try:
                     rows.append(one(family, tp, dtype))
                 except Exception as err:  # noqa: BLE001 - one family's failure is a row, not the end of the run
-                    rows.append({"family": family, "tp": tp, "dtype": dtype, "ok": False, "error": str(err)[:200]})
+                    rows.append(
+                        {
+                            "family": family,
+                            "tp": tp,
+                            "dtype": dtype,
+                            "ok": False,
+                            "error": str(err)[:200],
+                        }
+                    )
                 r = rows[-1]
                 print(r, flush=True)
-    lines = ["| family | tp | dtype | verdict | worst margin | shapes | s |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| family | tp | dtype | verdict | worst margin | shapes | s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "refused" in r:
             lines.append(f"| {r['family']} | {r['tp']} | {r['dtype']} | refused by check | | | |")
         elif "error" in r:
             lines.append(f"| {r['family']} | {r['tp']} | {r['dtype']} | ERROR {r['error']} | | | |")
         else:
-            lines.append(f"| {r['family']} | {r['tp']} | {r['dtype']} | {'OK' if r['ok'] else 'FAILED'} | "
-                         f"{r['margin']:.2g} ({r['where']}) | {'; '.join(r['shapes'])} | {r['seconds']:.1f} |")
+            lines.append(
+                f"| {r['family']} | {r['tp']} | {r['dtype']} | {'OK' if r['ok'] else 'FAILED'} | "
+                f"{r['margin']:.2g} ({r['where']}) | {'; '.join(r['shapes'])} | {r['seconds']:.1f} "
+                "|"
+            )
     text = "\n".join(lines) + "\n"
     print(text)
     if out:

@@ -1,9 +1,11 @@
 """dtp: declarative, checked tensor parallelism on PyTorch DTensor.
 
-The pipeline, one package per stage: text → `lang` (parse → plan IR) → `layout` (resolve against the model) →
-`checks` → `compiler` (ParallelStyles) → `runtime` (meshes, ranks, build, `apply` with `parallelize_module`) →
-`verify` (run and compare: `dtp apply`). docs/architecture.md draws the whole tree.
+The pipeline, one package per stage: text → `lang` (parse → plan IR) → `layout` (resolve against the
+model) → `checks` → `compiler` (ParallelStyles) → `runtime` (meshes, ranks, build, `apply` with
+`parallelize_module`) → `verify` (run and compare: `dtp apply`). docs/architecture.md draws the
+whole tree.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -22,16 +24,17 @@ if TYPE_CHECKING:
 
 
 def compile(plan: Plan | Checked, model: nn.Module, mesh: DeviceMesh) -> Program:  # noqa: A001
-    """`plan` compiled for `model` on `mesh`: `.apply(model, mesh)` shards it (styles, ties, `set`s, dropout)."""
+    """`plan` checked and compiled for `model` on `mesh`; `.apply(model, mesh)` shards it."""
     from dtp.runtime.shard import program
 
     return program(plan, model, mesh)
 
 
 def apply(plan: Plan | Checked, model: nn.Module, mesh: DeviceMesh, seed: int = 0) -> Applied:
-    """`compile(plan, model, mesh).apply(model, mesh, seed=seed)`: the Applied model, its `.full` and `.loss`."""
+    """`compile(plan, model, mesh).apply(model, mesh, seed=seed)`: `.model`, `.full`, `.loss`."""
     return compile(plan, model, mesh).apply(model, mesh, seed=seed)
 
 
-__all__ = ["parse", "load", "check", "compile", "apply", "DtpError", "PlanError", "RunError", "UsageError"]
+__all__ = ["parse", "load", "check", "compile", "apply"]
+__all__ += ["DtpError", "PlanError", "RunError", "UsageError"]
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
 """`python -m dtp` (what torchrun launches on every node)."""
+
 from dtp.cli import entry
 
 entry()

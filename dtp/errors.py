@@ -1,4 +1,6 @@
-"""User-facing errors: positioned plan diagnostics (exit 2), usage errors (exit 2), run failures (exit 1)."""
+"""User-facing errors: positioned plan diagnostics (exit 2), usage errors (exit 2), run failures
+(exit 1)."""
+
 from __future__ import annotations
 
 import difflib
@@ -31,7 +33,8 @@ MAX_SHOWN = 50  # diagnostics rendered per file; the count says how many there w
 
 @dataclass(frozen=True)
 class Diagnostic:
-    """One `FILE:LINE:COL: error: MESSAGE` (or `warning:`), underlining `length` characters at `pos`."""
+    """One `FILE:LINE:COL: error: MESSAGE` (or `warning:`), underlining `length` characters at
+    `pos`."""
 
     pos: Pos
     message: str
@@ -49,7 +52,7 @@ class Diagnostic:
         line = lines[self.pos.line - 1].rstrip("\r").expandtabs(1)
         if len(line) > 200:  # a 1 MB line is not worth echoing
             start = max(0, self.pos.column - 60)
-            line = line[start:start + 120]
+            line = line[start : start + 120]
             col = self.pos.column - start
         else:
             col = self.pos.column
@@ -91,12 +94,18 @@ class PlanError(DtpError):
 
 
 class RunError(DtpError):
-    """A sharded run that raised, crashed or timed out: exit 1. `rank`, `where` and `error` say which rank
-    failed first, in which module or phase, and what it raised (None for a timeout)."""
+    """A sharded run that raised, crashed or timed out: exit 1. `rank`, `where` and `error` say
+    which rank failed first, in which module or phase, and what it raised (None for a timeout)."""
 
     exit_code = 1
 
-    def __init__(self, message: str, rank: int | None = None, where: str | None = None, error: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        rank: int | None = None,
+        where: str | None = None,
+        error: str | None = None,
+    ):
         super().__init__(message)
         self.rank, self.where, self.error = rank, where, error
 
@@ -113,4 +122,4 @@ def clip(text: str, limit: int = 300) -> str:
 def shorten(value: object, limit: int = 80) -> str:
     """repr(value), cut to `limit` characters: a user's value never floods a message."""
     text = repr(value) if not isinstance(value, str) else f"'{value}'"
-    return text if len(text) <= limit else text[:limit - 5] + " …" + text[-2:]
+    return text if len(text) <= limit else text[: limit - 5] + " …" + text[-2:]

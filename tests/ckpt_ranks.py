@@ -1,4 +1,6 @@
-"""Rank-side helpers for the checkpoint tests: a small AdamW training loop over a model sharded by dtp."""
+"""Rank-side helpers for the checkpoint tests: a small AdamW training loop over a model sharded by
+dtp."""
+
 from __future__ import annotations
 
 import contextlib
@@ -25,23 +27,40 @@ REPO = Path(__file__).resolve().parent.parent
 BATCH, SEQ, LR = 4, 16, 1e-2
 # gpt2-tiny with an odd vocabulary (uneven shards at tp 2 and 4), packed QKV and tied embeddings.
 GPT_ODD = GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=257, block_size=64, dropout=0.0)
-LLAMA_GQA = LlamaConfig(n_layer=2, n_head=8, n_kv_head=4, n_embd=64, intermediate_size=128, vocab_size=250,
-                        block_size=64, packed_gate_up=True)
+LLAMA_GQA = LlamaConfig(
+    n_layer=2,
+    n_head=8,
+    n_kv_head=4,
+    n_embd=64,
+    intermediate_size=128,
+    vocab_size=250,
+    block_size=64,
+    packed_gate_up=True,
+)
 
 
 def _factory(name: str) -> nn.Module:
-    if name == "hfgpt2":  # transformers' GPT-2: Conv1D, c_attn packed along its dim 1, tied head, odd vocabulary
+    # transformers' GPT-2: Conv1D, c_attn packed along its dim 1, tied head, odd vocabulary
+    if name == "hfgpt2":
         from dtp.models import hf
+
         return hf.build("gpt2", vocab_size=257)
     if name == "gpt":
         return GPT(GPT_ODD)
-    if name == "llama":  # llama-tiny-packed (fused gate/up, packed=2) with GQA that tp 4 divides, uneven vocabulary
+    # llama-tiny-packed (fused gate/up, packed=2) with GQA that tp 4 divides, uneven vocabulary
+    if name == "llama":
         return Llama(LLAMA_GQA)
     from dtp.models.examples import tiny_llama
+
     return tiny_llama()
 
 
-PLANS = {"gpt": "plans/gpt2.tp", "hfgpt2": "plans/hf/gpt2.tp", "llama": "plans/llama-packed.tp", "hf": "plans/hf-llama.tp"}
+PLANS = {
+    "gpt": "plans/gpt2.tp",
+    "hfgpt2": "plans/hf/gpt2.tp",
+    "llama": "plans/llama-packed.tp",
+    "hf": "plans/hf-llama.tp",
+}
 
 
 @dataclass
@@ -78,7 +97,9 @@ def setup(name: str, mesh: DeviceMesh, seed: int, plan_text: str | None = None) 
 
 def batch(step: int, vocab: int) -> torch.Tensor:
     """The global batch of training step `step` (the data position is the step)."""
-    return torch.randint(0, vocab, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1000 + step))
+    return torch.randint(
+        0, vocab, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1000 + step)
+    )
 
 
 def logits_of(run: Run, ids: torch.Tensor) -> torch.Tensor:
@@ -93,7 +114,7 @@ def step(run: Run, s: int) -> float:
     dp = run.mesh["dp"] if run.mesh.ndim > 1 else None
     if dp is not None:
         per = BATCH // dp.size()
-        ids = ids[dp.get_local_rank() * per:(dp.get_local_rank() + 1) * per]
+        ids = ids[dp.get_local_rank() * per : (dp.get_local_rank() + 1) * per]
     ctx = loss_parallel() if run.applied.compiled.loss_parallel else contextlib.nullcontext()
     with ctx:
         logits = logits_of(run, ids[:, :-1])
@@ -109,18 +130,24 @@ def step(run: Run, s: int) -> float:
 
 
 def full_state(run: Run) -> dict[str, torch.Tensor]:
-    """Every parameter and optimizer tensor gathered to full, packed parts in the model's order (a collective)."""
+    """Every parameter and optimizer tensor gathered to full, packed parts in the model's order (a
+    collective)."""
     out = {}
     for name, p in run.model.named_parameters():
         out[name] = run.applied.full(name, p.detach()).clone()
         for key, value in run.opt.state[p].items():
-            out[f"{name}/{key}"] = run.applied.full(name, value).clone() if value.dim() else value.clone()
+            out[f"{name}/{key}"] = (
+                run.applied.full(name, value).clone() if value.dim() else value.clone()
+            )
     return out
 
 
 def tied_once(run: Run) -> bool:
     """Tied weights are still one parameter with one optimizer state."""
     params = list(run.model.parameters())  # unique
-    tied = not hasattr(run.model, "lm_head") or not hasattr(run.model, "transformer") \
+    tied = (
+        not hasattr(run.model, "lm_head")
+        or not hasattr(run.model, "transformer")
         or run.model.lm_head.weight is run.model.transformer.wte.weight
+    )
     return tied and len(run.opt.state) == len(params)

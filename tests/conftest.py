@@ -1,4 +1,5 @@
 """Shared helpers: the repository root and a way to run the real `dtp` command line."""
+
 from __future__ import annotations
 
 import os
@@ -12,17 +13,31 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def dtp_cli(*args: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+def dtp_cli(
+    *args: str, timeout: float = 180, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """Run `python -m dtp ARGS` from the repository root; every process it starts carries a marker."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "DTP_TEST_MARK": uuid.uuid4().hex, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "dtp", *args], cwd=REPO, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+    full_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "DTP_TEST_MARK": uuid.uuid4().hex,
+        **(env or {}),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "dtp", *args],
+        cwd=REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def default_sigint() -> None:
-    """Popen's preexec_fn for a child that is sent Ctrl-C: SIGINT at its default, as a terminal's foreground
-    job has it. A shell that starts the suite in the background hands SIGINT down ignored, and Python then
-    keeps ignoring it (as it should: that is how nohup and `&` work), so the child would never see it."""
+    """Popen's preexec_fn for a child that is sent Ctrl-C: SIGINT at its default, as a terminal's
+    foreground job has it. A shell that starts the suite in the background hands SIGINT down
+    ignored, and Python then keeps ignoring it (as it should: that is how nohup and `&` work), so
+    the child would never see it."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)

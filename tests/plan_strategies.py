@@ -2,11 +2,14 @@
 
 What the grammar cannot say, the strategies do not generate:
 - a segment containing `**` other than `**` itself, and empty index ranges;
-- a single-segment pattern that is a keyword (`dtp`, `plan`, `mesh`, `set`, `version`, `when`, `else`): it lexes
-  as the keyword (`else {` on a line of its own is the stray-else error, by design);
-- option values `true`/`false`/`replicate`/`partial` as plain strings: they parse as bools and layouts;
+- a single-segment pattern that is a keyword (`dtp`, `plan`, `mesh`, `set`, `version`, `when`,
+  `else`): it lexes as the keyword (`else {` on a line of its own is the stray-else error, by
+  design);
+- option values `true`/`false`/`replicate`/`partial` as plain strings: they parse as bools and
+  layouts;
 - the version is always 1 and the mesh is `tp` or `dp, tp` (anything else is an error by design).
 """
+
 from __future__ import annotations
 
 from hypothesis import strategies as st
@@ -20,10 +23,32 @@ _DIGITS = "0123456789"
 
 # Names: [A-Za-z_][A-Za-z0-9_]*, biased towards the words plans really use.
 names = st.one_of(
-    st.sampled_from(["tp", "a", "colwise", "rowwise", "packed", "input", "output", "local", "out_features",
-                     "in_features", "head_dim", "x1", "_", "shard", "set", "plan", "mesh", "version", "dtp"]),
+    st.sampled_from(
+        [
+            "tp",
+            "a",
+            "colwise",
+            "rowwise",
+            "packed",
+            "input",
+            "output",
+            "local",
+            "out_features",
+            "in_features",
+            "head_dim",
+            "x1",
+            "_",
+            "shard",
+            "set",
+            "plan",
+            "mesh",
+            "version",
+            "dtp",
+        ]
+    ),
     st.text(_LETTERS, min_size=1, max_size=1).flatmap(
-        lambda first: st.text(_LETTERS + _DIGITS, max_size=8).map(lambda rest: first + rest)),
+        lambda first: st.text(_LETTERS + _DIGITS, max_size=8).map(lambda rest: first + rest)
+    ),
 )
 
 small_ints = st.integers(0, 2**20)
@@ -32,10 +57,14 @@ ints = st.one_of(small_ints, st.integers(0, MAX_INT), st.just(MAX_INT))
 # ---- patterns ---------------------------------------------------------------------------------------
 
 name_segments = st.one_of(
-    st.sampled_from(["transformer", "h", "attn", "c_attn", "c_*", "*", "ln_?", "0", "11", "lm_head", "?"]),
+    st.sampled_from(
+        ["transformer", "h", "attn", "c_attn", "c_*", "*", "ln_?", "0", "11", "lm_head", "?"]
+    ),
     st.text(_LETTERS + _DIGITS + "*?", min_size=1, max_size=8).filter(lambda s: "**" not in s),
 )
-ranges = st.tuples(st.integers(0, 10**6), st.integers(0, 10**6)).map(lambda t: ir.IndexRange(min(t), max(t)))
+ranges = st.tuples(st.integers(0, 10**6), st.integers(0, 10**6)).map(
+    lambda t: ir.IndexRange(min(t), max(t))
+)
 segments = st.one_of(name_segments, st.just("**"), ranges)
 
 
@@ -54,8 +83,9 @@ layouts = st.one_of(
     st.integers(-MAX_INT, MAX_INT).map(lambda d: ir.Layout("shard", d)),
 )
 word_values = names.filter(lambda n: n not in ("true", "false", "replicate", "partial"))
-call_values = st.tuples(names.filter(lambda n: n != "shard"), st.integers(-10**6, 10**6)).map(
-    lambda t: f"{t[0]}({t[1]})")
+call_values = st.tuples(names.filter(lambda n: n != "shard"), st.integers(-(10**6), 10**6)).map(
+    lambda t: f"{t[0]}({t[1]})"
+)
 option_values = st.one_of(ints, st.booleans(), layouts, word_values, call_values)
 options = st.builds(ir.Option, names, option_values)
 styles = st.builds(ir.Style, names, st.lists(options, max_size=3).map(tuple))

@@ -1,4 +1,5 @@
 """The Python API: parse, load, check, compile, apply importable from `dtp`."""
+
 from __future__ import annotations
 
 import copy
@@ -24,34 +25,51 @@ def _compile_and_apply(rank: int, world: int) -> dict:
     styles = dtp.compile(plan, model, mesh).styles
     applied = dtp.apply(plan, model, mesh)
     wte = model.transformer.wte.weight
-    return {"styles": {k: type(v).__name__ for k, v in styles.items()},
-            "layers": {k: type(model.get_submodule(k)).__name__ for k in styles},
-            "tied": model.lm_head.weight is wte, "wte": (isinstance(wte, DTensor), wte.placements == (Shard(0),)),
-            "local_c_attn": tuple(model.transformer.h[0].attn.c_attn.weight.to_local().shape),
-            "full_c_attn": tuple(applied.full("transformer.h.0.attn.c_attn.weight",
-                                              model.transformer.h[0].attn.c_attn.weight).shape)}
+    return {
+        "styles": {k: type(v).__name__ for k, v in styles.items()},
+        "layers": {k: type(model.get_submodule(k)).__name__ for k in styles},
+        "tied": model.lm_head.weight is wte,
+        "wte": (isinstance(wte, DTensor), wte.placements == (Shard(0),)),
+        "local_c_attn": tuple(model.transformer.h[0].attn.c_attn.weight.to_local().shape),
+        "full_c_attn": tuple(
+            applied.full(
+                "transformer.h.0.attn.c_attn.weight", model.transformer.h[0].attn.c_attn.weight
+            ).shape
+        ),
+    }
 
 
 def test_compile_picks_megatron_styles_and_apply_makes_the_layers_in_place(repo):
-    """The compiled styles are what runs: each Megatron layout is a dtp ParallelStyle whose `_apply` made the
-    module its layer (ColumnParallelLinear, ...), the class named in the table of dtp.compiler.compiler."""
+    """The compiled styles are what runs: each Megatron layout is a dtp ParallelStyle whose `_apply`
+    made the module its layer (ColumnParallelLinear, ...), the class named in the table of
+    dtp.compiler.compiler."""
     r0, r1 = on_ranks(_compile_and_apply, 2)
     assert r0 == r1
     assert r0["styles"] == {
-        "transformer.wte": VocabParallelEmbedding.__name__, "transformer.h.0.attn.c_attn": MegatronColwise.__name__,
-        "transformer.h.0.attn.c_proj": MegatronRowwise.__name__, "transformer.h.0.mlp.c_fc": MegatronColwise.__name__,
-        "transformer.h.0.mlp.c_proj": MegatronRowwise.__name__, "lm_head": VocabParallelHead.__name__}
+        "transformer.wte": VocabParallelEmbedding.__name__,
+        "transformer.h.0.attn.c_attn": MegatronColwise.__name__,
+        "transformer.h.0.attn.c_proj": MegatronRowwise.__name__,
+        "transformer.h.0.mlp.c_fc": MegatronColwise.__name__,
+        "transformer.h.0.mlp.c_proj": MegatronRowwise.__name__,
+        "lm_head": VocabParallelHead.__name__,
+    }
     assert r0["layers"] == {
-        "transformer.wte": "VocabParallelEmbedding", "transformer.h.0.attn.c_attn": "ColumnParallelLinear",
-        "transformer.h.0.attn.c_proj": "RowParallelLinear", "transformer.h.0.mlp.c_fc": "ColumnParallelLinear",
-        "transformer.h.0.mlp.c_proj": "RowParallelLinear", "lm_head": "VocabParallelLinear"}
-    assert SharedInput.__name__ not in r0["styles"].values()  # c_attn is alone under attn: nothing to share
+        "transformer.wte": "VocabParallelEmbedding",
+        "transformer.h.0.attn.c_attn": "ColumnParallelLinear",
+        "transformer.h.0.attn.c_proj": "RowParallelLinear",
+        "transformer.h.0.mlp.c_fc": "ColumnParallelLinear",
+        "transformer.h.0.mlp.c_proj": "RowParallelLinear",
+        "lm_head": "VocabParallelLinear",
+    }
+    # c_attn is alone under attn: nothing to share
+    assert SharedInput.__name__ not in r0["styles"].values()
     assert r0["tied"] and r0["wte"] == (True, True)
     assert r0["local_c_attn"] == (48, 32) and r0["full_c_attn"] == (96, 32)
 
 
 def _user_training_loop(rank: int, world: int) -> dict:
-    """A training loop as a user writes it around the library face: compile, apply, their own optimizer."""
+    """A training loop as a user writes it around the library face: compile, apply, their own
+    optimizer."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, vocab_size=64, block_size=16)).double()
@@ -68,7 +86,9 @@ def _user_training_loop(rank: int, world: int) -> dict:
         ref_loss.backward()
         grad = applied.full("transformer.wte.weight", model.transformer.wte.weight.grad)
         worst["loss"] = max(worst["loss"], abs(loss.item() - ref_loss.item()))
-        worst["wte.grad"] = max(worst["wte.grad"], (grad - reference.transformer.wte.weight.grad).abs().max().item())
+        worst["wte.grad"] = max(
+            worst["wte.grad"], (grad - reference.transformer.wte.weight.grad).abs().max().item()
+        )
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
@@ -78,9 +98,10 @@ def _user_training_loop(rank: int, world: int) -> dict:
 
 
 def test_a_user_written_loop_through_compile_matches_the_unsharded_model(repo):
-    """dtp.compile(...).apply(model, mesh) keeps GPT-2's embedding and head tied and its loss is the model's: float64
-    loss, the tied embedding's gradient and a trained weight within 1e-12 of the unsharded run's over 3 SGD steps
-    (passing `.styles` to parallelize_module alone untied them: the embedding's gradient was off by 0.25)."""
+    """dtp.compile(...).apply(model, mesh) keeps GPT-2's embedding and head tied and its loss is the
+    model's: float64 loss, the tied embedding's gradient and a trained weight within 1e-12 of the
+    unsharded run's over 3 SGD steps (passing `.styles` to parallelize_module alone untied them: the
+    embedding's gradient was off by 0.25)."""
     r0, r1 = on_ranks(_user_training_loop, 2)
     assert r0 == r1 and r0["tied"]
     assert all(v < 1e-12 for v in r0["worst"].values()), r0["worst"]

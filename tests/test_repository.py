@@ -1,7 +1,8 @@
-"""The repository holds the product, not the lab notebook: bench/results keeps one small report per claim the
-docs make (raw runs, plots and logs live on the lab-results branch), nothing tracked is over 200 KB, and the
-wheel's dtp/bench is `dtp bench` and its documented tp 1 comparison, no lab harness (those are scripts in the
-checkout's bench/, which the wheel does not ship)."""
+"""The repository holds the product, not the lab notebook: bench/results keeps one small report per
+claim the docs make (raw runs, plots and logs live on the lab-results branch), nothing tracked is
+over 200 KB, and the wheel's dtp/bench is `dtp bench` and its documented tp 1 comparison, no lab
+harness (those are scripts in the checkout's bench/, which the wheel does not ship)."""
+
 from __future__ import annotations
 
 import ast
@@ -13,37 +14,52 @@ from conftest import REPO
 
 MAX_REPORTS = 30
 MAX_KB = 200  # .pre-commit-config.yaml's check-added-large-files --maxkb
-# dtp/bench modules that are entries of their own: the package face, `python -m dtp.bench`, `dtp bench`'s
-# main, and the tp 1 comparison with a plain transformers loop (docs/bench.md). Every other module must be
-# reached from these by imports; a module nothing reaches is a lab harness and belongs in bench/.
+# dtp/bench modules that are entries of their own: the package face, `python -m dtp.bench`, `dtp
+# bench`'s main, and the tp 1 comparison with a plain transformers loop (docs/bench.md). Every other
+# module must be reached from these by imports; a module nothing reaches is a lab harness and
+# belongs in bench/.
 BENCH_ENTRIES = {"__init__", "__main__", "run", "plain_tp1"}
 
 
 def _git(*args: str) -> list[str]:
-    out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True
+    ).stdout
     return [name for name in out.split("\0") if name]
 
 
 def _committed(folder: str) -> list:
-    """The files under `folder` that the next commit holds (`git add -A`): tracked or addable, present."""
+    """The files under `folder` that the next commit holds (`git add -A`): tracked or addable,
+    present."""
     names = _git("ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", folder)
     return sorted({REPO / n for n in names if (REPO / n).is_file()})
 
 
 def test_this_is_a_git_checkout():
-    assert subprocess.run(["git", "-C", str(REPO), "rev-parse", "--is-inside-work-tree"], capture_output=True,
-                          text=True).stdout.strip() == "true", f"{REPO} is not a git checkout"
+    assert (
+        subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--is-inside-work-tree"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        == "true"
+    ), f"{REPO} is not a git checkout"
 
 
 def test_bench_results_holds_a_few_small_reports():
     files = _committed("bench/results")
     assert 0 < len(files) <= MAX_REPORTS, [str(f.relative_to(REPO)) for f in files]
-    assert {f.suffix for f in files} <= {".md", ".yaml"}, "raw runs, plots and logs go to the lab-results branch"
+    assert {f.suffix for f in files} <= {".md", ".yaml"}, (
+        "raw runs, plots and logs go to the lab-results branch"
+    )
 
 
 def test_nothing_tracked_is_over_the_size_limit():
-    big = {str(f.relative_to(REPO)): f.stat().st_size // 1024 for f in _committed(".")
-           if f.stat().st_size > MAX_KB * 1024}
+    big = {
+        str(f.relative_to(REPO)): f.stat().st_size // 1024
+        for f in _committed(".")
+        if f.stat().st_size > MAX_KB * 1024
+    }
     assert not big, f"files over {MAX_KB} KB (KB): {big}"
 
 
@@ -74,6 +90,12 @@ def test_the_wheel_holds_no_lab_harness():
         if name not in reached:
             reached.add(name)
             todo += sorted(_bench_imports(name) & modules)
-    assert modules - reached == set(), "dtp/bench modules `dtp bench` never imports: lab harnesses belong in bench/"
-    wheel = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["hatch"]["build"]["targets"]["wheel"]
-    assert wheel["packages"] == ["dtp"] and not any(k.startswith("bench") for k in wheel.get("force-include", {}))
+    assert modules - reached == set(), (
+        "dtp/bench modules `dtp bench` never imports: lab harnesses belong in bench/"
+    )
+    wheel = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["hatch"]["build"][
+        "targets"
+    ]["wheel"]
+    assert wheel["packages"] == ["dtp"] and not any(
+        k.startswith("bench") for k in wheel.get("force-include", {})
+    )

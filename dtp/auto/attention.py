@@ -1,12 +1,15 @@
-"""The rules `dtp plan --auto` writes for one attention: Megatron's split by heads, found from shapes and source.
+"""The rules `dtp plan --auto` writes for one attention: Megatron's split by heads, found from
+shapes and source.
 
-Query/key/value projections are colwise, the output projection rowwise. A fused projection's parts come from
-its weight's shape (dtp/layout/attention.py); whether it is [q | k | v] (`packed`) or interleaved per head or
-group (plain colwise) from how the forward takes it apart (dtp/auto/sizes.py). Key/value heads tp does not
-divide are repeated (`repeat(kv)`) where tp is a multiple of them. Per-head norms, per-head parameters and
-ALiBi inputs get the rule their shape asks for; the attributes the forward sizes tensors with are `set` to
-this rank's values. Anything else leaves the attention whole, with the reason.
+Query/key/value projections are colwise, the output projection rowwise. A fused projection's parts
+come from its weight's shape (dtp/layout/attention.py); whether it is [q | k | v] (`packed`) or
+interleaved per head or group (plain colwise) from how the forward takes it apart
+(dtp/auto/sizes.py). Key/value heads tp does not divide are repeated (`repeat(kv)`) where tp is a
+multiple of them. Per-head norms, per-head parameters and ALiBi inputs get the rule their shape asks
+for; the attributes the forward sizes tensors with are `set` to this rank's values. Anything else
+leaves the attention whole, with the reason.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -23,13 +26,22 @@ from dtp.layout.modules import features, forward_inputs
 from dtp.layout.norms import is_norm, norm_width
 
 _SIZE_NAMES = ("head_dim", "head_size")
-_PRIORITY = ("query heads per key/value head", "key/value features", "key/value heads", "query heads",
-             "query features")  # the most specific word in a name decides what it counts
-_WORDS = ("head", "kv", "key_value", "group", "rep", "embed_dim", "split_size")  # names of head counts and widths
+_PRIORITY = (
+    "query heads per key/value head",
+    "key/value features",
+    "key/value heads",
+    "query heads",
+    "query features",
+)  # the most specific word in a name decides what it counts
+# names of head counts and widths
+_WORDS = ("head", "kv", "key_value", "group", "rep", "embed_dim", "split_size")
 
 
-def attention_unit(model: nn.Module, owner_path: str, module: nn.Module, pair: Pair, tp: int) -> Unit:
-    """The rules for attention `module` (at `owner_path` in the model) at `tp`, or why it stays whole."""
+def attention_unit(
+    model: nn.Module, owner_path: str, module: nn.Module, pair: Pair, tp: int
+) -> Unit:
+    """The rules for attention `module` (at `owner_path` in the model) at `tp`, or why it stays
+    whole."""
     unit = Unit(pair.owner, "attention")
     info = _own_heads(module, owner_path, pair, heads(model, owner_path, module))
     if info is None:
@@ -37,17 +49,26 @@ def attention_unit(model: nn.Module, owner_path: str, module: nn.Module, pair: P
     if info.n_head % tp:
         return unit.refuse(f"{info.n_head} query heads ({info.source}) do not divide by tp={tp}")
     if info.n_head % info.n_kv_head:
-        return unit.refuse(f"{info.n_head} query heads are no multiple of {info.n_kv_head} key/value heads "
-                           f"({info.kv_source})")
-    if any(isinstance(c, nn.ModuleList) and len(c) in (info.n_head, info.n_kv_head) and len(c) > 1
-           for c in module.modules()):
-        return unit.refuse("it keeps one module per head in a list, which split heads would pair with other heads")
+        return unit.refuse(
+            f"{info.n_head} query heads are no multiple of {info.n_kv_head} key/value heads "
+            f"({info.kv_source})"
+        )
+    if any(
+        isinstance(c, nn.ModuleList) and len(c) in (info.n_head, info.n_kv_head) and len(c) > 1
+        for c in module.modules()
+    ):
+        return unit.refuse(
+            "it keeps one module per head in a list, which split heads would pair with other heads"
+        )
     width = input_width_sizes(module)
     if width:
-        return unit.refuse(f"its forward sizes the heads' output with `{width}`, its input's whole width, read from "
-                           "the tensor: no `set` can make that this rank's")
+        return unit.refuse(
+            f"its forward sizes the heads' output with `{width}`, its input's whole width, read "
+            "from "
+            "the tensor: no `set` can make that this rank's"
+        )
     kv = _kv_mode(info, tp)
-    rel = (lambda c: f"{pair.owner}.{c}" if pair.owner else c)
+    rel = lambda c: f"{pair.owner}.{c}" if pair.owner else c
     lines: list[Line] = []
     if len(pair.firsts) == 1:
         found = _fused(module, pair.firsts[0], info, kv, tp)
@@ -63,11 +84,23 @@ def attention_unit(model: nn.Module, owner_path: str, module: nn.Module, pair: P
         lines += [Line(rel(n), s, w) for n, s, w in found[0]]
     second = module.get_submodule(pair.second)
     if features(second)[0] != info.n_head * info.head_dim:
-        return unit.refuse(f"{pair.second} reads {features(second)[0]} features, not the {info.n_head} heads × "
-                           f"{info.head_dim} the projections make")
-    how = " (the forward's source does not show the flow: projections by name, the output by elimination)" \
-        if pair.by_names else ""
-    lines.append(Line(rel(pair.second), "rowwise", f"output projection: partial sums over this rank's heads, all-reduced{how}"))
+        return unit.refuse(
+            f"{pair.second} reads {features(second)[0]} features, not the {info.n_head} heads × "
+            f"{info.head_dim} the projections make"
+        )
+    how = (
+        " (the forward's source does not show the flow: projections by name, the output by "
+        "elimination)"
+        if pair.by_names
+        else ""
+    )
+    lines.append(
+        Line(
+            rel(pair.second),
+            "rowwise",
+            f"output projection: partial sums over this rank's heads, all-reduced{how}",
+        )
+    )
     extra = _around(module, pair, info, kv, rel)
     if isinstance(extra, str):
         return unit.refuse(extra)
@@ -79,8 +112,9 @@ def attention_unit(model: nn.Module, owner_path: str, module: nn.Module, pair: P
 
 
 def _own_heads(module: nn.Module, path: str, pair: Pair, info: Heads | None) -> Heads | None:
-    """The config's head counts, unless they do not make the output projection's width and the module's own
-    attributes do (BART's decoder: `config.num_attention_heads` is the encoder's count)."""
+    """The config's head counts, unless they do not make the output projection's width and the
+    module's own attributes do (BART's decoder: `config.num_attention_heads` is the encoder's
+    count)."""
     width = features(module.get_submodule(pair.second))[0]
     if info is not None and info.n_head * info.head_dim == width:
         return info
@@ -89,7 +123,7 @@ def _own_heads(module: nn.Module, path: str, pair: Pair, info: Heads | None) -> 
 
 
 def _kv_mode(info: Heads, tp: int) -> str | None:
-    """"split" (tp divides the key/value heads), "repeat" (tp is a multiple of them) or None."""
+    """ "split" (tp divides the key/value heads), "repeat" (tp is a multiple of them) or None."""
     if info.n_kv_head % tp == 0:
         return "split"
     if tp % info.n_kv_head == 0:
@@ -103,17 +137,27 @@ def _heads_text(info: Heads) -> str:
 
 
 def _fused(module: nn.Module, name: str, info: Heads, kv: str | None, tp: int):
-    """(style, why, local key/value heads, heads as the weight says, attributes counting interleaved groups) for
-    a fused q/k/v projection, or why it cannot be split."""
+    """(style, why, local key/value heads, heads as the weight says, attributes counting interleaved
+    groups) for a fused q/k/v projection, or why it cannot be split."""
     found = _fused_style(module, name, info, kv, tp)
     if isinstance(found, str):
         return found
     style, why, local_kv = found
     q, k, _ = fused_parts(module, module.get_submodule(name), info)
     n_kv = k // info.head_dim
-    weight_info = replace(info, n_kv_head=n_kv, kv_source="the weight's shape") if n_kv != info.n_kv_head else info
+    weight_info = (
+        replace(info, n_kv_head=n_kv, kv_source="the weight's shape")
+        if n_kv != info.n_kv_head
+        else info
+    )
     layout, reads = fused_view(module, name)
-    return style, why, local_kv, weight_info, (reads if layout == "interleaved" and style == "colwise" else frozenset())
+    return (
+        style,
+        why,
+        local_kv,
+        weight_info,
+        (reads if layout == "interleaved" and style == "colwise" else frozenset()),
+    )
 
 
 def _fused_style(module: nn.Module, name: str, info: Heads, kv: str | None, tp: int):
@@ -124,8 +168,11 @@ def _fused_style(module: nn.Module, name: str, info: Heads, kv: str | None, tp: 
     q, k, v = parts
     shape = f"fused q|k|v {q}|{k}|{v} from the weight's shape"
     if k == info.head_dim < q:
-        return ("colwise(packed=[q, replicate(head), replicate(head)])",
-                f"{shape}: multi-query, the one key/value head whole on every rank", 1)
+        return (
+            "colwise(packed=[q, replicate(head), replicate(head)])",
+            f"{shape}: multi-query, the one key/value head whole on every rank",
+            1,
+        )
     layout = fused_view(module, name)[0]
     if layout is None:
         return f"the forward's source does not show whether {name} packs [q | k | v] or interleaves heads"
@@ -134,22 +181,37 @@ def _fused_style(module: nn.Module, name: str, info: Heads, kv: str | None, tp: 
         if groups % tp:
             return f"{name} interleaves {groups} groups of heads, which tp={tp} does not divide"
         what = "key/value group" if k < q else "head"
-        return "colwise", f"{shape}, interleaved per {what} (the forward views it to heads first): whole heads a rank", \
-            info.n_kv_head // tp
+        return (
+            "colwise",
+            f"{shape}, interleaved per {what} (the forward views it to heads first): whole heads a "
+            "rank",
+            info.n_kv_head // tp,
+        )
     if q == k:
-        return "colwise(packed=3)", f"{shape}, [q | k | v] (the forward splits it): whole heads of each a rank", \
-            info.n_head // tp
+        return (
+            "colwise(packed=3)",
+            f"{shape}, [q | k | v] (the forward splits it): whole heads of each a rank",
+            info.n_head // tp,
+        )
     if kv == "split":
-        return "colwise(packed=[q, kv, kv])", f"{shape}, grouped-query {info.n_head}/{info.n_kv_head}", \
-            info.n_kv_head // tp
+        return (
+            "colwise(packed=[q, kv, kv])",
+            f"{shape}, grouped-query {info.n_head}/{info.n_kv_head}",
+            info.n_kv_head // tp,
+        )
     if kv == "repeat":
-        return ("colwise(packed=[q, repeat(kv), repeat(kv)])",
-                f"{shape}, {info.n_kv_head} key/value heads < tp: each rank the one its query heads read", 1)
+        return (
+            "colwise(packed=[q, repeat(kv), repeat(kv)])",
+            f"{shape}, {info.n_kv_head} key/value heads < tp: each rank the one its query heads "
+            "read",
+            1,
+        )
     return f"{info.n_kv_head} key/value heads neither divide by tp={tp} nor divide it"
 
 
 def _separate(module: nn.Module, firsts: tuple[str, ...], info: Heads, kv: str | None, tp: int):
-    """([(name, style, why)], local key/value heads) for separate projections, or why they cannot be split."""
+    """([(name, style, why)], local key/value heads) for separate projections, or why they cannot be
+    split."""
     q_width, kv_width = info.n_head * info.head_dim, info.n_kv_head * info.head_dim
     out = []
     for name in firsts:
@@ -157,22 +219,38 @@ def _separate(module: nn.Module, firsts: tuple[str, ...], info: Heads, kv: str |
         if width == q_width:
             out.append((name, "colwise", f"{_heads_text(info)}: this rank's heads"))
         elif width == kv_width and kv == "split":
-            out.append((name, "colwise", f"grouped-query: {info.n_kv_head // tp} of {info.n_kv_head} key/value heads a rank"))
+            out.append(
+                (
+                    name,
+                    "colwise",
+                    f"grouped-query: {info.n_kv_head // tp} of {info.n_kv_head} key/value heads a "
+                    "rank",
+                )
+            )
         elif width == kv_width and kv == "repeat":
-            out.append((name, "colwise(packed=[repeat(kv)])",
-                        f"{info.n_kv_head} key/value heads < tp={tp}: each rank the one its query heads read"))
+            out.append(
+                (
+                    name,
+                    "colwise(packed=[repeat(kv)])",
+                    f"{info.n_kv_head} key/value heads < tp={tp}: each rank the one its query heads "
+                    "read",
+                )
+            )
         elif width == kv_width:
             return f"{info.n_kv_head} key/value heads neither divide by tp={tp} nor divide it"
         else:
             return f"{name} makes {width} features, neither the query ({q_width}) nor key/value ({kv_width}) width"
-    if not any(w == "colwise" and features(module.get_submodule(n))[1] == q_width for n, w, _ in out):
+    if not any(
+        w == "colwise" and features(module.get_submodule(n))[1] == q_width for n, w, _ in out
+    ):
         return "no projection makes the query heads"
     local = info.n_kv_head // tp if kv == "split" or info.n_kv_head == info.n_head else 1
     return out, local
 
 
 def _around(module: nn.Module, pair: Pair, info: Heads, kv: str | None, rel) -> list[Line] | str:
-    """Rules for what sits between the projections (norms of q or k), per-head parameters and ALiBi inputs."""
+    """Rules for what sits between the projections (norms of q or k), per-head parameters and ALiBi
+    inputs."""
     q_width, kv_width, out = info.n_head * info.head_dim, info.n_kv_head * info.head_dim, []
     for name in pair.between:
         child = module.get_submodule(name)
@@ -180,19 +258,41 @@ def _around(module: nn.Module, pair: Pair, info: Heads, kv: str | None, rel) -> 
             continue
         width = norm_width(child) if is_norm(child) else 0
         if width == info.head_dim:
-            out.append(Line(rel(name), "replicate(reduce_grad=true)",
-                            f"per-head norm ({width}) on this rank's heads: its gradient summed over the ranks"))
+            out.append(
+                Line(
+                    rel(name),
+                    "replicate(reduce_grad=true)",
+                    f"per-head norm ({width}) on this rank's heads: its gradient summed over the "
+                    "ranks",
+                )
+            )
         elif width and width in (q_width, kv_width):
             repeat = width == kv_width != q_width and kv == "repeat"
             style = "sharded_norm(packed=[repeat(kv)])" if repeat else "sharded_norm"
-            out.append(Line(rel(name), style, f"norm over all {width} features of the heads: this rank's heads, "
-                            "sum of squares all-reduced"))
+            out.append(
+                Line(
+                    rel(name),
+                    style,
+                    f"norm over all {width} features of the heads: this rank's heads, "
+                    "sum of squares all-reduced",
+                )
+            )
         else:
             return f"{name} ({type(child).__name__}) holds parameters on the heads' features that no rule can split"
-    own = [n for n, p in module.named_parameters(recurse=False) if p.dim() >= 1 and p.shape[0] == info.n_head]
+    own = [
+        n
+        for n, p in module.named_parameters(recurse=False)
+        if p.dim() >= 1 and p.shape[0] == info.n_head
+    ]
     if own:
         names = own[0] if len(own) == 1 else "[" + ", ".join(own) + "]"
-        out.append(Line(pair.owner, f"slice_params(name={names})", "one value per query head: each rank its heads'"))
+        out.append(
+            Line(
+                pair.owner,
+                f"slice_params(name={names})",
+                "one value per query head: each rank its heads'",
+            )
+        )
     elif any(True for _ in module.parameters(recurse=False)):
         return "it holds parameters of its own that are not one per query head"
     named, _ = forward_inputs(module)
@@ -200,31 +300,68 @@ def _around(module: nn.Module, pair: Pair, info: Heads, kv: str | None, rel) -> 
     config = getattr(module, "config", None)
     folded = getattr(config, "alibi", None) is True and "attention_mask" in named
     if bias and getattr(config, "alibi", True) is not False:
-        style = f"slice_input(name=[{bias}, attention_mask], dim=1)" if folded else f"slice_input(name={bias})"
-        out.append(Line(pair.owner, style, f"the forward takes `{bias}`, a bias for every head built outside it"))
-    elif folded:  # transformers 5.25's Falcon: the ALiBi bias reaches attention inside the 4-D mask alone
-        out.append(Line(pair.owner, "slice_input(name=attention_mask, dim=1)", "the model folds an ALiBi bias for "
-                        "every head into `attention_mask`: this rank's heads' planes"))
+        style = (
+            f"slice_input(name=[{bias}, attention_mask], dim=1)"
+            if folded
+            else f"slice_input(name={bias})"
+        )
+        out.append(
+            Line(
+                pair.owner,
+                style,
+                f"the forward takes `{bias}`, a bias for every head built outside it",
+            )
+        )
+    # transformers 5.25's Falcon: the ALiBi bias reaches attention inside the 4-D mask alone
+    elif folded:
+        out.append(
+            Line(
+                pair.owner,
+                "slice_input(name=attention_mask, dim=1)",
+                "the model folds an ALiBi bias for "
+                "every head into `attention_mask`: this rank's heads' planes",
+            )
+        )
     return out
 
 
-def _sets(module: nn.Module, info: Heads, tp: int, local_kv: int, owner: str,
-          grouped: frozenset[str]) -> list[Line] | str:
-    """`set` lines for every head-count attribute (read by the forward as a size, or named as one) whose value
-    this rank holds less of; `grouped`: the attributes an interleaved projection is viewed to groups by."""
+def _sets(
+    module: nn.Module, info: Heads, tp: int, local_kv: int, owner: str, grouped: frozenset[str]
+) -> list[Line] | str:
+    """`set` lines for every head-count attribute (read by the forward as a size, or named as one)
+    whose value this rank holds less of; `grouped`: the attributes an interleaved projection is
+    viewed to groups by."""
     reads = size_reads(module) or set()
     facts = forward_facts(module)
-    named = {n for n, v in vars(module).items() if isinstance(v, int) and any(w in n.lower() for w in _WORDS)}
-    names = sorted(n for n in reads | (facts.shape_attrs if facts else set()) | named | grouped
-                   if not any(w in n.lower() for w in ("layer", "idx")))
+    named = {
+        n
+        for n, v in vars(module).items()
+        if isinstance(v, int) and any(w in n.lower() for w in _WORDS)
+    }
+    names = sorted(
+        n
+        for n in reads | (facts.shape_attrs if facts else set()) | named | grouped
+        if not any(w in n.lower() for w in ("layer", "idx"))
+    )
     local_q = info.n_head // tp
     quantities = {  # (global, local, words a name of it would contain)
         "query heads": (info.n_head, local_q, ("head",)),
-        "query features": (info.n_head * info.head_dim, local_q * info.head_dim, ("dim", "size", "embed", "hidden")),
+        "query features": (
+            info.n_head * info.head_dim,
+            local_q * info.head_dim,
+            ("dim", "size", "embed", "hidden"),
+        ),
         "key/value heads": (info.n_kv_head, local_kv, ("kv", "key_value")),
-        "key/value features": (info.n_kv_head * info.head_dim, local_kv * info.head_dim, ("kv_dim", "kv_size")),
-        "query heads per key/value head": (info.n_head // info.n_kv_head, local_q // local_kv if local_kv else 0,
-                                           ("group", "rep")),
+        "key/value features": (
+            info.n_kv_head * info.head_dim,
+            local_kv * info.head_dim,
+            ("kv_dim", "kv_size"),
+        ),
+        "query heads per key/value head": (
+            info.n_head // info.n_kv_head,
+            local_q // local_kv if local_kv else 0,
+            ("group", "rep"),
+        ),
     }
     out = []
     for name in names:
@@ -237,9 +374,11 @@ def _sets(module: nn.Module, info: Heads, tp: int, local_kv: int, owner: str,
             hits = {"interleaved groups of heads": (value, value // tp, ())}
         else:  # a head count whose name says what it counts
             leaf = name.rpartition(".")[2].lower()
-            said = next((q for q in _PRIORITY if any(w in leaf for w in quantities[q][2])), None)  # groups before kv
+            # groups before kv
+            said = next((q for q in _PRIORITY if any(w in leaf for w in quantities[q][2])), None)
             if info.kv_source.rpartition(".")[2].lower() == leaf and info.n_kv_head != info.n_head:
-                said = "key/value heads"  # the name the heads were found under (gpt-fast's n_local_heads)
+                # the name the heads were found under (gpt-fast's n_local_heads)
+                said = "key/value heads"
             hits = {k: q for k, q in quantities.items() if k == said and q[0] == value}
         locals_ = {q[1] for q in hits.values()}
         if not hits or locals_ == {value}:
@@ -250,7 +389,14 @@ def _sets(module: nn.Module, info: Heads, tp: int, local_kv: int, owner: str,
         leaf = name.rpartition(".")[2]
         expr = f"{leaf} / tp" if local * tp == value else str(local)
         path = ".".join(p for p in (owner, name) if p)
-        out.append(Line(path, expr, f"the forward sizes tensors with self.{name}, the {what} ({value})", is_set=True))
+        out.append(
+            Line(
+                path,
+                expr,
+                f"the forward sizes tensors with self.{name}, the {what} ({value})",
+                is_set=True,
+            )
+        )
     return out
 
 

@@ -1,10 +1,11 @@
 """`dtp plan --auto`: write a plan from a model's structure, then let `dtp check` judge it.
 
-The draft (dtp/auto/attention.py, ffn.py) is written for one tp. The checker then runs on it; every unit a
-diagnostic points into is left replicated with the checker's own words as the reason, and the plan is checked
-again, until it passes. What reaches the user is a plan the checker accepts at every tp its header names;
-`--verify` adds the parity proof of `dtp apply`.
+The draft (dtp/auto/attention.py, ffn.py) is written for one tp. The checker then runs on it; every
+unit a diagnostic points into is left replicated with the checker's own words as the reason, and the
+plan is checked again, until it passes. What reaches the user is a plan the checker accepts at every
+tp its header names; `--verify` adds the parity proof of `dtp apply`.
 """
+
 from __future__ import annotations
 
 import re
@@ -37,25 +38,35 @@ class AutoPlan:
     tp: int
     checked_tp: tuple[int, ...]
     refused: tuple[str, ...]  # "PATH: why" of every part left replicated
-    summary: str = ""  # "blocks split 2/2, attention whole in 0, MLP whole in 0; 12.5 % of the bytes on every rank"
+    # "blocks split 2/2, attention whole in 0, MLP whole in 0; 12.5 % of the bytes on every rank"
+    summary: str = ""
 
 
 @dataclass(frozen=True)
 class _Group:
-    """Consecutive blocks with the same rules: `prefix` is their pattern (`model.layers.*`, `h.[0..3]`)."""
+    """Consecutive blocks with the same rules: `prefix` is their pattern (`model.layers.*`,
+    `h.[0..3]`)."""
 
     prefix: str
     units: tuple[Unit, ...]
 
 
 def block_units(model: nn.Module, path: str, tp: int, sp: bool = False) -> list[Unit]:
-    """The units of block `path`: each attention and MLP pair, each experts module (and, with `sp`, its
-    residual-stream norms)."""
+    """The units of block `path`: each attention and MLP pair, each experts module (and, with `sp`,
+    its residual-stream norms)."""
     block = model.get_submodule(path)
     units = []
     if sp:
-        norms = tuple(Line(n, "sequence_parallel", f"residual-stream {'norm' if is_norm(c) else 'dropout'}: runs on "
-                           "this rank's tokens") for n, c in block.named_children() if is_norm(c) or _dropout(c))
+        norms = tuple(
+            Line(
+                n,
+                "sequence_parallel",
+                f"residual-stream {'norm' if is_norm(c) else 'dropout'}: runs on "
+                "this rank's tokens",
+            )
+            for n, c in block.named_children()
+            if is_norm(c) or _dropout(c)
+        )
         units.append(Unit("", "sequence", norms))
     for pair in pairs(block, model_trace(model), path):
         module = block.get_submodule(pair.owner) if pair.owner else block
@@ -66,33 +77,51 @@ def block_units(model: nn.Module, path: str, tp: int, sp: bool = False) -> list[
             units.append(mlp_unit(module, pair, tp))
     units += [experts_unit(p, block.get_submodule(p), tp) for p in experts(block)]
     owners = {u.owner for u in units}
-    for sub, module in block.named_modules():  # linears that form no pair: say so, never guess, never silently
+    # linears that form no pair: say so, never guess, never silently
+    for sub, module in block.named_modules():
         linears = [n for n, c in module.named_children() if is_linear(c)]
         if sub in owners or not linears or not (attention_like(module) or len(linears) >= 2):
             continue
         kind = "attention" if attention_like(module) else "mlp"
-        units.append(Unit(sub, kind, (), "its linear layers form no colwise → rowwise pair that its forward shows "
-                          "(e.g. low-rank or latent projections, or a forward dtp could neither read nor run)"))
+        units.append(
+            Unit(
+                sub,
+                kind,
+                (),
+                "its linear layers form no colwise → rowwise pair that its forward shows "
+                "(e.g. low-rank or latent projections, or a forward dtp could neither read nor "
+                "run)",
+            )
+        )
     return units
 
 
 def _groups(model: nn.Module, tp: int, sp: bool) -> list[_Group]:
-    """Runs of blocks with the same rules under one parent: `parent.*` when they are all its children (a
-    ModuleList, Sequential or ModuleDict), `parent.[a..b]` for numbered runs, else one group per block."""
+    """Runs of blocks with the same rules under one parent: `parent.*` when they are all its
+    children (a ModuleList, Sequential or ModuleDict), `parent.[a..b]` for numbered runs, else one
+    group per block."""
     runs: list[tuple[str, list[str], tuple[Unit, ...]]] = []
     for path in blocks(model):
         parent, _, name = path.rpartition(".")
         units = tuple(block_units(model, path, tp, sp))
         last = runs[-1] if runs else None
-        if last and last[0] == parent and last[2] == units and (not name.isdigit() or (
-                last[1][-1].isdigit() and int(last[1][-1]) == int(name) - 1)):
+        if (
+            last
+            and last[0] == parent
+            and last[2] == units
+            and (
+                not name.isdigit() or (last[1][-1].isdigit() and int(last[1][-1]) == int(name) - 1)
+            )
+        ):
             last[1].append(name)
         else:
             runs.append((parent, [name], units))
     out: list[_Group] = []
     for parent, names, units in runs:
         holder = model.get_submodule(parent)
-        every = isinstance(holder, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) and len(holder) == len(names)
+        every = isinstance(holder, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) and len(
+            holder
+        ) == len(names)
         if every:
             out.append(_Group(f"{parent}.*" if parent else "*", units))
         elif all(n.isdigit() for n in names) and len(names) > 1:
@@ -109,42 +138,88 @@ def _dropout(module: nn.Module) -> bool:
 def _top(model: nn.Module, e: Ends, sp: bool) -> list[Line]:
     lines = []
     inside = tuple(blocks(model))
-    outside = [(p, m) for p, m in model.named_modules() if p and not any(p.startswith(b + ".") or p == b for b in inside)]
+    outside = [
+        (p, m)
+        for p, m in model.named_modules()
+        if p and not any(p.startswith(b + ".") or p == b for b in inside)
+    ]
     positions = [p for p, m in outside if isinstance(m, nn.Embedding) and p != e.embedding]
     if e.embedding:
         tied = f", tied to {e.head}" if e.tied else ""
-        if sp and positions:  # the position embedding is added to whole rows: sequence parallelism starts after
-            lines.append(Line(e.embedding, "vocab_parallel(output=replicate, local=true)",
-                              f"input embedding of {e.vocab} rows{tied}: rows split; whole output, to add "
-                              f"{positions[0]} to"))
+        # the position embedding is added to whole rows: sequence parallelism starts after
+        if sp and positions:
+            lines.append(
+                Line(
+                    e.embedding,
+                    "vocab_parallel(output=replicate, local=true)",
+                    f"input embedding of {e.vocab} rows{tied}: rows split; whole output, to add "
+                    f"{positions[0]} to",
+                )
+            )
         else:
-            lines.append(Line(e.embedding, "vocab_parallel", f"input embedding of {e.vocab} rows{tied}: rows split, "
-                              "output all-reduced"))
-    lines += [Line(path, "vocab_parallel", f"holds {e.embedding}'s weight: the same rows split")
-              for path in e.also if not sp]
+            lines.append(
+                Line(
+                    e.embedding,
+                    "vocab_parallel",
+                    f"input embedding of {e.vocab} rows{tied}: rows split, output all-reduced",
+                )
+            )
+    lines += [
+        Line(path, "vocab_parallel", f"holds {e.embedding}'s weight: the same rows split")
+        for path in e.also
+        if not sp
+    ]
     if e.head:
-        lines.append(Line(e.head, "vocab_parallel", f"{e.vocab} logits: they stay sharded, the cross-entropy is "
-                          "vocabulary-parallel"))
+        lines.append(
+            Line(
+                e.head,
+                "vocab_parallel",
+                f"{e.vocab} logits: they stay sharded, the cross-entropy is vocabulary-parallel",
+            )
+        )
     if sp:
         lines += _sequence_parallel(model, e)
     return lines
 
 
 def _sequence_parallel(model: nn.Module, e: Ends) -> list[Line]:
-    """`sequence_parallel` on every norm and dropout outside the blocks (the blocks' own are their units)."""
+    """`sequence_parallel` on every norm and dropout outside the blocks (the blocks' own are their
+    units)."""
     inside = tuple(blocks(model))
-    return [Line(path, "sequence_parallel", f"{'norm' if is_norm(module) else 'dropout'} of the residual stream: runs "
-                 "on this rank's tokens") for path, module in model.named_modules()
-            if (is_norm(module) or _dropout(module)) and not any(path.startswith(b + ".") for b in inside)]
+    return [
+        Line(
+            path,
+            "sequence_parallel",
+            f"{'norm' if is_norm(module) else 'dropout'} of the residual stream: runs "
+            "on this rank's tokens",
+        )
+        for path, module in model.named_modules()
+        if (is_norm(module) or _dropout(module))
+        and not any(path.startswith(b + ".") for b in inside)
+    ]
 
 
-def render(name: str, model_name: str, tp: int, top: list[Line], groups: list[_Group], checked: str,
-           sp: bool) -> tuple[str, dict[int, tuple]]:
-    """The plan text and, per line number, which part wrote it (("top", i) or ("unit", group, unit))."""
-    text = [f"# Written by `dtp plan --auto` for {model_name} at tp {tp}{' with sequence parallelism' if sp else ''}.",
-            f"# {checked}",
-            "# Each rule says what it was found from; what could not be split stays replicated, with the reason.",
-            "dtp 1", f"plan {name} version 1", ""]
+def render(
+    name: str,
+    model_name: str,
+    tp: int,
+    top: list[Line],
+    groups: list[_Group],
+    checked: str,
+    sp: bool,
+) -> tuple[str, dict[int, tuple]]:
+    """The plan text and, per line number, which part wrote it (("top", i) or ("unit", group,
+    unit))."""
+    text = [
+        f"# Written by `dtp plan --auto` for {model_name} at tp "
+        f"{tp}{' with sequence parallelism' if sp else ''}.",
+        f"# {checked}",
+        "# Each rule says what it was found from; what could not be split stays replicated, with "
+        "the reason.",
+        "dtp 1",
+        f"plan {name} version 1",
+        "",
+    ]
     where: dict[int, tuple] = {}
     body_top = [(i, line) for i, line in enumerate(top)]
     for i, line in body_top[:1]:
@@ -164,50 +239,79 @@ def render(name: str, model_name: str, tp: int, top: list[Line], groups: list[_G
     return "\n".join(text) + "\n", where
 
 
-def auto_plan(model: nn.Module, model_name: str, tp: int, sp: bool = False, scan: bool = True) -> AutoPlan:
-    """The plan for `model` at `tp` that `dtp check` accepts, each part it could not split left replicated;
-    `scan`: also find every other tp the checker accepts it at (else only `tp` is claimed)."""
+def auto_plan(
+    model: nn.Module, model_name: str, tp: int, sp: bool = False, scan: bool = True
+) -> AutoPlan:
+    """The plan for `model` at `tp` that `dtp check` accepts, each part it could not split left
+    replicated; `scan`: also find every other tp the checker accepts it at (else only `tp` is
+    claimed)."""
     e = ends(model)
     top, groups = _top(model, e, sp), _groups(model, tp, sp)
-    name = "auto-" + re.sub(r"[^A-Za-z0-9_.\-]", "-", model_name.rsplit("/", 1)[-1].rsplit(":", 1)[-1]) or "auto"
+    name = (
+        "auto-" + re.sub(r"[^A-Za-z0-9_.\-]", "-", model_name.rsplit("/", 1)[-1].rsplit(":", 1)[-1])
+        or "auto"
+    )
     refused_sp = ""
     for _ in range(_MAX_ROUNDS):
-        text, where = render(name, model_name, tp, top, groups, "Checked by dtp check at tp {tp}.", sp)
+        text, where = render(
+            name, model_name, tp, top, groups, "Checked by dtp check at tp {tp}.", sp
+        )
         try:
             check(parse(text, "<auto>"), model, tp)
             break
         except PlanError as err:
-            sp_hit = next((d for d in err.diagnostics if _is_sequence(where.get(d.pos.line), top, groups)), None)
-            if sp and sp_hit:  # sequence parallelism is all or nothing: without it, the rest is judged again
+            sp_hit = next(
+                (d for d in err.diagnostics if _is_sequence(where.get(d.pos.line), top, groups)),
+                None,
+            )
+            # sequence parallelism is all or nothing: without it, the rest is judged again
+            if sp and sp_hit:
                 refused_sp, sp = _first_sentence(sp_hit.message), False
                 top, groups = _top(model, e, False), _groups(model, tp, False)
                 continue
             top, groups = _replicate(err, where, top, groups)
     else:
-        raise RuntimeError("dtp plan --auto did not converge")  # each round removes a unit: unreachable
+        # each round removes a unit: unreachable
+        raise RuntimeError("dtp plan --auto did not converge")
     tps = range(1, max(MAX_TP_SHOWN, tp) + 1) if scan else (tp,)
-    mine = _rules(groups)  # another tp is claimed only where auto would write the same rules and check accepts them
-    admitted = tuple(t for t in tps if t == tp or (_rules(_groups(model, t, sp)) == mine and _passes(text, model, t)))
+    # another tp is claimed only where auto would write the same rules and check accepts them
+    mine = _rules(groups)
+    admitted = tuple(
+        t
+        for t in tps
+        if t == tp or (_rules(_groups(model, t, sp)) == mine and _passes(text, model, t))
+    )
     shown = ", ".join(map(str, admitted))
-    text, _ = render(name, model_name, tp, top, groups, f"`dtp check` accepts it at tp {shown}.", sp)
+    text, _ = render(
+        name, model_name, tp, top, groups, f"`dtp check` accepts it at tp {shown}.", sp
+    )
     refused = [f"{g.prefix}.{u.owner}: {u.refused}" for g in groups for u in g.units if u.refused]
     if refused_sp:
         refused.insert(0, f"sequence parallelism: dtp check: {refused_sp}")
-        text = text.replace("\ndtp 1\n", f"\n# Without sequence parallelism: {refused_sp}\ndtp 1\n", 1)
+        text = text.replace(
+            "\ndtp 1\n", f"\n# Without sequence parallelism: {refused_sp}\ndtp 1\n", 1
+        )
     return AutoPlan(text, tp, admitted, tuple(refused), _summary(model, text, tp, groups))
 
 
 def _summary(model: nn.Module, text: str, tp: int, groups: list[_Group]) -> str:
-    """How much of the model the plan splits: blocks with a split part, blocks whose attention or MLP stays
-    whole, and the share of the parameter bytes every rank keeps whole."""
+    """How much of the model the plan splits: blocks with a split part, blocks whose attention or
+    MLP stays whole, and the share of the parameter bytes every rank keeps whole."""
     counts = {g.prefix: _count(model, g.prefix) for g in groups}
     total = sum(counts.values())
     split = sum(n for g in groups for n in [counts[g.prefix]] if any(u.lines for u in g.units))
-    whole = {kind: sum(counts[g.prefix] for g in groups if any(u.refused and u.kind == kind for u in g.units))
-             for kind in ("attention", "mlp")}
+    whole = {
+        kind: sum(
+            counts[g.prefix] for g in groups if any(u.refused and u.kind == kind for u in g.units)
+        )
+        for kind in ("attention", "mlp")
+    }
     share = replicated_fraction(check(parse(text, "<auto>"), model, tp), model)
-    return (f"blocks split {split}/{total}, attention whole in {whole['attention']}, MLP whole in {whole['mlp']}; "
-            f"{100 * share:.1f} % of the parameter bytes stay whole on every rank")
+    return (
+        f"blocks split {split}/{total}, attention whole in {whole['attention']}, MLP whole in "
+        f"{whole['mlp']}; "
+        f"{100 * share:.1f} % of the parameter bytes stay whole on every rank"
+    )
 
 
 def _count(model: nn.Module, prefix: str) -> int:
@@ -232,8 +336,16 @@ def _is_sequence(key: tuple | None, top: list[Line], groups: list[_Group]) -> bo
 
 def _rules(groups: list[_Group]) -> list:
     """The statements of `groups` without their comments (which name tp-specific sizes)."""
-    return [(g.prefix, [(u.owner, bool(u.refused), [(x.path, x.text, x.is_set) for x in u.lines]) for u in g.units])
-            for g in groups]
+    return [
+        (
+            g.prefix,
+            [
+                (u.owner, bool(u.refused), [(x.path, x.text, x.is_set) for x in u.lines])
+                for u in g.units
+            ],
+        )
+        for g in groups
+    ]
 
 
 def _passes(text: str, model: nn.Module, tp: int) -> bool:
@@ -251,15 +363,26 @@ def _replicate(err: PlanError, where: dict[int, tuple], top: list[Line], groups:
     for d in err.diagnostics:
         key = where.get(d.pos.line)
         reason = _first_sentence(d.message)
-        if key is None:  # not a rule auto wrote: the model itself (a problem no plan avoids) — say so, exit 2
-            raise UsageError(f"dtp plan --auto: dtp check refuses every plan for this model: {d.message}")
+        # not a rule auto wrote: the model itself (a problem no plan avoids) — say so, exit 2
+        if key is None:
+            raise UsageError(
+                f"dtp plan --auto: dtp check refuses every plan for this model: {d.message}"
+            )
         if key[0] == "top":
             hit_top.setdefault(key[1], reason)
         else:
             hit_units.setdefault((key[1], key[2]), reason)
     top = [line for i, line in enumerate(top) if i not in hit_top]
-    groups = [_Group(g.prefix, tuple(u.refuse(f"dtp check: {hit_units[(gi, ui)]}") if (gi, ui) in hit_units else u
-                                     for ui, u in enumerate(g.units))) for gi, g in enumerate(groups)]
+    groups = [
+        _Group(
+            g.prefix,
+            tuple(
+                u.refuse(f"dtp check: {hit_units[(gi, ui)]}") if (gi, ui) in hit_units else u
+                for ui, u in enumerate(g.units)
+            ),
+        )
+        for gi, g in enumerate(groups)
+    ]
     return top, groups
 
 

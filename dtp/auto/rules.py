@@ -1,4 +1,6 @@
-"""What `dtp plan --auto` writes for one part of a model: rule lines with the fact each was found from."""
+"""What `dtp plan --auto` writes for one part of a model: rule lines with the fact each was found
+from."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,7 +24,8 @@ class Line:
 
 @dataclass(frozen=True)
 class Unit:
-    """The rules for one module of a block (an attention, an MLP, experts), or why it stays replicated."""
+    """The rules for one module of a block (an attention, an MLP, experts), or why it stays
+    replicated."""
 
     owner: str  # path relative to the block
     kind: str  # "attention", "mlp" or "experts"

@@ -1,11 +1,13 @@
 """`dtp search`: the best layout of a model on a cluster, priced by `dtp simulate` on the auto plan.
 
-Candidates: tp over the powers of two that divide the job (within a node first: a tp that crosses nodes is
-priced too, on the slower link), dp the rest; data parallelism as DDP or FSDP; sequence parallelism on or off;
-recomputation none, selective, per-op or full; micro-batches that divide the batch. Each is priced with the
-plan `dtp plan --auto` writes for its tp (and sequence parallelism), on the simulator's own model; what does
-not fit the profile's memory is dropped with its size; the rest are ranked by predicted iteration time.
+Candidates: tp over the powers of two that divide the job (within a node first: a tp that crosses
+nodes is priced too, on the slower link), dp the rest; data parallelism as DDP or FSDP; sequence
+parallelism on or off; recomputation none, selective, per-op or full; micro-batches that divide the
+batch. Each is priced with the plan `dtp plan --auto` writes for its tp (and sequence parallelism),
+on the simulator's own model; what does not fit the profile's memory is dropped with its size; the
+rest are ranked by predicted iteration time.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,7 +22,7 @@ from dtp.files import write_text
 from dtp.simulate.model import Run, simulate
 from dtp.simulate.prepare import Prepared
 
-GiB = 1024 ** 3
+GiB = 1024**3
 RECOMPUTE = ("none", "selective", "op", "full")
 
 
@@ -44,15 +46,28 @@ class Candidate:
     def key(self) -> str:
         """The layout in one phrase."""
         dp = f"{'FSDP' if self.fsdp else 'DDP'} {self.dp}"
-        return (f"tp {self.tp} × {dp}, mb {self.micro_batch}, sp {'on' if self.sequence_parallel else 'off'}, "
-                f"recompute {self.recompute}")
+        return (
+            f"tp {self.tp} × {dp}, mb {self.micro_batch}, sp "
+            f"{'on' if self.sequence_parallel else 'off'}, "
+            f"recompute {self.recompute}"
+        )
 
     def to_json(self) -> dict:
         """The candidate as JSON (the plan text included)."""
-        return {"tp": self.tp, "dp": self.dp, "micro_batch": self.micro_batch, "fsdp": self.fsdp,
-                "sequence_parallel": self.sequence_parallel, "recompute": self.recompute,
-                "iteration_s": self.iteration_s, "tflops_per_gpu": self.tflops_per_gpu,
-                "memory_gib": self.memory_gib, "fits": self.fits, "seconds": self.parts, "plan": self.plan}
+        return {
+            "tp": self.tp,
+            "dp": self.dp,
+            "micro_batch": self.micro_batch,
+            "fsdp": self.fsdp,
+            "sequence_parallel": self.sequence_parallel,
+            "recompute": self.recompute,
+            "iteration_s": self.iteration_s,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "memory_gib": self.memory_gib,
+            "fits": self.fits,
+            "seconds": self.parts,
+            "plan": self.plan,
+        }
 
 
 def tp_values(gpus: int, per_node: int, limit: int = 64) -> list[int]:
@@ -61,17 +76,29 @@ def tp_values(gpus: int, per_node: int, limit: int = 64) -> list[int]:
     return sorted(out, key=lambda t: (t > per_node, t))
 
 
-def search(model: nn.Module, model_spec: str, profile, gpus: int, seq: int, global_batch: int, *,
-           micro_batches: list[int], precision: str, dp_modes: tuple[str, ...], log=None) -> list[Candidate]:
+def search(
+    model: nn.Module,
+    model_spec: str,
+    profile,
+    gpus: int,
+    seq: int,
+    global_batch: int,
+    *,
+    micro_batches: list[int],
+    precision: str,
+    dp_modes: tuple[str, ...],
+    log=None,
+) -> list[Candidate]:
     """Every layout priced; feasible ones first, fastest first."""
     out: list[Candidate] = []
     with tempfile.TemporaryDirectory(prefix="dtp-search-") as scratch:
         for tp in tp_values(gpus, profile.gpus_per_node):
             dp = gpus // tp
-            for sp in ((False, True) if tp > 1 else (False,)):
+            for sp in (False, True) if tp > 1 else (False,):
                 found = auto_plan(model, model_spec, tp, sp, scan=False)
                 if tp not in found.checked_tp or (sp and not _has_sequence(found.text)):
-                    continue  # the plan cannot be written for this tp (or without sequence parallelism)
+                    # the plan cannot be written for this tp (or without sequence parallelism)
+                    continue
                 path = os.path.join(scratch, f"tp{tp}{'-sp' if sp else ''}.tp")
                 write_text(path, found.text)
                 try:
@@ -88,13 +115,41 @@ def search(model: nn.Module, model_spec: str, profile, gpus: int, seq: int, glob
                         if fsdp and dp == 1:
                             continue
                         for recompute in RECOMPUTE:
-                            run = Run(tp, dp, mb, global_batch, prepared.seq, precision, recompute, "adam",
-                                      profile.dp_overlap, fsdp=fsdp)
+                            run = Run(
+                                tp,
+                                dp,
+                                mb,
+                                global_batch,
+                                prepared.seq,
+                                precision,
+                                recompute,
+                                "adam",
+                                profile.dp_overlap,
+                                fsdp=fsdp,
+                            )
                             r = simulate(work, run, profile)
-                            parts = {"compute": r.compute_s, "tp_comm": r.tp_comm_s, "dp_comm": r.dp_comm_s,
-                                     "optimizer": r.optimizer_s}
-                            out.append(Candidate(tp, dp, mb, sp, recompute, fsdp, r.iteration_s, r.tflops_per_gpu,
-                                                 r.memory.total / GiB, r.memory.fits, parts, found.text))
+                            parts = {
+                                "compute": r.compute_s,
+                                "tp_comm": r.tp_comm_s,
+                                "dp_comm": r.dp_comm_s,
+                                "optimizer": r.optimizer_s,
+                            }
+                            out.append(
+                                Candidate(
+                                    tp,
+                                    dp,
+                                    mb,
+                                    sp,
+                                    recompute,
+                                    fsdp,
+                                    r.iteration_s,
+                                    r.tflops_per_gpu,
+                                    r.memory.total / GiB,
+                                    r.memory.fits,
+                                    parts,
+                                    found.text,
+                                )
+                            )
     return sorted(out, key=lambda c: (not c.fits, c.iteration_s))
 
 
@@ -109,7 +164,10 @@ def why_lost(loser: Candidate, best: Candidate, capacity_gib: float) -> str:
     slower = loser.iteration_s / best.iteration_s - 1
     grew = max(loser.parts, key=lambda k: loser.parts[k] - best.parts.get(k, 0.0))
     delta = loser.parts[grew] - best.parts.get(grew, 0.0)
-    words = {"compute": "more compute (recomputation, smaller GEMMs or fewer ranks per GEMM)",
-             "tp_comm": "more tensor-parallel communication", "dp_comm": "more exposed data-parallel communication",
-             "optimizer": "a longer optimizer step"}
+    words = {
+        "compute": "more compute (recomputation, smaller GEMMs or fewer ranks per GEMM)",
+        "tp_comm": "more tensor-parallel communication",
+        "dp_comm": "more exposed data-parallel communication",
+        "optimizer": "a longer optimizer step",
+    }
     return f"{slower:+.1%}: {words[grew]}, +{delta * 1e3:.0f} ms"

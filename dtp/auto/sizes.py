@@ -1,14 +1,18 @@
-"""What an attention's forward does with sizes and with its fused projection, read from its Python source.
+"""What an attention's forward does with sizes and with its fused projection, read from its Python
+source.
 
 Two questions `dtp plan --auto` cannot answer from shapes alone:
-- which attributes the forward cuts tensors with (`view(b, s, self.num_heads, …)`, `qkv[..., :query_pos]` with
-  `query_pos = self.config.num_attention_heads * self.head_dim`): a split attention needs them rewritten;
-- whether a fused q/k/v projection is [q | k | v] (split or sliced first: `packed`) or interleaved per head or per
-  group (viewed to heads first: `view(b, s, n_heads, 3, hd)`, plain colwise gives each rank whole heads).
+- which attributes the forward cuts tensors with (`view(b, s, self.num_heads, …)`, `qkv[...,
+  :query_pos]` with `query_pos = self.config.num_attention_heads * self.head_dim`): a split
+  attention needs them rewritten;
+- whether a fused q/k/v projection is [q | k | v] (split or sliced first: `packed`) or interleaved
+  per head or per group (viewed to heads first: `view(b, s, n_heads, 3, hd)`, plain colwise gives
+  each rank whole heads).
 
-Nothing is executed: an `ast` walk of `forward` and the `self.` methods it calls, following the branch a boolean
-attribute selects (`if self.multi_query:`), as dtp/layout/forward_source.py does.
+Nothing is executed: an `ast` walk of `forward` and the `self.` methods it calls, following the
+branch a boolean attribute selects (`if self.multi_query:`), as dtp/layout/forward_source.py does.
 """
+
 from __future__ import annotations
 
 import ast
@@ -28,10 +32,14 @@ _TRANSPARENT = frozenset({"unsqueeze", "contiguous", "to", "float", "type_as", "
 
 
 def _attr_read(node: ast.AST) -> str | None:
-    """"NAME" for `self.NAME`, "config.NAME" for `self.config.NAME`."""
+    """ "NAME" for `self.NAME`, "config.NAME" for `self.config.NAME`."""
     if _is_self_attr(node):
         return node.attr
-    if isinstance(node, ast.Attribute) and _is_self_attr(node.value) and node.value.attr == "config":
+    if (
+        isinstance(node, ast.Attribute)
+        and _is_self_attr(node.value)
+        and node.value.attr == "config"
+    ):
         return "config." + node.attr
     return None
 
@@ -56,8 +64,13 @@ class _Sizes:
         for stmt in body:
             if isinstance(stmt, ast.If):
                 flag = _flag(stmt.test, self.flags)
-                for branch in ([stmt.body] if flag is True else [stmt.orelse] if flag is False
-                               else [stmt.body, stmt.orelse]):
+                for branch in (
+                    [stmt.body]
+                    if flag is True
+                    else [stmt.orelse]
+                    if flag is False
+                    else [stmt.body, stmt.orelse]
+                ):
                     self.visit(branch, env, depth)
                 continue
             if isinstance(stmt, ast.Assign):
@@ -75,10 +88,13 @@ class _Sizes:
                             self.found |= self.reads(arg, env)
                     elif _is_self_attr(sub.func) and depth < _DEPTH:
                         method = _method(self.cls, sub.func.attr)
-                        if method is not None:  # a size passed in (`self._split_heads(x, self.num_heads)`)
+                        # a size passed in (`self._split_heads(x, self.num_heads)`)
+                        if method is not None:
                             params = [a.arg for a in method.args.args[1:]]
                             inner = {n: self.reads(a, env) for n, a in zip(params, sub.args)}
-                            inner.update({k.arg: self.reads(k.value, env) for k in sub.keywords if k.arg})
+                            inner.update(
+                                {k.arg: self.reads(k.value, env) for k in sub.keywords if k.arg}
+                            )
                             self.visit(method.body, inner, depth + 1)
             for part in ("body", "orelse", "finalbody"):
                 if not isinstance(stmt, ast.If) and isinstance(getattr(stmt, part, None), list):
@@ -94,8 +110,8 @@ def _flag(test: ast.AST, flags: dict[str, bool]) -> bool | None:
 
 
 def size_reads(module: nn.Module) -> set[str] | None:
-    """Attributes (`NAME`, `config.NAME`) the forward reads as sizes: in shape arguments or slices; None
-    without source."""
+    """Attributes (`NAME`, `config.NAME`) the forward reads as sizes: in shape arguments or slices;
+    None without source."""
     fn = _method(type(module), "forward")
     if fn is None:
         return None
@@ -105,45 +121,78 @@ def size_reads(module: nn.Module) -> set[str] | None:
 
 
 def fused_layout(module: nn.Module, child: str) -> str | None:
-    """How the forward takes `self.CHILD(…)`'s output apart: "concat" ([q | k | v], split or sliced first),
-    "interleaved" (viewed to heads or groups first), or None when the source does not say."""
+    """How the forward takes `self.CHILD(…)`'s output apart: "concat" ([q | k | v], split or sliced
+    first), "interleaved" (viewed to heads or groups first), or None when the source does not say."""
     return fused_view(module, child)[0]
 
 
 def fused_view(module: nn.Module, child: str) -> tuple[str | None, frozenset[str]]:
-    """fused_layout's answer, and the attributes the deciding view reads (`view(b, s, self.num_heads, 3, hd)`:
-    the number of head groups, which a rank holds 1/tp of)."""
+    """fused_layout's answer, and the attributes the deciding view reads (`view(b, s,
+    self.num_heads, 3, hd)`: the number of head groups, which a rank holds 1/tp of)."""
     fn = _method(type(module), "forward")
     if fn is None:
         return None, frozenset()
-    found = _layout_in(type(module), fn, child, None, {k: v for k, v in vars(module).items() if isinstance(v, bool)}, 0)
+    found = _layout_in(
+        type(module),
+        fn,
+        child,
+        None,
+        {k: v for k, v in vars(module).items() if isinstance(v, bool)},
+        0,
+    )
     return found if found else (None, frozenset())
 
 
-def _layout_in(cls: type, fn: ast.FunctionDef, child: str | None, param: str | None, flags: dict, depth: int):
+def _layout_in(
+    cls: type, fn: ast.FunctionDef, child: str | None, param: str | None, flags: dict, depth: int
+):
     names = {param} if param else set()
     for node in _walk_flagged(fn.body, flags):
-        if isinstance(node, ast.Assign) and _is_source(node.value, child, names) and len(node.targets) == 1:
+        if (
+            isinstance(node, ast.Assign)
+            and _is_source(node.value, child, names)
+            and len(node.targets) == 1
+        ):
             target = node.targets[0]
             if isinstance(target, ast.Name):
                 names.add(target.id)
         verdict = None
         for sub in ast.walk(node):
-            if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and _is_source(sub.func.value, child, names):
+            if (
+                isinstance(sub, ast.Call)
+                and isinstance(sub.func, ast.Attribute)
+                and _is_source(sub.func.value, child, names)
+            ):
                 verdict = _method_verdict(sub)
                 if verdict:
                     groups = _groups_arg(_flat(sub.args)) if verdict == "interleaved" else None
-                    reads = {r for n in ast.walk(groups) if (r := _attr_read(n))} if groups is not None else set()
+                    reads = (
+                        {r for n in ast.walk(groups) if (r := _attr_read(n))}
+                        if groups is not None
+                        else set()
+                    )
                     verdict = (verdict, frozenset(reads))
             elif isinstance(sub, ast.Subscript) and _is_source(sub.value, child, names):
                 verdict = ("concat", frozenset())
-            elif (isinstance(sub, ast.Call) and _is_self_attr(sub.func) and depth < _DEPTH and sub.args
-                  and _is_source(sub.args[0], child, names)):
+            elif (
+                isinstance(sub, ast.Call)
+                and _is_self_attr(sub.func)
+                and depth < _DEPTH
+                and sub.args
+                and _is_source(sub.args[0], child, names)
+            ):
                 method = _method(cls, sub.func.attr)
                 if method is not None and method.args.args[1:]:
-                    verdict = _layout_in(cls, method, None, method.args.args[1].arg, flags, depth + 1)
-            elif isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr in _SPLITS \
-                    and sub.args and _is_source(sub.args[0], child, names):  # torch.split(qkv, …)
+                    verdict = _layout_in(
+                        cls, method, None, method.args.args[1].arg, flags, depth + 1
+                    )
+            elif (
+                isinstance(sub, ast.Call)
+                and isinstance(sub.func, ast.Attribute)
+                and sub.func.attr in _SPLITS
+                and sub.args
+                and _is_source(sub.args[0], child, names)
+            ):  # torch.split(qkv, …)
                 verdict = ("concat", frozenset())
             if verdict:
                 return verdict
@@ -151,12 +200,22 @@ def _layout_in(cls: type, fn: ast.FunctionDef, child: str | None, param: str | N
 
 
 def _is_source(node: ast.AST, child: str | None, names: set[str]) -> bool:
-    """`node` is the fused output: `self.CHILD(…)`, a name bound to it, or either through a transparent call."""
+    """`node` is the fused output: `self.CHILD(…)`, a name bound to it, or either through a
+    transparent call."""
     if isinstance(node, ast.Name):
         return node.id in names
-    if isinstance(node, ast.Call) and child and _is_self_attr(node.func) and node.func.attr == child:
+    if (
+        isinstance(node, ast.Call)
+        and child
+        and _is_self_attr(node.func)
+        and node.func.attr == child
+    ):
         return True
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _TRANSPARENT:
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in _TRANSPARENT
+    ):
         return _is_source(node.func.value, child, names)
     return False
 
@@ -175,14 +234,18 @@ def _method_verdict(call: ast.Call) -> str | None:
         return "interleaved"  # (…, n_heads, 3, head_dim)
     if threes:
         return "concat"  # (…, 3, n_heads, head_dim)
-    return "interleaved"  # (…, groups, -1): whole groups of heads (CodeGen's mp_num, Falcon-40B's kv groups)
+    # (…, groups, -1): whole groups of heads (CodeGen's mp_num, Falcon-40B's kv groups)
+    return "interleaved"
 
 
 def _groups_arg(args: list[ast.AST]) -> ast.AST | None:
-    """The argument of an interleaving view that counts the groups of heads (a rank holds 1/tp of them):
-    before (parts, head_dim) in `(…, groups, 3, hd)` or `(…, groups, n_rep + 2, hd)`, else before the last
-    (`(…, groups, 3 * hd)`, `(…, mp_num, -1)`); never a group's own size."""
-    if len(args) >= 3 and (isinstance(args[-2], ast.BinOp) or (isinstance(args[-2], ast.Constant) and args[-2].value == 3)):
+    """The argument of an interleaving view that counts the groups of heads (a rank holds 1/tp of
+    them): before (parts, head_dim) in `(…, groups, 3, hd)` or `(…, groups, n_rep + 2, hd)`, else
+    before the last (`(…, groups, 3 * hd)`, `(…, mp_num, -1)`); never a group's own size."""
+    if len(args) >= 3 and (
+        isinstance(args[-2], ast.BinOp)
+        or (isinstance(args[-2], ast.Constant) and args[-2].value == 3)
+    ):
         return args[-3]
     return args[-2] if len(args) >= 2 else None
 
@@ -192,7 +255,11 @@ def _flat(args: list[ast.AST]) -> list[ast.AST]:
     for a in args:
         if isinstance(a, ast.Tuple):
             out += _flat(list(a.elts))
-        elif isinstance(a, ast.BinOp) and isinstance(a.op, ast.Add) and isinstance(a.right, ast.Tuple):
+        elif (
+            isinstance(a, ast.BinOp)
+            and isinstance(a.op, ast.Add)
+            and isinstance(a.right, ast.Tuple)
+        ):
             out += _flat([a.left, *a.right.elts])  # shape[:-1] + (n, -1)
         else:
             out.append(a)
@@ -209,7 +276,13 @@ def _walk_flagged(body: list[ast.stmt], flags: dict) -> list[ast.stmt]:
     for stmt in body:
         if isinstance(stmt, ast.If):
             flag = _flag(stmt.test, flags)
-            for branch in ([stmt.body] if flag is True else [stmt.orelse] if flag is False else [stmt.body, stmt.orelse]):
+            for branch in (
+                [stmt.body]
+                if flag is True
+                else [stmt.orelse]
+                if flag is False
+                else [stmt.body, stmt.orelse]
+            ):
                 out += _walk_flagged(branch, flags)
         elif isinstance(stmt, (ast.For, ast.While, ast.With, ast.Try)):
             out += _walk_flagged(stmt.body, flags)
@@ -219,26 +292,42 @@ def _walk_flagged(body: list[ast.stmt], flags: dict) -> list[ast.stmt]:
 
 
 def input_width_sizes(module: nn.Module) -> str | None:
-    """The name the forward gives its input's feature width and then sizes a tensor with (TrOCR's `bsz, tgt_len,
-    embed_dim = hidden_states.size()` … `reshape(bsz, tgt_len, embed_dim)`): split heads would be reshaped to the
-    whole width, which no `set` can fix. None when it does no such thing or has no source."""
+    """The name the forward gives its input's feature width and then sizes a tensor with (TrOCR's
+    `bsz, tgt_len, embed_dim = hidden_states.size()` … `reshape(bsz, tgt_len, embed_dim)`): split
+    heads would be reshaped to the whole width, which no `set` can fix. None when it does no such
+    thing or has no source."""
     fn = _method(type(module), "forward")
     if fn is None or len(fn.args.args) < 2:
         return None
     first = fn.args.args[1].arg
     width = None
     for node in ast.walk(fn):
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Tuple):
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Tuple)
+        ):
             value, last = node.value, node.targets[0].elts[-1]
             if isinstance(value, ast.Call):
                 value = value.func
-            if (isinstance(value, ast.Attribute) and value.attr in ("size", "shape") and isinstance(value.value, ast.Name)
-                    and value.value.id == first and isinstance(last, ast.Name)):
+            if (
+                isinstance(value, ast.Attribute)
+                and value.attr in ("size", "shape")
+                and isinstance(value.value, ast.Name)
+                and value.value.id == first
+                and isinstance(last, ast.Name)
+            ):
                 width = last.id
     if width is None:
         return None
     for node in ast.walk(fn):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in SHAPE_METHODS:
-            if any(isinstance(n, ast.Name) and n.id == width for a in node.args for n in ast.walk(a)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in SHAPE_METHODS
+        ):
+            if any(
+                isinstance(n, ast.Name) and n.id == width for a in node.args for n in ast.walk(a)
+            ):
                 return width
     return None

@@ -1,4 +1,5 @@
 """`python -m dtp.bench ...` is `dtp bench ...`."""
+
 import sys
 
 from dtp.bench.run import main

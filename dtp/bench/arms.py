@@ -3,12 +3,14 @@
 - `dtp`: the Megatron plan (`PLAN`, the text of plans/gpt2.tp) compiled by dtp;
 - `hand`: the same placements written directly against torch's `parallelize_module`;
 - `megatron`: the Megatron-style baseline of plain tensors and counted dist calls (`megatron.py`);
-- `dtp-compile` (opt-in): dtp's sharded model with every block under `torch.compile` (parity is probed
-  through the compiled blocks).
+- `dtp-compile` (opt-in): dtp's sharded model with every block under `torch.compile` (parity is
+  probed through the compiled blocks).
 
-An arm is built on every rank and offers a training step and a probe: the full logits, the loss, the global
-gradient norm² and the collectives of one forward + backward — what parity is checked on before timing.
+An arm is built on every rank and offers a training step and a probe: the full logits, the loss, the
+global gradient norm² and the collectives of one forward + backward — what parity is checked on
+before timing.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,7 +22,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 from dtp.bench.megatron import MegatronGPT
 from dtp.checks.checker import check
@@ -35,7 +42,8 @@ from dtp.runtime.build import build_sharded
 from dtp.runtime.comm import CommCounter, merge
 from dtp.train.optim import LocalSGD
 
-# plans/gpt2.tp, shipped inside the package so `dtp bench` runs from any install (a test keeps them equal).
+# plans/gpt2.tp, shipped inside the package so `dtp bench` runs from any install (a test keeps them
+# equal).
 PLAN = """\
 # Megatron-LM tensor parallelism for GPT-2 (Shoeybi et al., 2019, section 3):
 # attention heads and the MLP's first matrix split by columns, the second matrices by rows,
@@ -83,10 +91,14 @@ LR = 0.01
 
 
 def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
-    """torch's SGD with DTensor and plain parameters in separate groups: its foreach path (the default on CUDA)
-    cannot take a list that mixes them, which a plan leaving some modules unsharded makes."""
+    """torch's SGD with DTensor and plain parameters in separate groups: its foreach path (the
+    default on CUDA) cannot take a list that mixes them, which a plan leaving some modules unsharded
+    makes."""
     params = list(model.parameters())
-    groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    groups = [
+        [p for p in params if isinstance(p, DTensor)],
+        [p for p in params if not isinstance(p, DTensor)],
+    ]
     return torch.optim.SGD([{"params": g} for g in groups if g], lr=LR)
 
 
@@ -94,12 +106,17 @@ def _torch_loss(logits, y) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def _dtensor_arm(name: str, model: torch.nn.Module, x, y, extra: dict | None = None, local_loss: bool = False) -> Arm:
-    """An arm over a DTensor-sharded GPT (logits Shard(-1)): torch's `loss_parallel` and SGD, or dtp's local
-    vocabulary-parallel cross-entropy and local SGD (`local_loss`)."""
-    # dtp's own: the local loss and SGD's update on the local tensors (dtp.train.optim, as its AdamW)
+def _dtensor_arm(
+    name: str, model: torch.nn.Module, x, y, extra: dict | None = None, local_loss: bool = False
+) -> Arm:
+    """An arm over a DTensor-sharded GPT (logits Shard(-1)): torch's `loss_parallel` and SGD, or
+    dtp's local vocabulary-parallel cross-entropy and local SGD (`local_loss`)."""
+    # dtp's own: the local loss and SGD's update on the local tensors (dtp.train.optim, as its
+    # AdamW)
     opt = LocalSGD(model.parameters(), lr=LR) if local_loss else _sgd(model)
-    loss_fn, ctx = (cross_entropy, contextlib.nullcontext) if local_loss else (_torch_loss, loss_parallel)
+    loss_fn, ctx = (
+        (cross_entropy, contextlib.nullcontext) if local_loss else (_torch_loss, loss_parallel)
+    )
 
     def step() -> None:
         with ctx():
@@ -116,26 +133,44 @@ def _dtensor_arm(name: str, model: torch.nn.Module, x, y, extra: dict | None = N
             with counters["backward"]:
                 loss.backward()
         counted = merge(counters)
-        grad_sq = sum(float((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).double().pow(2).sum())
-                      for p in model.parameters())
+        grad_sq = sum(
+            float(
+                (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+                .double()
+                .pow(2)
+                .sum()
+            )
+            for p in model.parameters()
+        )
         opt.zero_grad()
         loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
-        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits  # plain at tp 1 (dtp's arms)
-        return Probe(logits.detach(), loss.item(), grad_sq, dict(counted["by_op"]),
-                     dict(counted["bytes"]))
+        # plain at tp 1 (dtp's arms)
+        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        return Probe(
+            logits.detach(), loss.item(), grad_sq, dict(counted["by_op"]), dict(counted["bytes"])
+        )
 
     return Arm(name, step, probe, local_param_bytes(model), extra or {})
 
 
 def _dtp_model(base: GPT, mesh):
-    """dtp's sharded GPT through the one build path (dtp.runtime.build): built on meta, sharded by the plan, each
-    rank's blocks scattered from rank 0's `base`; on one rank the plain model, as `dtp apply` and `dtp train` run."""
+    """dtp's sharded GPT through the one build path (dtp.runtime.build): built on meta, sharded by
+    the plan, each rank's blocks scattered from rank 0's `base`; on one rank the plain model, as
+    `dtp apply` and `dtp train` run."""
     source = ModelSource("bench-gpt", "gpt", base.config)
     with torch.device("meta"):
         checked = check(parse(PLAN, "gpt2.tp"), GPT(base.config), mesh.size())
-    applied = build_sharded(checked, source, mesh, seed=0, device=base.lm_head.weight.device,
-                            full=base if dist.get_rank() == 0 else None, from_rank0=True,
-                            plain=True)  # at tp 1 plain PyTorch, no DTensor and no collective, as apply and train
+    applied = build_sharded(
+        checked,
+        source,
+        mesh,
+        seed=0,
+        device=base.lm_head.weight.device,
+        full=base if dist.get_rank() == 0 else None,
+        from_rank0=True,
+        # at tp 1 plain PyTorch, no DTensor and no collective, as apply and train
+        plain=True,
+    )
     return applied.model, checked
 
 
@@ -146,9 +181,9 @@ def build_dtp(base: GPT, mesh, x, y) -> Arm:
 
 
 def build_dtp_compiled(base: GPT, mesh, x, y) -> Arm:
-    """dtp's compiled plan with every transformer block under torch.compile (inductor), as torchtitan
-    compiles per block; the vocabulary-parallel embedding and head stay eager (DTensor's masked embedding
-    does not trace here: "Mixing fake modes")."""
+    """dtp's compiled plan with every transformer block under torch.compile (inductor), as
+    torchtitan compiles per block; the vocabulary-parallel embedding and head stay eager (DTensor's
+    masked embedding does not trace here: "Mixing fake modes")."""
     model, _ = _dtp_model(base, mesh)
     for block in model.transformer.h:
         block.compile()
@@ -158,23 +193,30 @@ def build_dtp_compiled(base: GPT, mesh, x, y) -> Arm:
 def handwritten(model: GPT, mesh) -> None:
     """The placements of plans/gpt2.tp written directly against torch's API (what dtp saves you)."""
     tp = mesh.size()
-    with torch.no_grad():  # head-aligned QKV the manual way: reorder rows, then plain ColwiseParallel
+    # head-aligned QKV the manual way: reorder rows, then plain ColwiseParallel
+    with torch.no_grad():
         for block in model.transformer.h:
             for name in ("weight", "bias"):
                 p = getattr(block.attn.c_attn, name)
                 p.copy_(pack_parts(p, equal_parts(p.shape[0], 3), tp))
-    plan = {"transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    plan = {
+        "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
     for i in range(len(model.transformer.h)):
-        plan |= {f"transformer.h.{i}.attn.c_attn": ColwiseParallel(), f"transformer.h.{i}.attn.c_proj": RowwiseParallel(),
-                 f"transformer.h.{i}.mlp.c_fc": ColwiseParallel(), f"transformer.h.{i}.mlp.c_proj": RowwiseParallel()}
+        plan |= {
+            f"transformer.h.{i}.attn.c_attn": ColwiseParallel(),
+            f"transformer.h.{i}.attn.c_proj": RowwiseParallel(),
+            f"transformer.h.{i}.mlp.c_fc": ColwiseParallel(),
+            f"transformer.h.{i}.mlp.c_proj": RowwiseParallel(),
+        }
     parallelize_module(model, mesh, plan)
     model.lm_head.weight = model.transformer.wte.weight
 
 
 def build_hand(base: GPT, mesh, x, y) -> Arm:
-    """The hand-written parallelize_module plan (its QKV rows reordered; logits and gradient norm do not
-    depend on the order of rows)."""
+    """The hand-written parallelize_module plan (its QKV rows reordered; logits and gradient norm do
+    not depend on the order of rows)."""
     model = copy.deepcopy(base)
     handwritten(model, mesh)
     return _dtensor_arm("hand", model, x, y)
@@ -206,24 +248,49 @@ def build_megatron(base: GPT, mesh, x, y) -> Arm:
         replicated = 0.0
         for name, p in meg.named_parameters():
             sq = p.grad.double().pow(2).sum()
-            if name == "wte" or any(name.endswith(s) for s in (".qkv.weight", ".qkv.bias", ".proj.weight",
-                                                               ".fc.weight", ".fc.bias", ".fc2.weight")):
+            if name == "wte" or any(
+                name.endswith(s)
+                for s in (
+                    ".qkv.weight",
+                    ".qkv.bias",
+                    ".proj.weight",
+                    ".fc.weight",
+                    ".fc.bias",
+                    ".fc2.weight",
+                )
+            ):
                 sharded += sq
             else:
                 replicated += float(sq)
         dist.all_reduce(sharded)
         opt.zero_grad()
-        return Probe(torch.cat(gathered, dim=-1), loss.item(), float(sharded) + replicated, dict(counts),
-                     dict(nbytes))
+        return Probe(
+            torch.cat(gathered, dim=-1),
+            loss.item(),
+            float(sharded) + replicated,
+            dict(counts),
+            dict(nbytes),
+        )
 
     return Arm("megatron", step, probe, local_param_bytes(meg), {})
 
 
-ARMS: dict[str, Callable] = {"dtp": build_dtp, "hand": build_hand, "megatron": build_megatron,
-                             "dtp-compile": build_dtp_compiled}
+ARMS: dict[str, Callable] = {
+    "dtp": build_dtp,
+    "hand": build_hand,
+    "megatron": build_megatron,
+    "dtp-compile": build_dtp_compiled,
+}
 
 
 def gpt_config(n_layer: int, n_head: int, n_embd: int, vocab_size: int, seq: int) -> GPTConfig:
     """The benchmark's GPT: biases, tied embeddings, dropout 0."""
-    return GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab_size, block_size=seq,
-                     bias=True, tie_embeddings=True)
+    return GPTConfig(
+        n_layer=n_layer,
+        n_head=n_head,
+        n_embd=n_embd,
+        vocab_size=vocab_size,
+        block_size=seq,
+        bias=True,
+        tie_embeddings=True,
+    )

@@ -1,7 +1,8 @@
-"""`dtp bench --profile`: where each arm's step time goes, from torch.profiler on rank 0 — self CPU time
-grouped into GEMMs, communication (issuing and waiting), DTensor's machinery (subclass dispatch, sharding
-propagation, redistribution, wrapping) and the rest. Self times under contention are inflated, but every arm
-is profiled in the same process group and the shares compare."""
+"""`dtp bench --profile`: where each arm's step time goes, from torch.profiler on rank 0 — self CPU
+time grouped into GEMMs, communication (issuing and waiting), DTensor's machinery (subclass
+dispatch, sharding propagation, redistribution, wrapping) and the rest. Self times under contention
+are inflated, but every arm is profiled in the same process group and the shares compare."""
+
 from __future__ import annotations
 
 import warnings
@@ -14,12 +15,27 @@ from dtp.models.gpt import GPT
 
 GROUPS = {  # substring of the profiler's row name → group; first match wins
     "gemm": ("aten::mm", "aten::addmm", "aten::bmm"),
-    "communication": ("c10d", "allreduce", "all_reduce", "allgather", "all_gather", "reduce_scatter",
-                      "wait_tensor"),
-    "dtensor": ("PythonSubclass", "FromTorchTensor", "ToTorchTensor", "Redistribute", "sharding_prop",
-                "DTensor", "propagate"),
+    "communication": (
+        "c10d",
+        "allreduce",
+        "all_reduce",
+        "allgather",
+        "all_gather",
+        "reduce_scatter",
+        "wait_tensor",
+    ),
+    "dtensor": (
+        "PythonSubclass",
+        "FromTorchTensor",
+        "ToTorchTensor",
+        "Redistribute",
+        "sharding_prop",
+        "DTensor",
+        "propagate",
+    ),
 }
-MEGATRON_COMM = {"_F", "_FBackward", "_G", "_GBackward", "_Scatter", "_ScatterBackward"}  # self time: the collective
+# self time: the collective
+MEGATRON_COMM = {"_F", "_FBackward", "_G", "_GBackward", "_Scatter", "_ScatterBackward"}
 
 
 def group_of(name: str) -> str:
@@ -38,7 +54,9 @@ def profile(rank: int, world: int, cfg, steps: int = 3) -> dict:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     torch.manual_seed(0)
     base = GPT(cfg.gpt())
-    ids = torch.randint(0, cfg.vocab_size, (cfg.batch, cfg.seq + 1), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        0, cfg.vocab_size, (cfg.batch, cfg.seq + 1), generator=torch.Generator().manual_seed(1)
+    )
     x, y = ids[:, :-1], ids[:, 1:]
     arms = {name: ARMS[name](base, mesh, x, y) for name in cfg.arms}
     out: dict = {}
@@ -54,8 +72,11 @@ def profile(rank: int, world: int, cfg, steps: int = 3) -> dict:
             groups[group_of(e.key)] = groups.get(group_of(e.key), 0.0) + ms
             rows.append((ms, e.key, e.count // steps))
         rows.sort(reverse=True)
-        out[name] = {"self_cpu_ms_per_step": groups, "total_ms_per_step": sum(groups.values()),
-                     "top": [{"name": k, "ms": ms, "calls": c} for ms, k, c in rows[:12]]}
+        out[name] = {
+            "self_cpu_ms_per_step": groups,
+            "total_ms_per_step": sum(groups.values()),
+            "top": [{"name": k, "ms": ms, "calls": c} for ms, k, c in rows[:12]],
+        }
     return out
 
 

@@ -1,4 +1,6 @@
-"""Fuzz throughput: examples per minute through persistent rank pools, against launching ranks per example."""
+"""Fuzz throughput: examples per minute through persistent rank pools, against launching ranks per
+example."""
+
 from __future__ import annotations
 
 import time
@@ -20,8 +22,13 @@ def measure(examples: int = 40, baseline_examples: int = 6, seed: int = 11) -> d
         pools.close()
     cases = []
 
-    @settings(max_examples=baseline_examples, database=None, deadline=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=baseline_examples,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @hseed(seed)
     @given(zoo_cases(max_world=4))
     def collect(case):
@@ -29,7 +36,8 @@ def measure(examples: int = 40, baseline_examples: int = 6, seed: int = 11) -> d
 
     collect()
     start = time.monotonic()
-    for case in cases:  # a fresh set of ranks for every example: process start and process group each time
+    # a fresh set of ranks for every example: process start and process group each time
+    for case in cases:
         fresh = Pools()
         try:
             evaluate(case, fresh)
@@ -38,6 +46,11 @@ def measure(examples: int = 40, baseline_examples: int = 6, seed: int = 11) -> d
     launch_s = time.monotonic() - start
     pooled_rate = pooled.examples / pooled.seconds * 60
     launch_rate = len(cases) / launch_s * 60
-    return {"pooled_examples_per_min": pooled_rate, "pooled_examples": pooled.examples,
-            "launch_per_example_examples_per_min": launch_rate, "launch_examples": len(cases),
-            "ratio": pooled_rate / launch_rate, "failed": pooled.counts["failed"]}
+    return {
+        "pooled_examples_per_min": pooled_rate,
+        "pooled_examples": pooled.examples,
+        "launch_per_example_examples_per_min": launch_rate,
+        "launch_examples": len(cases),
+        "ratio": pooled_rate / launch_rate,
+        "failed": pooled.counts["failed"],
+    }

@@ -1,24 +1,27 @@
-"""The comparison point: the same GPT written the Megatron-LM way, from plain tensors and hand-written
-tensor-parallel operators (Shoeybi et al., 2019, section 3; Korthikanti et al., 2022 for sequence
-parallelism; megatron/core/tensor_parallel).
+"""The comparison point: the same GPT written the Megatron-LM way, from plain tensors and
+hand-written tensor-parallel operators (Shoeybi et al., 2019, section 3; Korthikanti et al., 2022
+for sequence parallelism; megatron/core/tensor_parallel).
 
-- f / g: the conjugate operators — f is identity forward and all-reduce backward, g the reverse. Under
-  sequence parallelism f becomes an all-gather of the sequence (reduce-scatter backward) and g a
-  reduce-scatter (all-gather backward).
-- ColumnParallelLinear holds `out_features / tp` rows; RowParallelLinear `in_features / tp` columns and
-  reduces its output before adding the bias.
-- VocabParallelEmbedding looks up only its vocabulary range and all-reduces; learned positions are added
-  to the full sum, which sequence parallelism then splits (Megatron's `scatter_to_sequence_parallel_region`).
-- The vocabulary-parallel cross-entropy all-reduces the max, the sum of exponentials and the target logit.
+- f / g: the conjugate operators — f is identity forward and all-reduce backward, g the reverse.
+  Under sequence parallelism f becomes an all-gather of the sequence (reduce-scatter backward) and g
+  a reduce-scatter (all-gather backward).
+- ColumnParallelLinear holds `out_features / tp` rows; RowParallelLinear `in_features / tp` columns
+  and reduces its output before adding the bias.
+- VocabParallelEmbedding looks up only its vocabulary range and all-reduces; learned positions are
+  added to the full sum, which sequence parallelism then splits (Megatron's
+  `scatter_to_sequence_parallel_region`).
+- The vocabulary-parallel cross-entropy all-reduces the max, the sum of exponentials and the target
+  logit.
 - The fused QKV projection is head-aligned: each rank holds [q_r; k_r; v_r].
-- Under sequence parallelism the parameters that see only a sequence shard (norms, row-parallel biases)
-  have their gradients all-reduced after backward (Megatron's `_allreduce_layernorm_grads`, one call per
-  tensor here where Megatron coalesces them).
+- Under sequence parallelism the parameters that see only a sequence shard (norms, row-parallel
+  biases) have their gradients all-reduced after backward (Megatron's `_allreduce_layernorm_grads`,
+  one call per tensor here where Megatron coalesces them).
 
-Every collective goes through `DistCalls`, which counts it: the benchmark compares dtp's communication with
-these counts — an independent reference, not dtp's own schedule. BASELINE_VERSION names this implementation
-in every result it produces.
+Every collective goes through `DistCalls`, which counts it: the benchmark compares dtp's
+communication with these counts — an independent reference, not dtp's own schedule. BASELINE_VERSION
+names this implementation in every result it produces.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -36,7 +39,8 @@ BASELINE_VERSION = "megatron-style-2"
 
 
 class DistCalls:
-    """The baseline's only way to communicate: each call counted by op (and its buffer bytes), then made."""
+    """The baseline's only way to communicate: each call counted by op (and its buffer bytes), then
+    made."""
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
@@ -75,10 +79,11 @@ class DistCalls:
         return out.movedim(0, dim)
 
 
-# Activations are (B, T, C): the sequence-parallel helpers split and gather dim 1 (Megatron's dim 0 of
-# its (T, B, C) layout).
+# Activations are (B, T, C): the sequence-parallel helpers split and gather dim 1 (Megatron's dim 0
+# of its (T, B, C) layout).
 class _F(torch.autograd.Function):
-    """f: identity forward, all-reduce backward; sequence-parallel: all-gather forward, reduce-scatter back."""
+    """f: identity forward, all-reduce backward; sequence-parallel: all-gather forward,
+    reduce-scatter back."""
 
     @staticmethod
     def forward(ctx, x, calls: DistCalls, sp: bool):
@@ -87,12 +92,15 @@ class _F(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = ctx.calls.reduce_scatter(grad, 1) if ctx.sp else ctx.calls.all_reduce(grad.contiguous())
+        grad = (
+            ctx.calls.reduce_scatter(grad, 1) if ctx.sp else ctx.calls.all_reduce(grad.contiguous())
+        )
         return grad, None, None
 
 
 class _G(torch.autograd.Function):
-    """g: all-reduce forward, identity backward; sequence-parallel: reduce-scatter forward, all-gather back."""
+    """g: all-reduce forward, identity backward; sequence-parallel: reduce-scatter forward,
+    all-gather back."""
 
     @staticmethod
     def forward(ctx, x, calls: DistCalls, sp: bool):
@@ -131,7 +139,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         calls.all_reduce(sum_exp)
         local_target = target - vocab_start
         inside = (local_target >= 0) & (local_target < logits.shape[-1])
-        picked = shifted.gather(-1, local_target.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+        picked = shifted.gather(
+            -1, local_target.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
+        ).squeeze(-1)
         picked = torch.where(inside, picked, torch.zeros_like(picked))
         calls.all_reduce(picked)
         loss = (sum_exp.log() - picked).mean()
@@ -148,8 +158,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 class MegatronGPT(nn.Module):
-    """This rank's part of a GPT-2 under Megatron tensor parallelism (dropout 0), optionally with sequence
-    parallelism; every collective is counted in `self.calls`."""
+    """This rank's part of a GPT-2 under Megatron tensor parallelism (dropout 0), optionally with
+    sequence parallelism; every collective is counted in `self.calls`."""
 
     def __init__(self, cfg: GPTConfig, rank: int, tp: int, sequence_parallel: bool = False):
         super().__init__()
@@ -177,7 +187,8 @@ class MegatronGPT(nn.Module):
 
     @torch.no_grad()
     def load_from(self, full: GPT) -> None:
-        """Copy this rank's slices of an unsharded dtp GPT (the same weights the dtp run starts from)."""
+        """Copy this rank's slices of an unsharded dtp GPT (the same weights the dtp run starts
+        from)."""
         tp, r = self.tp, self.rank
 
         def rows(t: torch.Tensor) -> torch.Tensor:
@@ -192,9 +203,13 @@ class MegatronGPT(nn.Module):
         for b, h in zip(self.blocks, t.h):
             b.ln_1.load_state_dict(h.ln_1.state_dict())
             b.ln_2.load_state_dict(h.ln_2.state_dict())
-            b.qkv.weight.copy_(rows(pack_parts(h.attn.c_attn.weight, equal_parts(3 * self.cfg.n_embd, 3), tp)))
+            b.qkv.weight.copy_(
+                rows(pack_parts(h.attn.c_attn.weight, equal_parts(3 * self.cfg.n_embd, 3), tp))
+            )
             if self.cfg.bias:
-                b.qkv.bias.copy_(rows(pack_parts(h.attn.c_attn.bias, equal_parts(3 * self.cfg.n_embd, 3), tp)))
+                b.qkv.bias.copy_(
+                    rows(pack_parts(h.attn.c_attn.bias, equal_parts(3 * self.cfg.n_embd, 3), tp))
+                )
                 b.proj_bias.copy_(h.attn.c_proj.bias)
                 b.fc.bias.copy_(rows(h.mlp.c_fc.bias))
                 b.fc2_bias.copy_(h.mlp.c_proj.bias)
@@ -220,8 +235,13 @@ class MegatronGPT(nn.Module):
             x = _Scatter.apply(x, self.calls)  # (B, T/tp, C)
         for b in self.blocks:
             q, k, v = b.qkv(self._f(b.ln_1(x))).chunk(3, dim=-1)  # each (B, T, local width)
-            q, k, v = (z.view(B, T, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
+            # (B, nh, T, hs)
+            q, k, v = (z.view(B, T, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
+            y = (
+                F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                .transpose(1, 2)
+                .reshape(B, T, -1)
+            )
             y = self._g(b.proj(y))
             x = x + (y + b.proj_bias if b.proj_bias is not None else y)
             h = self._g(b.fc2(F.gelu(b.fc(self._f(b.ln_2(x))), approximate="tanh")))
@@ -231,8 +251,9 @@ class MegatronGPT(nn.Module):
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel cross-entropy."""
-        return _VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), self.vocab_start,
-                                                self.calls)
+        return _VocabParallelCrossEntropy.apply(
+            logits.flatten(0, 1), targets.flatten(), self.vocab_start, self.calls
+        )
 
     def sequence_parallel_params(self) -> list[nn.Parameter]:
         """Parameters that see only a sequence shard under SP: norms and row-parallel biases."""
@@ -241,7 +262,8 @@ class MegatronGPT(nn.Module):
         return out + [p for b in self.blocks for p in (b.proj_bias, b.fc2_bias) if p is not None]
 
     def finish_grads(self) -> None:
-        """After backward: all-reduce the gradients of sequence-sharded parameters (nothing without SP)."""
+        """After backward: all-reduce the gradients of sequence-sharded parameters (nothing without
+        SP)."""
         if self.sp:
             for p in self.sequence_parallel_params():
                 self.calls.all_reduce(p.grad)

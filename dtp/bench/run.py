@@ -1,5 +1,7 @@
-"""`dtp bench`: strong and weak scaling with interleaved arms, median ratios with bootstrap intervals, a
-results folder per run (`<out>/<YYYYmmdd-HHMMSS>-<kind>-<host>/`), plots when matplotlib is installed."""
+"""`dtp bench`: strong and weak scaling with interleaved arms, median ratios with bootstrap
+intervals, a results folder per run (`<out>/<YYYYmmdd-HHMMSS>-<kind>-<host>/`), plots when
+matplotlib is installed."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,28 +27,48 @@ from dtp.runtime import ranks
 
 TPS = (1, 2, 4)
 KINDS = {  # per kind: strong model, weak head size and shape, warm-up rounds, timed rounds
-    "full": dict(strong=dict(n_layer=2, n_head=8, n_embd=512, vocab_size=8192, seq=128, batch=2),
-                 head=64, weak=dict(n_layer=2, vocab_size=8192, seq=128, batch=2), warmup=2, samples=20),
-    "quick": dict(strong=dict(n_layer=2, n_head=8, n_embd=256, vocab_size=2048, seq=64, batch=4),
-                  head=32, weak=dict(n_layer=2, vocab_size=2048, seq=64, batch=4), warmup=2, samples=20),
+    "full": dict(
+        strong=dict(n_layer=2, n_head=8, n_embd=512, vocab_size=8192, seq=128, batch=2),
+        head=64,
+        weak=dict(n_layer=2, vocab_size=8192, seq=128, batch=2),
+        warmup=2,
+        samples=20,
+    ),
+    "quick": dict(
+        strong=dict(n_layer=2, n_head=8, n_embd=256, vocab_size=2048, seq=64, batch=4),
+        head=32,
+        weak=dict(n_layer=2, vocab_size=2048, seq=64, batch=4),
+        warmup=2,
+        samples=20,
+    ),
     # for the test suite: tiny models, tp 1 and 2, 3 samples (the timings mean nothing)
-    "smoke": dict(strong=dict(n_layer=1, n_head=4, n_embd=32, vocab_size=64, seq=8, batch=2),
-                  head=8, weak=dict(n_layer=1, vocab_size=64, seq=8, batch=2), warmup=1, samples=3),
+    "smoke": dict(
+        strong=dict(n_layer=1, n_head=4, n_embd=32, vocab_size=64, seq=8, batch=2),
+        head=8,
+        weak=dict(n_layer=1, vocab_size=64, seq=8, batch=2),
+        warmup=1,
+        samples=3,
+    ),
 }
 
 
-def configs(kind: str, arms: tuple[str, ...], only_tp: tuple[int, ...] = (), samples: int | None = None
-            ) -> dict[str, list[Config]]:
-    """Strong scaling (a fixed GPT at tp 1, 2, 4) and weak scaling (the paper's recipe scaled down: the
-    hidden size grows with tp at a fixed head size, n_embd ≈ 4·head·√tp, heads divisible by tp)."""
+def configs(
+    kind: str, arms: tuple[str, ...], only_tp: tuple[int, ...] = (), samples: int | None = None
+) -> dict[str, list[Config]]:
+    """Strong scaling (a fixed GPT at tp 1, 2, 4) and weak scaling (the paper's recipe scaled down:
+    the hidden size grows with tp at a fixed head size, n_embd ≈ 4·head·√tp, heads divisible by tp)."""
     k = KINDS[kind]
     tps = TPS[:2] if kind == "smoke" else TPS
     heads = {1: 4, 2: 6, 4: 8}
     common = dict(warmup=k["warmup"], samples=samples or k["samples"], arms=arms)
     tps = tuple(tp for tp in tps if not only_tp or tp in only_tp)
-    return {"strong": [Config(tp=tp, **k["strong"], **common) for tp in tps],
-            "weak": [Config(tp=tp, n_head=heads[tp], n_embd=heads[tp] * k["head"], **k["weak"], **common)
-                     for tp in tps]}
+    return {
+        "strong": [Config(tp=tp, **k["strong"], **common) for tp in tps],
+        "weak": [
+            Config(tp=tp, n_head=heads[tp], n_embd=heads[tp] * k["head"], **k["weak"], **common)
+            for tp in tps
+        ],
+    }
 
 
 def gemm_peak(n: int = 512, reps: int = 10, trials: int = 5) -> float:
@@ -68,8 +90,11 @@ def gemm_peak(n: int = 512, reps: int = 10, trials: int = 5) -> float:
 
 
 def _run(cfgs: dict[str, list[Config]], progress, repeats: int = 1) -> dict[str, list[dict]]:
-    """Each configuration measured `repeats` times on fresh ranks, every configuration in turn between runs."""
-    runs: dict[tuple[str, int], list[dict]] = {(part, i): [] for part, c in cfgs.items() for i in range(len(c))}
+    """Each configuration measured `repeats` times on fresh ranks, every configuration in turn
+    between runs."""
+    runs: dict[tuple[str, int], list[dict]] = {
+        (part, i): [] for part, c in cfgs.items() for i in range(len(c))
+    }
     for _ in range(repeats):
         for (part, i), done in runs.items():
             if not done or done[-1]["ok"]:  # a configuration that failed parity is not run again
@@ -80,29 +105,45 @@ def _run(cfgs: dict[str, list[Config]], progress, repeats: int = 1) -> dict[str,
 
 
 def pool_runs(runs: list[dict]) -> dict:
-    """One configuration's runs as one result: samples pooled (and kept per run, for the ratios), the worst
-    parity error of any run; a run that failed, or whose collectives differ from the first's, fails it."""
+    """One configuration's runs as one result: samples pooled (and kept per run, for the ratios),
+    the worst parity error of any run; a run that failed, or whose collectives differ from the
+    first's, fails it."""
     first = runs[0]
     if len(runs) == 1 or not all(r["ok"] for r in runs):
         return next((r for r in runs if not r["ok"]), first)
     for r in runs[1:]:
         if (r["collectives"], r["comm_bytes"]) != (first["collectives"], first["comm_bytes"]):
-            return first | {"ok": False, "error": "the collectives of one run differ from another's: "
-                            f"{first['collectives']} vs {r['collectives']}"}
+            return first | {
+                "ok": False,
+                "error": "the collectives of one run differ from another's: "
+                f"{first['collectives']} vs {r['collectives']}",
+            }
     arms = first["times_ms"]
-    parity = {arm: {k: max(r["parity"][arm][k] for r in runs) for k in errs} for arm, errs in first["parity"].items()}
-    return first | {"runs": len(runs), "parity": parity,
-                    "times_ms_by_run": {arm: [r["times_ms"][arm] for r in runs] for arm in arms},
-                    "times_ms": {arm: [t for r in runs for t in r["times_ms"][arm]] for arm in arms}}
+    parity = {
+        arm: {k: max(r["parity"][arm][k] for r in runs) for k in errs}
+        for arm, errs in first["parity"].items()
+    }
+    return first | {
+        "runs": len(runs),
+        "parity": parity,
+        "times_ms_by_run": {arm: [r["times_ms"][arm] for r in runs] for arm in arms},
+        "times_ms": {arm: [t for r in runs for t in r["times_ms"][arm]] for arm in arms},
+    }
 
 
 def _profile(strong: list[Config], root: Path, kind: str, tps: tuple[int, ...]) -> int:
     """`--profile`: profile.json and profile.md in a new results folder."""
     out = results_folder(root, f"{kind}-profile", datetime.datetime.now(datetime.timezone.utc))
-    result = {f"tp{c.tp}": ranks.on_ranks(profile, c.tp, c, timeout=3600)[0] for c in strong if c.tp in tps}
+    result = {
+        f"tp{c.tp}": ranks.on_ranks(profile, c.tp, c, timeout=3600)[0]
+        for c in strong
+        if c.tp in tps
+    }
     (out / "profile.json").write_text(json.dumps(result, indent=2) + "\n")
-    text = "\n\n".join(f"tp={k[2:]}, n_embd={strong[0].n_embd}: self CPU ms per step on rank 0\n\n{table(v)}"
-                        for k, v in result.items())
+    text = "\n\n".join(
+        f"tp={k[2:]}, n_embd={strong[0].n_embd}: self CPU ms per step on rank 0\n\n{table(v)}"
+        for k, v in result.items()
+    )
     (out / "profile.md").write_text(text + "\n")
     print(text)
     print(f"written to {out}/")
@@ -111,9 +152,15 @@ def _profile(strong: list[Config], root: Path, kind: str, tps: tuple[int, ...]) 
 
 def machine() -> dict:
     """What ran the benchmark."""
-    return {"host": socket.gethostname(), "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(), "torch": torch.__version__, "device": "cpu",
-            "python": platform.python_version(), "load_average": os.getloadavg()}
+    return {
+        "host": socket.gethostname(),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "device": "cpu",
+        "python": platform.python_version(),
+        "load_average": os.getloadavg(),
+    }
 
 
 def _samples(text: str) -> int:
@@ -134,26 +181,63 @@ def _repeats(text: str) -> int:
 
 def parser() -> argparse.ArgumentParser:
     """`dtp bench` options."""
-    p = argparse.ArgumentParser(prog="dtp bench", description="scaling benchmarks next to a Megatron-style baseline "
-                                "(arms interleaved step by step; median ratios with bootstrap 95%% intervals)")
+    p = argparse.ArgumentParser(
+        prog="dtp bench",
+        description="scaling benchmarks next to a Megatron-style baseline "
+        "(arms interleaved step by step; median ratios with bootstrap 95 % intervals)",
+    )
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="small models (about a minute on 2 cores)")
-    size.add_argument("--smoke", action="store_true", help="tiny models, tp 1-2, 3 samples: checks the machinery only")
+    size.add_argument(
+        "--quick", action="store_true", help="small models (about a minute on 2 cores)"
+    )
+    size.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny models, tp 1-2, 3 samples: checks the machinery only",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the whole result here")
-    p.add_argument("--out", metavar="DIR", default="bench/results", help="where the run's folder goes")
+    p.add_argument(
+        "--out", metavar="DIR", default="bench/results", help="where the run's folder goes"
+    )
     p.add_argument("--no-fuzz", action="store_true", help="skip the fuzz throughput measurement")
-    p.add_argument("--tp", type=int, action="append", choices=TPS, help="run only this tp (repeatable)")
-    p.add_argument("--profile", action="store_true", help="instead of timing: profile one step of every arm "
-                   "(strong model, tp 2 or --tp) and group its CPU time (GEMM, communication, DTensor, other)")
-    p.add_argument("--compile", action="store_true", help="add an arm: dtp's sharded model under torch.compile")
-    p.add_argument("--samples", type=_samples, help="timed rounds per configuration (default: 20; 3 with --smoke); "
-                   "more samples narrow the intervals")
-    p.add_argument("--repeats", type=_repeats, default=1, help="measure each configuration this many times on "
-                   "fresh ranks (1-10); ratios are then taken over the runs, and their intervals carry how much "
-                   "whole runs differ")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cuda: the GPU check instead (NCCL parity, bf16 MFU, dtp/Megatron on GPU; see --dry-run)")
-    p.add_argument("--dry-run", action="store_true", help="with --device cuda: run the GPU check's logic on CPU, tiny")
+    p.add_argument(
+        "--tp", type=int, action="append", choices=TPS, help="run only this tp (repeatable)"
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of timing: profile one step of every arm "
+        "(strong model, tp 2 or --tp) and group its CPU time (GEMM, communication, DTensor, other)",
+    )
+    p.add_argument(
+        "--compile", action="store_true", help="add an arm: dtp's sharded model under torch.compile"
+    )
+    p.add_argument(
+        "--samples",
+        type=_samples,
+        help="timed rounds per configuration (default: 20; 3 with --smoke); "
+        "more samples narrow the intervals",
+    )
+    p.add_argument(
+        "--repeats",
+        type=_repeats,
+        default=1,
+        help="measure each configuration this many times on "
+        "fresh ranks (1-10); ratios are then taken over the runs, and their intervals carry how "
+        "much "
+        "whole runs differ",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: the GPU check instead (NCCL parity, bf16 MFU, dtp/Megatron on GPU; see --dry-run)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="with --device cuda: run the GPU check's logic on CPU, tiny",
+    )
     return p
 
 
@@ -175,14 +259,24 @@ def main(argv: list[str] | None = None) -> int:
     with tqdm(total=total, desc="bench", unit="run") as bar:
         result: dict = _run(cfgs, bar, args.repeats)
         if not args.no_fuzz:
-            result["fuzz"] = fuzz_speed.measure(examples={"full": 60, "quick": 20}.get(kind, 4),
-                                                baseline_examples={"full": 8, "quick": 3}.get(kind, 1))
+            result["fuzz"] = fuzz_speed.measure(
+                examples={"full": 60, "quick": 20}.get(kind, 4),
+                baseline_examples={"full": 8, "quick": 3}.get(kind, 1),
+            )
             bar.update(1)
     now = datetime.datetime.now(datetime.timezone.utc)
-    result |= {"date": now.strftime("%Y-%m-%d %H:%M UTC"), "kind": kind, "machine": machine(),
-               "gemm_flops_single_thread": peak}
+    result |= {
+        "date": now.strftime("%Y-%m-%d %H:%M UTC"),
+        "kind": kind,
+        "machine": machine(),
+        "gemm_flops_single_thread": peak,
+    }
     result["ratios"] = ratios(result)
-    label = kind + "".join(f"-tp{t}" for t in sorted(set(args.tp or ()))) + ("-compile" if args.compile else "")
+    label = (
+        kind
+        + "".join(f"-tp{t}" for t in sorted(set(args.tp or ())))
+        + ("-compile" if args.compile else "")
+    )
     out = results_folder(Path(args.out), label, now)
     text = json.dumps(result, indent=2, default=str) + "\n"
     (out / "result.json").write_text(text)
@@ -196,4 +290,3 @@ def main(argv: list[str] | None = None) -> int:
     for message in failed:
         print(f"error: {message}", file=sys.stderr)
     return 1 if failed else 0
-

@@ -1,6 +1,7 @@
-"""Statistics for interleaved timings: the order arms run in, the median ratio of two arms with a paired
-bootstrap 95 % interval, and a verdict against a goal that says "not significant" when the interval
-straddles it."""
+"""Statistics for interleaved timings: the order arms run in, the median ratio of two arms with a
+paired bootstrap 95 % interval, and a verdict against a goal that says "not significant" when the
+interval straddles it."""
+
 from __future__ import annotations
 
 import itertools
@@ -10,12 +11,14 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 
-def interleaved_orders(arms: tuple[str, ...], rounds: int, warmup: int = 0) -> list[tuple[str, ...]]:
-    """The order of each round: every arm once, cycling through all orders of the arms, the timed rounds (those
-    after `warmup`) starting the cycle. Over whole cycles each arm runs in each position, and right after each
-    other arm, equally often, so that neither the first step after the barrier nor a neighbour's state left
-    in the caches favours one arm (rotating a fixed order does not: with three arms each always follows the
-    same one)."""
+def interleaved_orders(
+    arms: tuple[str, ...], rounds: int, warmup: int = 0
+) -> list[tuple[str, ...]]:
+    """The order of each round: every arm once, cycling through all orders of the arms, the timed
+    rounds (those after `warmup`) starting the cycle. Over whole cycles each arm runs in each
+    position, and right after each other arm, equally often, so that neither the first step after
+    the barrier nor a neighbour's state left in the caches favours one arm (rotating a fixed order
+    does not: with three arms each always follows the same one)."""
     cycle = list(itertools.permutations(arms))
     return [cycle[(r - warmup) % len(cycle)] for r in range(rounds)]
 
@@ -49,15 +52,23 @@ def median_ratio(a: list[float], b: list[float], resamples: int = 2000, seed: in
     return Ratio(statistics.median(a) / statistics.median(b), float(low), float(high), len(a))
 
 
-def median_ratio_runs(a_runs: list[list[float]], b_runs: list[list[float]], resamples: int = 2000,
-                      seed: int = 0) -> Ratio:
-    """Over several runs: the geometric mean of each run's ratio of medians (a run's level, which moves with
-    the machine's state, cancels within the run, as it would not in medians of pooled samples), with a
-    two-level bootstrap interval: runs resampled, then rounds within each (the hierarchical bootstrap,
-    Saravanan et al. 2020), so that the interval carries how much whole runs differ, not only rounds."""
-    if len(a_runs) != len(b_runs) or not a_runs or any(len(x) != len(y) or not x for x, y in zip(a_runs, b_runs)):
+def median_ratio_runs(
+    a_runs: list[list[float]], b_runs: list[list[float]], resamples: int = 2000, seed: int = 0
+) -> Ratio:
+    """Over several runs: the geometric mean of each run's ratio of medians (a run's level, which
+    moves with the machine's state, cancels within the run, as it would not in medians of pooled
+    samples), with a two-level bootstrap interval: runs resampled, then rounds within each (the
+    hierarchical bootstrap, Saravanan et al. 2020), so that the interval carries how much whole runs
+    differ, not only rounds."""
+    if (
+        len(a_runs) != len(b_runs)
+        or not a_runs
+        or any(len(x) != len(y) or not x for x, y in zip(a_runs, b_runs))
+    ):
         raise ValueError("median_ratio_runs needs two equally long, non-empty sample lists per run")
-    runs = [(np.asarray(x, dtype=float), np.asarray(y, dtype=float)) for x, y in zip(a_runs, b_runs)]
+    runs = [
+        (np.asarray(x, dtype=float), np.asarray(y, dtype=float)) for x, y in zip(a_runs, b_runs)
+    ]
     rng = np.random.default_rng(seed)
     boot = np.empty(resamples)
     for i in range(resamples):

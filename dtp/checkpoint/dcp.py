@@ -1,11 +1,14 @@
-"""Checkpoints that reshard: save a sharded model and its optimizer at one tp/dp, load them at another.
+"""Checkpoints that reshard: save a sharded model and its optimizer at one tp/dp, load them at
+another.
 
-torch.distributed.checkpoint (DCP) writes every rank's shards and, at load, reads whatever chunks the
-new layout needs. dtp hands it each tensor in a tp-independent form (dtp.checkpoint.canonical: packed parts as
-(K, out/K, …), FSDP2 shards gathered per tp rank), records the plan, the mesh and a sharding-independent
-fingerprint of every tensor (dtp.checkpoint.fingerprint), and checks all of it at load, so a checkpoint whose
-content does not match what dtp wrote is refused instead of loaded scrambled. On disk: dtp.checkpoint.files.
+torch.distributed.checkpoint (DCP) writes every rank's shards and, at load, reads whatever chunks
+the new layout needs. dtp hands it each tensor in a tp-independent form (dtp.checkpoint.canonical:
+packed parts as (K, out/K, …), FSDP2 shards gathered per tp rank), records the plan, the mesh and a
+sharding-independent fingerprint of every tensor (dtp.checkpoint.fingerprint), and checks all of it
+at load, so a checkpoint whose content does not match what dtp wrote is refused instead of loaded
+scrambled. On disk: dtp.checkpoint.files.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -79,16 +82,21 @@ def _reason(err: BaseException) -> str:
     return text.splitlines()[0][:400] if text else type(err).__name__
 
 
-def _views(model: nn.Module, optimizer: torch.optim.Optimizer, plan_text: str,
-           mesh: DeviceMesh) -> tuple[dict[str, View], dict[str, Any]]:
-    """Every parameter, persistent buffer and optimizer-state tensor in canonical form, keyed as stored
-    (`model/NAME`, `optim/NAME/KEY`); and the optimizer's non-tensor state. Tied weights appear once."""
+def _views(
+    model: nn.Module, optimizer: torch.optim.Optimizer, plan_text: str, mesh: DeviceMesh
+) -> tuple[dict[str, View], dict[str, Any]]:
+    """Every parameter, persistent buffer and optimizer-state tensor in canonical form, keyed as
+    stored (`model/NAME`, `optim/NAME/KEY`); and the optimizer's non-tensor state. Tied weights
+    appear once."""
     tp, dp = _meshes(mesh)
     parts = packed_parts(plan_text, model)
-    names = {id(p): n for n, p in model.named_parameters()}  # remove_duplicate: a tied weight keeps its first name
+    # remove_duplicate: a tied weight keeps its first name
+    names = {id(p): n for n, p in model.named_parameters()}
     views = {f"model/{n}": view(p, parts.get(n, 1), tp, dp) for n, p in model.named_parameters()}
     persistent = model.state_dict(keep_vars=True).keys()
-    views.update({f"model/{n}": view(b, 1, tp, dp) for n, b in model.named_buffers() if n in persistent})
+    views.update(
+        {f"model/{n}": view(b, 1, tp, dp) for n, b in model.named_buffers() if n in persistent}
+    )
     objects: dict[str, Any] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -97,20 +105,30 @@ def _views(model: nn.Module, optimizer: torch.optim.Optimizer, plan_text: str,
             name = names[id(p)]
             for key, value in optimizer.state.get(p, {}).items():
                 stored = f"optim/{name}/{key}"
-                if isinstance(value, torch.Tensor) and value.dim() and tuple(value.shape) == tuple(p.shape):
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.dim()
+                    and tuple(value.shape) == tuple(p.shape)
+                ):
                     views[stored] = view(value, parts.get(name, 1), tp, dp)
                 elif isinstance(value, torch.Tensor) and not value.dim():
                     views[stored] = view(value, 1, tp, dp)
                 else:
                     objects[stored] = value
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-              for g in optimizer.param_groups]
+    groups = [
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "params": [names[id(p)] for p in g["params"]],
+        }
+        for g in optimizer.param_groups
+    ]
     objects[GROUPS] = groups
     return views, objects
 
 
 def _fingerprints(views: dict[str, View]) -> dict[str, str]:
-    """Each stored tensor's fingerprint, summed over the chunks of the lowest rank holding each (a collective)."""
+    """Each stored tensor's fingerprint, summed over the chunks of the lowest rank holding each (a
+    collective)."""
     keys = sorted(views)
     sums = torch.zeros(len(keys), 2, dtype=torch.int64)
     for i, key in enumerate(keys):
@@ -129,22 +147,34 @@ def _plan_digest(text: str) -> str:
 
 def _hf_config(model: nn.Module) -> dict | None:
     """A Hugging Face model's config as a dict (for `dtp export --hf-dir`), else None."""
-    zoo = zoo_hf_config(model)  # the zoo's GPT and Llama export as GPT2LMHeadModel and LlamaForCausalLM
+    # the zoo's GPT and Llama export as GPT2LMHeadModel and LlamaForCausalLM
+    zoo = zoo_hf_config(model)
     if zoo is not None:
         return zoo
     config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "to_dict") or not hasattr(type(model), "from_pretrained"):
+    if (
+        config is None
+        or not hasattr(config, "to_dict")
+        or not hasattr(type(model), "from_pretrained")
+    ):
         return None
     data = config.to_dict()
     data["architectures"] = data.get("architectures") or [type(model).__name__]
     return data
 
 
-def save_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimizer, *, mesh: DeviceMesh,
-                    plan_text: str, extra: dict) -> dict:
-    """Save with DCP: model, optimizer state, the plan text and its hash, tp/dp, and `extra` (plain picklable
-    data, kept per rank). Atomic: a run killed mid-save never leaves a checkpoint that loads as complete.
-    Returns stats: path, bytes, seconds. Every rank calls it."""
+def save_checkpoint(
+    directory,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    mesh: DeviceMesh,
+    plan_text: str,
+    extra: dict,
+) -> dict:
+    """Save with DCP: model, optimizer state, the plan text and its hash, tp/dp, and `extra` (plain
+    picklable data, kept per rank). Atomic: a run killed mid-save never leaves a checkpoint that
+    loads as complete. Returns stats: path, bytes, seconds. Every rank calls it."""
     t0 = time.perf_counter()
     directory = Path(directory)
     views, objects = _views(model, optimizer, plan_text, mesh)
@@ -152,7 +182,10 @@ def save_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimize
     state.update({k: pack(v) for k, v in objects.items()})
     mine = state[f"extra/rank{dist.get_rank()}"] = pack(extra)
     try:  # refuse now what a resume could not read back
-        unpack(mine, "`extra` (it must hold plain data: numbers, strings, lists, dicts, tuples, tensors)")
+        unpack(
+            mine,
+            "`extra` (it must hold plain data: numbers, strings, lists, dicts, tuples, tensors)",
+        )
         problem = None
     except CheckpointError as err:
         problem = str(err)
@@ -164,7 +197,9 @@ def save_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimize
     tmp_name, locked = _agree(lambda: begin_save(directory))
     tmp = Path(tmp_name)
     try:
-        stats = _write(state, views, tmp, directory, model, optimizer, mesh, plan_text, objects, sizes)
+        stats = _write(
+            state, views, tmp, directory, model, optimizer, mesh, plan_text, objects, sizes
+        )
     finally:  # on rank 0, which made them: a failed save leaves no DIR.tmp-* and no lock
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -173,30 +208,66 @@ def save_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimize
     return {**stats, "seconds": time.perf_counter() - t0}
 
 
-def _write(state: dict[str, Any], views: dict[str, View], tmp: Path, directory: Path, model: nn.Module,
-           optimizer: torch.optim.Optimizer, mesh: DeviceMesh, plan_text: str, objects: dict, sizes: list) -> dict:
-    """DCP's save into `tmp`, then dtp.json and the marker, and the rename to `directory` (every rank)."""
+def _write(
+    state: dict[str, Any],
+    views: dict[str, View],
+    tmp: Path,
+    directory: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    mesh: DeviceMesh,
+    plan_text: str,
+    objects: dict,
+    sizes: list,
+) -> dict:
+    """DCP's save into `tmp`, then dtp.json and the marker, and the rename to `directory` (every
+    rank)."""
     prints = _fingerprints(views)
     try:
-        # Replicated chunks are written by the lowest rank holding them: the one `_fingerprints` hashes.
-        dcp.save(state, storage_writer=FileSystemWriter(tmp),
-                 planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+        # Replicated chunks are written by the lowest rank holding them: the one `_fingerprints`
+        # hashes.
+        dcp.save(
+            state,
+            storage_writer=FileSystemWriter(tmp),
+            planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
+        )
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
         raise CheckpointError(f"cannot save checkpoint {directory}: {_reason(err)}") from None
     tp, dp = _meshes(mesh)
     plan = parse(plan_text)
     meta = {
-        "format": FORMAT, "version": VERSION, "layout": LAYOUT, "torch": torch.__version__,
-        "plan": {"name": plan.name, "version": plan.plan_version, "sha256": _plan_digest(plan_text), "text": plan_text},
-        "mesh": {"tp": tp.size(), "dp": dp.size() if dp is not None else 1, "world": dist.get_world_size()},
-        "tensors": {k: {"shape": list(v.stored.shape), "dtype": str(v.stored.dtype).removeprefix("torch."),
-                        "fingerprint": prints[k]} for k, v in views.items()},
-        "objects": {**{k: v.numel() for k, v in state.items() if k in objects},
-                    **{f"extra/rank{r}": n for r, n in enumerate(sizes)}},
+        "format": FORMAT,
+        "version": VERSION,
+        "layout": LAYOUT,
+        "torch": torch.__version__,
+        "plan": {
+            "name": plan.name,
+            "version": plan.plan_version,
+            "sha256": _plan_digest(plan_text),
+            "text": plan_text,
+        },
+        "mesh": {
+            "tp": tp.size(),
+            "dp": dp.size() if dp is not None else 1,
+            "world": dist.get_world_size(),
+        },
+        "tensors": {
+            k: {
+                "shape": list(v.stored.shape),
+                "dtype": str(v.stored.dtype).removeprefix("torch."),
+                "fingerprint": prints[k],
+            }
+            for k, v in views.items()
+        },
+        "objects": {
+            **{k: v.numel() for k, v in state.items() if k in objects},
+            **{f"extra/rank{r}": n for r, n in enumerate(sizes)},
+        },
         "packed": packed_parts(plan_text, model),
         "packed_dims": packed_dims(plan_text, model),  # absent or {}: every packed tensor on dim 0
         "tied": [[f"{path}.{name}".lstrip(".") for path, name in g] for g in tied_groups(model)],
-        "model_class": type(model).__name__, "hf_config": _hf_config(model),
+        "model_class": type(model).__name__,
+        "hf_config": _hf_config(model),
         "optimizer": type(optimizer).__name__,
     }
     nbytes = _agree(lambda: finalize(tmp, directory, meta))
@@ -204,31 +275,44 @@ def _write(state: dict[str, Any], views: dict[str, View], tmp: Path, directory: 
 
 
 def check_plan_matches(meta: dict, plan_text: str, directory: Path, convert: bool) -> None:
-    """A checkpoint written by another plan is a CheckpointError, unless `convert` re-cuts its tensors."""
+    """A checkpoint written by another plan is a CheckpointError, unless `convert` re-cuts its
+    tensors."""
     saved = meta["plan"]
     digest = _plan_digest(plan_text)
     if saved["sha256"] == digest or convert:
         return
     plan = parse(plan_text)
     written = plan_label(saved["name"], saved["version"], saved["sha256"])
-    raise CheckpointError(f"checkpoint {directory} was written by {written}, "
-                          f"not by {plan_label(plan.name, plan.plan_version, digest)}; load it with convert=True "
-                          "to re-cut its tensors for this plan")
+    raise CheckpointError(
+        f"checkpoint {directory} was written by {written}, "
+        f"not by {plan_label(plan.name, plan.plan_version, digest)}; load it with convert=True "
+        "to re-cut its tensors for this plan"
+    )
 
 
-def model_shape(key: str, shape: tuple[int, ...], parts: dict[str, int], dims: dict[str, int]) -> tuple[int, ...]:
-    """The shape in the model of the tensor stored under `key` with `shape`, under packing `parts` along `dims`."""
+def model_shape(
+    key: str, shape: tuple[int, ...], parts: dict[str, int], dims: dict[str, int]
+) -> tuple[int, ...]:
+    """The shape in the model of the tensor stored under `key` with `shape`, under packing `parts`
+    along `dims`."""
     name = key.split("/")[1]
     if parts.get(name, 1) <= 1:
         return shape
     d = dims.get(name, 0)
-    return (*shape[:d], shape[d] * shape[d + 1], *shape[d + 2:])
+    return (*shape[:d], shape[d] * shape[d + 1], *shape[d + 2 :])
 
 
-def _match(meta: dict, views: dict[str, View], parts: dict[str, int], dims: dict[str, int], directory: Path,
-           convert: bool) -> set[str]:
-    """Compare the checkpoint's tensors with the model's; the keys whose stored shape differs only by packing
-    (re-cut when converting). Anything else that differs is a CheckpointError naming the tensors."""
+def _match(
+    meta: dict,
+    views: dict[str, View],
+    parts: dict[str, int],
+    dims: dict[str, int],
+    directory: Path,
+    convert: bool,
+) -> set[str]:
+    """Compare the checkpoint's tensors with the model's; the keys whose stored shape differs only
+    by packing (re-cut when converting). Anything else that differs is a CheckpointError naming the
+    tensors."""
     saved = meta["tensors"]
     problems, recut = [], set()
     missing = sorted(set(views) - set(saved))
@@ -238,18 +322,27 @@ def _match(meta: dict, views: dict[str, View], parts: dict[str, int], dims: dict
     if unexpected:
         problems.append(f"this model and optimizer have no {some(unexpected)}")
     for key in sorted(set(views) & set(saved)):
-        shape, dtype = tuple(views[key].stored.shape), str(views[key].stored.dtype).removeprefix("torch.")
+        shape, dtype = (
+            tuple(views[key].stored.shape),
+            str(views[key].stored.dtype).removeprefix("torch."),
+        )
         s_shape = tuple(saved[key]["shape"])
         if saved[key]["dtype"] != dtype:
             problems.append(f"{key} is {saved[key]['dtype']} in the checkpoint, {dtype} here")
         elif s_shape != shape:
-            if convert and (model_shape(key, s_shape, meta["packed"], meta.get("packed_dims", {}))
-                            == model_shape(key, shape, parts, dims)):
+            if convert and (
+                model_shape(key, s_shape, meta["packed"], meta.get("packed_dims", {}))
+                == model_shape(key, shape, parts, dims)
+            ):
                 recut.add(key)  # packed differently: same elements in the model's order
             else:
-                problems.append(f"{key} has shape {list(s_shape)} in the checkpoint, {list(shape)} here")
+                problems.append(
+                    f"{key} has shape {list(s_shape)} in the checkpoint, {list(shape)} here"
+                )
     if problems:
-        raise CheckpointError(f"checkpoint {directory} does not fit this model: " + "; ".join(problems[:6]))
+        raise CheckpointError(
+            f"checkpoint {directory} does not fit this model: " + "; ".join(problems[:6])
+        )
     return recut
 
 
@@ -258,45 +351,73 @@ def _recut(full: torch.Tensor, v: View) -> None:
     full = full.reshape(v.stored.shape)
     if isinstance(v.stored, torch.distributed.tensor.DTensor) and v.stored.placements[0].is_shard():
         dim = v.stored.placements[0].dim
-        start, length = chunk_range(full.shape[dim], v.stored.device_mesh.size(), v.stored.device_mesh.get_local_rank())
+        start, length = chunk_range(
+            full.shape[dim], v.stored.device_mesh.size(), v.stored.device_mesh.get_local_rank()
+        )
         full = full.narrow(dim, start, length)
     v.local.copy_(full)
 
 
 @torch.no_grad()
-def load_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimizer, *, mesh: DeviceMesh,
-                    plan_text: str, convert: bool = False, stats: dict | None = None) -> dict:
-    """Load into an already sharded model and optimizer at any tp/dp (DCP reshards); returns `extra`.
+def load_checkpoint(
+    directory,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    mesh: DeviceMesh,
+    plan_text: str,
+    convert: bool = False,
+    stats: dict | None = None,
+) -> dict:
+    """Load into an already sharded model and optimizer at any tp/dp (DCP reshards); returns
+    `extra`.
 
-    Each rank gets back its own `extra` when tp and dp are those of the save, else rank 0's. A checkpoint
-    from another plan is refused unless `convert`; a missing, incomplete, corrupt or scrambled one is a
-    CheckpointError (exit 2). If `stats` is given it receives bytes and seconds. Every rank calls it.
+    Each rank gets back its own `extra` when tp and dp are those of the save, else rank 0's. A
+    checkpoint from another plan is refused unless `convert`; a missing, incomplete, corrupt or
+    scrambled one is a CheckpointError (exit 2). If `stats` is given it receives bytes and seconds.
+    Every rank calls it.
     """
     t0 = time.perf_counter()
     directory = Path(directory)
     meta = _agree(lambda: read_meta(directory))
     check_plan_matches(meta, plan_text, directory, convert)
     if meta["optimizer"] != type(optimizer).__name__:
-        raise CheckpointError(f"checkpoint {directory} holds {meta['optimizer']} state; this optimizer is "
-                              f"{type(optimizer).__name__}")
+        raise CheckpointError(
+            f"checkpoint {directory} holds {meta['optimizer']} state; this optimizer is "
+            f"{type(optimizer).__name__}"
+        )
     init_state(optimizer, model, meta["tensors"])
     views, objects = _views(model, optimizer, plan_text, mesh)
-    recut = _match(meta, views, packed_parts(plan_text, model), packed_dims(plan_text, model), directory, convert)
+    recut = _match(
+        meta,
+        views,
+        packed_parts(plan_text, model),
+        packed_dims(plan_text, model),
+        directory,
+        convert,
+    )
     state: dict[str, Any] = {k: v.stored for k, v in views.items() if k not in recut}
     for key in recut:  # read whole on every rank, then cut for this layout
         state[key] = torch.empty(meta["tensors"][key]["shape"], dtype=views[key].stored.dtype)
     tp, dp = _meshes(mesh)
-    same = (meta["mesh"]["tp"], meta["mesh"]["dp"]) == (tp.size(), dp.size() if dp is not None else 1)
+    same = (meta["mesh"]["tp"], meta["mesh"]["dp"]) == (
+        tp.size(),
+        dp.size() if dp is not None else 1,
+    )
     extra_key = f"extra/rank{dist.get_rank() if same else 0}"
     for key in [*objects, extra_key]:
         if key not in meta["objects"]:
-            raise CheckpointError(f"checkpoint {directory} does not fit this optimizer: it has no {key}")
+            raise CheckpointError(
+                f"checkpoint {directory} does not fit this optimizer: it has no {key}"
+            )
         state[key] = torch.empty(meta["objects"][key], dtype=torch.uint8)
     reader = SafeReader(directory)  # refuses a hostile `.metadata` before DCP starts
     try:
         dcp.load(state, storage_reader=reader)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - any failure of DCP is one CheckpointError
-        raise CheckpointError(f"checkpoint {directory} is corrupt or unreadable: {_reason(err)}") from None
+        raise CheckpointError(
+            f"checkpoint {directory} is corrupt or unreadable: {_reason(err)}"
+        ) from None
     for key in recut:
         _recut(state[key], views[key])
     for v in views.values():
@@ -304,11 +425,16 @@ def load_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimize
     prints = _fingerprints(views)
     bad = sorted(k for k in views if prints[k] != meta["tensors"][k]["fingerprint"])
     if bad:
-        raise CheckpointError(f"checkpoint {directory}: {some(bad)} do not match the fingerprints recorded at "
-                              "save (corrupt data, or tensors not in dtp's canonical layout, e.g. packed rows in "
-                              "a tp-dependent order); do not resume from it")
+        raise CheckpointError(
+            f"checkpoint {directory}: {some(bad)} do not match the fingerprints recorded at "
+            "save (corrupt data, or tensors not in dtp's canonical layout, e.g. packed rows in "
+            "a tp-dependent order); do not resume from it"
+        )
     restore_optimizer(optimizer, {k: unpack(state[k], f"{directory}: {k}") for k in objects}, model)
     if stats is not None:
-        stats.update(path=str(directory), bytes=sum(p.stat().st_size for p in directory.iterdir() if p.is_file()),
-                     seconds=time.perf_counter() - t0)
+        stats.update(
+            path=str(directory),
+            bytes=sum(p.stat().st_size for p in directory.iterdir() if p.is_file()),
+            seconds=time.perf_counter() - t0,
+        )
     return unpack(state[extra_key], f"{directory}: {extra_key}")

@@ -1,8 +1,10 @@
-"""`dtp export CHECKPOINT`: a checkpoint's unsharded model state dict as a torch or safetensors file, or a
-Hugging Face directory that `from_pretrained` loads. One process, no process group: DCP reads every chunk
-into whole tensors (`no_dist`), each tensor's fingerprint is checked, packed parts are flattened back
-into the model's own row order and tied weights get every name the model gives them.
+"""`dtp export CHECKPOINT`: a checkpoint's unsharded model state dict as a torch or safetensors
+file, or a Hugging Face directory that `from_pretrained` loads. One process, no process group: DCP
+reads every chunk into whole tensors (`no_dist`), each tensor's fingerprint is checked, packed parts
+are flattened back into the model's own row order and tied weights get every name the model gives
+them.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,36 +31,50 @@ def _dtype(name: object, key: str) -> torch.dtype:
 
 
 def read_model(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(metadata, the model's unsharded state dict) of a checkpoint, every tensor verified against its fingerprint."""
+    """(metadata, the model's unsharded state dict) of a checkpoint, every tensor verified against
+    its fingerprint."""
     directory = Path(directory)
     meta = read_meta(directory)
     tensors = {k: v for k, v in meta["tensors"].items() if k.startswith("model/")}
-    wanted = sum(torch.Size(v["shape"]).numel() * _dtype(v["dtype"], k).itemsize for k, v in tensors.items())
+    wanted = sum(
+        torch.Size(v["shape"]).numel() * _dtype(v["dtype"], k).itemsize for k, v in tensors.items()
+    )
     on_disk = sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
-    if wanted > on_disk:  # DCP stores raw bytes: a larger claim is a corrupt dtp.json, not a reason to allocate
-        raise CheckpointError(f"checkpoint {directory} is corrupt: its metadata describes {wanted} bytes of "
-                              f"model tensors, its files hold {on_disk}")
+    # DCP stores raw bytes: a larger claim is a corrupt dtp.json, not a reason to allocate
+    if wanted > on_disk:
+        raise CheckpointError(
+            f"checkpoint {directory} is corrupt: its metadata describes {wanted} bytes of "
+            f"model tensors, its files hold {on_disk}"
+        )
     state = {k: torch.empty(v["shape"], dtype=_dtype(v["dtype"], k)) for k, v in tensors.items()}
     reader = SafeReader(directory)  # refuses a hostile `.metadata` before DCP starts
     try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        # "assuming the intent is to load in a single process": it is
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
         reason = str(err).strip().splitlines()[-1][:400] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"checkpoint {directory} is corrupt or unreadable: {reason}") from None
+        raise CheckpointError(
+            f"checkpoint {directory} is corrupt or unreadable: {reason}"
+        ) from None
     bad = sorted(k for k, t in state.items() if fingerprint(t) != tensors[k]["fingerprint"])
     if bad:
-        raise CheckpointError(f"checkpoint {directory}: {some(bad)} do not "
-                              "match the fingerprints recorded at save (corrupt data or a layout dtp did not write)")
+        raise CheckpointError(
+            f"checkpoint {directory}: {some(bad)} do not "
+            "match the fingerprints recorded at save (corrupt data or a layout dtp did not write)"
+        )
     out: dict[str, torch.Tensor] = {}
     for key, t in state.items():
         name = key.removeprefix("model/")
         packed, d = meta["packed"].get(name, 1) > 1, meta.get("packed_dims", {}).get(name, 0)
         if packed and (t.dim() < d + 2 or t.shape[d] != meta["packed"][name]):
-            raise CheckpointError(f"checkpoint {directory}: {name} is recorded as {meta['packed'][name]} packed "
-                                  f"parts but has shape {list(t.shape)}")
-        out[name] = t.flatten(d, d + 1) if packed else t  # (K, out/K, …) → (out, …); Conv1D (in, K, out/K) → (in, out)
+            raise CheckpointError(
+                f"checkpoint {directory}: {name} is recorded as {meta['packed'][name]} packed "
+                f"parts but has shape {list(t.shape)}"
+            )
+        # (K, out/K, …) → (out, …); Conv1D (in, K, out/K) → (in, out)
+        out[name] = t.flatten(d, d + 1) if packed else t
     for first, *others in meta["tied"]:
         for name in others:
             out[name] = out[first]
@@ -72,23 +88,30 @@ def _save(state: dict[str, torch.Tensor], path: Path, fmt: str) -> None:
     try:
         from safetensors.torch import save_file
     except ImportError:
-        raise UsageError("--format safetensors needs the safetensors package: pip install safetensors") from None
+        raise UsageError(
+            "--format safetensors needs the safetensors package: pip install safetensors"
+        ) from None
     seen: set[int] = set()
     plain = {}
-    for name, t in state.items():  # safetensors refuses shared storage: tied names get their own copy
+    # safetensors refuses shared storage: tied names get their own copy
+    for name, t in state.items():
         plain[name] = t.clone() if t.untyped_storage().data_ptr() in seen else t.contiguous()
         seen.add(t.untyped_storage().data_ptr())
     replace_atomically(path, lambda tmp: save_file(plain, str(tmp), metadata={"format": "pt"}))
 
 
-def export(checkpoint: str, fmt: str | None, output: str | None, hf_dir: str | None) -> tuple[Path, int]:
+def export(
+    checkpoint: str, fmt: str | None, output: str | None, hf_dir: str | None
+) -> tuple[Path, int]:
     """Write the checkpoint's unsharded state dict; (where, number of tensors)."""
     meta, state = read_model(checkpoint)
     if hf_dir is not None:
         config = meta.get("hf_config")
         if not isinstance(config, dict):
-            raise UsageError(f"{checkpoint} holds a {meta.get('model_class')} model, not a Hugging Face one "
-                             "(no config was saved); --hf-dir needs one — use -o for a plain state dict")
+            raise UsageError(
+                f"{checkpoint} holds a {meta.get('model_class')} model, not a Hugging Face one "
+                "(no config was saved); --hf-dir needs one — use -o for a plain state dict"
+            )
         target = Path(hf_dir)
         try:
             target.mkdir(parents=True, exist_ok=True)

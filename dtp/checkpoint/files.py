@@ -1,11 +1,13 @@
-"""A checkpoint directory on disk: written beside its final name, then renamed; read only when complete.
+"""A checkpoint directory on disk: written beside its final name, then renamed; read only when
+complete.
 
 Layout of DIR: DCP's files (`.metadata`, `__R_0.distcp`), `dtp.json` (plan, mesh, per-tensor shapes,
-dtypes and fingerprints) and, written last, `COMPLETE` (every file's size, the hashes of the two metadata
-files). A save writes `DIR.tmp-XXXX`, fsyncs every file, then renames it to DIR (a previous DIR is moved
-aside first and removed after). A run killed at any point leaves DIR as it was, or absent, or complete.
-No process group here: `dtp export` reads checkpoints offline.
+dtypes and fingerprints) and, written last, `COMPLETE` (every file's size, the hashes of the two
+metadata files). A save writes `DIR.tmp-XXXX`, fsyncs every file, then renames it to DIR (a previous
+DIR is moved aside first and removed after). A run killed at any point leaves DIR as it was, or
+absent, or complete. No process group here: `dtp export` reads checkpoints offline.
 """
+
 from __future__ import annotations
 
 import errno
@@ -25,7 +27,8 @@ from dtp.files import load_json
 
 FORMAT = "dtp-checkpoint"
 VERSION = 1
-LAYOUT = "canonical-1"  # packed parts stored as (K, out/K, …) in the model's order (dtp.checkpoint.canonical)
+# packed parts stored as (K, out/K, …) in the model's order (dtp.checkpoint.canonical)
+LAYOUT = "canonical-1"
 META = "dtp.json"
 MARKER = "COMPLETE"
 DCP_META = ".metadata"
@@ -33,7 +36,8 @@ MAX_META_BYTES = 64 << 20  # dtp.json holds the plan text and one entry per tens
 
 
 class CheckpointError(UsageError):
-    """A checkpoint that is missing, incomplete, corrupt, or written for another plan or model: exit 2."""
+    """A checkpoint that is missing, incomplete, corrupt, or written for another plan or model: exit
+    2."""
 
 
 def _sha256(path: Path) -> str:
@@ -69,35 +73,54 @@ def _leftovers(directory: Path) -> list[Path]:
 
 
 def prepare(directory: Path) -> Path:
-    """Make the temporary directory a save writes into; refuse to replace anything but a dtp checkpoint."""
+    """Make the temporary directory a save writes into; refuse to replace anything but a dtp
+    checkpoint."""
     if directory.exists():
         if not directory.is_dir():
             raise CheckpointError(f"checkpoint path {directory} exists and is not a directory")
-        if any(directory.iterdir()) and not (directory / MARKER).exists() and not (directory / META).exists():
-            raise CheckpointError(f"{directory} exists and is not a dtp checkpoint; refusing to replace it")
+        if (
+            any(directory.iterdir())
+            and not (directory / MARKER).exists()
+            and not (directory / META).exists()
+        ):
+            raise CheckpointError(
+                f"{directory} exists and is not a dtp checkpoint; refusing to replace it"
+            )
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = directory.parent / f"{directory.name}.tmp-{secrets.token_hex(4)}"
         tmp.mkdir()
     except OSError as err:
-        raise CheckpointError(f"cannot create checkpoint directory beside {directory}: {err.strerror}") from None
+        raise CheckpointError(
+            f"cannot create checkpoint directory beside {directory}: {err.strerror}"
+        ) from None
     return tmp
 
 
 def seal(directory: Path) -> int:
-    """Sync every file of a written checkpoint and write its completion marker, last; its total bytes."""
-    files = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file() and p.name != MARKER}
+    """Sync every file of a written checkpoint and write its completion marker, last; its total
+    bytes."""
+    files = {
+        p.name: p.stat().st_size
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != MARKER
+    }
     for name in files:  # DCP's writer syncs its files; this also covers dtp.json
         with (directory / name).open("rb") as f:
             os.fsync(f.fileno())
-    marker = {"format": FORMAT, "files": files, "sha256": {n: _sha256(directory / n) for n in (META, DCP_META)}}
+    marker = {
+        "format": FORMAT,
+        "files": files,
+        "sha256": {n: _sha256(directory / n) for n in (META, DCP_META)},
+    }
     _write_synced(directory / MARKER, json.dumps(marker, indent=1, sort_keys=True) + "\n")
     _fsync_dir(directory)
     return sum(files.values()) + (directory / MARKER).stat().st_size
 
 
 def finalize(tmp: Path, directory: Path, meta: dict) -> int:
-    """Write dtp.json and the completion marker into `tmp`, sync, and rename it to `directory`; its bytes."""
+    """Write dtp.json and the completion marker into `tmp`, sync, and rename it to `directory`; its
+    bytes."""
     try:
         _write_synced(tmp / META, json.dumps(meta, indent=1, sort_keys=True, default=str) + "\n")
         nbytes = seal(tmp)
@@ -108,7 +131,9 @@ def finalize(tmp: Path, directory: Path, meta: dict) -> int:
         os.rename(tmp, directory)
         _fsync_dir(directory.parent)
     except OSError as err:
-        raise CheckpointError(f"cannot write checkpoint {directory}: {err.strerror or err}") from None
+        raise CheckpointError(
+            f"cannot write checkpoint {directory}: {err.strerror or err}"
+        ) from None
     for stale in _leftovers(directory):  # this save's old copy, and what killed saves left behind
         shutil.rmtree(stale, ignore_errors=True)
     return nbytes
@@ -118,20 +143,26 @@ def _missing(directory: Path) -> CheckpointError:
     left = _leftovers(directory)
     hint = ""
     if left:
-        hint = (f"; an interrupted save left {', '.join(p.name for p in left)} beside it "
-                f"(a .old-* directory is the previous complete checkpoint; .tmp-* ones are incomplete)")
+        hint = (
+            f"; an interrupted save left {', '.join(p.name for p in left)} beside it "
+            f"(a .old-* directory is the previous complete checkpoint; .tmp-* ones are incomplete)"
+        )
     return CheckpointError(f"no checkpoint at {directory}{hint}")
 
 
 def read_json(path: Path, what: str) -> dict:
-    """A JSON object from a regular file of at most MAX_META_BYTES (dtp.files' bounded loader: no FIFO, device or
-    endless file, nesting bounded), or a CheckpointError naming the checkpoint."""
+    """A JSON object from a regular file of at most MAX_META_BYTES (dtp.files' bounded loader: no
+    FIFO, device or endless file, nesting bounded), or a CheckpointError naming the checkpoint."""
     try:
         data = load_json(path, what, MAX_META_BYTES, path.name)
     except UsageError as err:
-        raise CheckpointError(f"checkpoint {path.parent} is corrupt: cannot read its {what} {path.name} ({err})") from None
+        raise CheckpointError(
+            f"checkpoint {path.parent} is corrupt: cannot read its {what} {path.name} ({err})"
+        ) from None
     if not isinstance(data, dict):
-        raise CheckpointError(f"checkpoint {path.parent} is corrupt: its {what} {path.name} is not a JSON object")
+        raise CheckpointError(
+            f"checkpoint {path.parent} is corrupt: its {what} {path.name} is not a JSON object"
+        )
     return data
 
 
@@ -141,12 +172,17 @@ def _is_int(value: object, least: int = 0) -> bool:
 
 def _check_schema(meta: dict, directory: Path, on_disk: int) -> None:
     """Every field of dtp.json that dtp reads has the type it writes; the tensors fit in the files."""
+
     def bad(what: str) -> CheckpointError:
         return CheckpointError(f"checkpoint {directory} is corrupt: its {META} has {what}")
 
     plan, mesh, tensors, objects = (meta.get(k) for k in ("plan", "mesh", "tensors", "objects"))
-    if not (isinstance(plan, dict) and all(isinstance(plan.get(k), str) for k in ("sha256", "text"))
-            and isinstance(plan.get("name"), (str, type(None))) and isinstance(plan.get("version"), (int, type(None)))):
+    if not (
+        isinstance(plan, dict)
+        and all(isinstance(plan.get(k), str) for k in ("sha256", "text"))
+        and isinstance(plan.get("name"), (str, type(None)))
+        and isinstance(plan.get("version"), (int, type(None)))
+    ):
         raise bad("no valid plan (name, version, sha256, text)")
     if not (isinstance(mesh, dict) and all(_is_int(mesh.get(k), 1) for k in ("tp", "dp"))):
         raise bad("no valid mesh (tp, dp)")
@@ -157,29 +193,52 @@ def _check_schema(meta: dict, directory: Path, on_disk: int) -> None:
         info = info if isinstance(info, dict) else {}
         shape, name = info.get("shape"), info.get("dtype")
         dtype = getattr(torch, name, None) if isinstance(name, str) else None
-        if (not isinstance(shape, list) or len(shape) > 8 or not all(_is_int(n) for n in shape)
-                or not isinstance(dtype, torch.dtype) or not isinstance(info.get("fingerprint"), str)):
+        if (
+            not isinstance(shape, list)
+            or len(shape) > 8
+            or not all(_is_int(n) for n in shape)
+            or not isinstance(dtype, torch.dtype)
+            or not isinstance(info.get("fingerprint"), str)
+        ):
             raise bad(f"an invalid entry for tensor {key[:200]!r} (shape, dtype, fingerprint)")
         total += torch.Size(shape).numel() * dtype.itemsize
     if not all(re.fullmatch(r"model/[^/]+|optim/[^/]+/[^/]+", k) for k in tensors):
-        raise bad(f"a tensor named other than model/NAME or optim/NAME/STATE ({some(sorted(tensors))[:200]})")
+        raise bad(
+            "a tensor named other than model/NAME or optim/NAME/STATE "
+            f"({some(sorted(tensors))[:200]})"
+        )
     for key, n in objects.items():
-        if not re.fullmatch(r"optim/param_groups|optim/[^/]+/[^/]+|extra/rank\d{1,6}", key) or not _is_int(n):
+        if not re.fullmatch(
+            r"optim/param_groups|optim/[^/]+/[^/]+|extra/rank\d{1,6}", key
+        ) or not _is_int(n):
             raise bad(f"an invalid size for {key[:200]!r}")
         total += n
-    if total > on_disk:  # DCP stores raw bytes: a larger claim is a corrupt dtp.json, not a reason to allocate
+    # DCP stores raw bytes: a larger claim is a corrupt dtp.json, not a reason to allocate
+    if total > on_disk:
         raise bad(f"tensors of {total} bytes, but its files hold {on_disk}")
     packed, tied = meta.get("packed"), meta.get("tied")
-    if not (isinstance(packed, dict) and all(isinstance(k, str) and _is_int(v, 1) for k, v in packed.items())):
+    if not (
+        isinstance(packed, dict)
+        and all(isinstance(k, str) and _is_int(v, 1) for k, v in packed.items())
+    ):
         raise bad("no valid table of packed parts")
     dims = meta.get("packed_dims", {})
-    if not (isinstance(dims, dict) and all(isinstance(k, str) and k in packed and _is_int(v) and 0 <= v < 8
-                                           for k, v in dims.items())):
+    if not (
+        isinstance(dims, dict)
+        and all(
+            isinstance(k, str) and k in packed and _is_int(v) and 0 <= v < 8
+            for k, v in dims.items()
+        )
+    ):
         raise bad("no valid table of packed dims")
-    if not (isinstance(tied, list) and all(isinstance(g, list) and g and all(isinstance(n, str) for n in g)
-                                           for g in tied)):
+    if not (
+        isinstance(tied, list)
+        and all(isinstance(g, list) and g and all(isinstance(n, str) for n in g) for g in tied)
+    ):
         raise bad("no valid list of tied weights")
-    if not isinstance(meta.get("optimizer"), str) or not isinstance(meta.get("hf_config"), (dict, type(None))):
+    if not isinstance(meta.get("optimizer"), str) or not isinstance(
+        meta.get("hf_config"), (dict, type(None))
+    ):
         raise bad("no valid optimizer name or Hugging Face config")
 
 
@@ -193,11 +252,16 @@ def _kind(directory: Path) -> str | None:
         if err.errno == errno.ENOENT:
             return "absent"
         return f"cannot be read ({err.strerror})"
-    return None if stat.S_ISDIR(mode) else "is not a directory (a checkpoint is a directory written by dtp)"
+    return (
+        None
+        if stat.S_ISDIR(mode)
+        else "is not a directory (a checkpoint is a directory written by dtp)"
+    )
 
 
 def read_meta(directory: Path | str) -> dict:
-    """dtp.json of a complete, intact checkpoint (sizes and metadata hashes checked); else CheckpointError."""
+    """dtp.json of a complete, intact checkpoint (sizes and metadata hashes checked); else
+    CheckpointError."""
     directory = Path(directory)
     kind = _kind(directory)
     if kind == "absent":
@@ -205,34 +269,54 @@ def read_meta(directory: Path | str) -> dict:
     if kind is not None:
         raise CheckpointError(f"checkpoint {directory} {kind}")
     if not (directory / MARKER).is_file():
-        raise CheckpointError(f"{directory} is not a complete dtp checkpoint: it has no {MARKER} marker "
-                              "(the save that wrote it did not finish, or it is not a dtp checkpoint)")
+        raise CheckpointError(
+            f"{directory} is not a complete dtp checkpoint: it has no {MARKER} marker "
+            "(the save that wrote it did not finish, or it is not a dtp checkpoint)"
+        )
     marker = read_json(directory / MARKER, "completion marker")
     files, hashes = marker.get("files"), marker.get("sha256")
-    if marker.get("format") != FORMAT or not isinstance(files, dict) or not isinstance(hashes, dict):
-        raise CheckpointError(f"checkpoint {directory} is corrupt: its {MARKER} marker is not dtp's")
+    if (
+        marker.get("format") != FORMAT
+        or not isinstance(files, dict)
+        or not isinstance(hashes, dict)
+    ):
+        raise CheckpointError(
+            f"checkpoint {directory} is corrupt: its {MARKER} marker is not dtp's"
+        )
     for name, size in sorted(files.items()):
         path = directory / name
         if not isinstance(name, str) or "/" in name or name in ("", ".", "..") or not _is_int(size):
-            raise CheckpointError(f"checkpoint {directory} is corrupt: its {MARKER} marker lists {str(name)[:80]!r}")
+            raise CheckpointError(
+                f"checkpoint {directory} is corrupt: its {MARKER} marker lists {str(name)[:80]!r}"
+            )
         if not path.is_file():
             raise CheckpointError(f"checkpoint {directory} is incomplete: {name} is missing")
         if path.stat().st_size != size:
-            raise CheckpointError(f"checkpoint {directory} is corrupt: {name} has {path.stat().st_size} bytes, "
-                                  f"the checkpoint recorded {size} (truncated or altered)")
+            raise CheckpointError(
+                f"checkpoint {directory} is corrupt: {name} has {path.stat().st_size} bytes, "
+                f"the checkpoint recorded {size} (truncated or altered)"
+            )
     if sorted(hashes) != sorted((META, DCP_META)) or not set(hashes) <= set(files):
-        raise CheckpointError(f"checkpoint {directory} is corrupt: its {MARKER} marker does not cover "
-                              f"{META} and {DCP_META}")
+        raise CheckpointError(
+            f"checkpoint {directory} is corrupt: its {MARKER} marker does not cover "
+            f"{META} and {DCP_META}"
+        )
     for name, digest in sorted(hashes.items()):
         if _sha256(directory / name) != digest:
-            raise CheckpointError(f"checkpoint {directory} is corrupt: {name} does not match its recorded hash")
+            raise CheckpointError(
+                f"checkpoint {directory} is corrupt: {name} does not match its recorded hash"
+            )
     meta = read_json(directory / META, "metadata")
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise CheckpointError(f"{directory}: not a version-{VERSION} dtp checkpoint "
-                              f"(format {meta.get('format')!r}, version {meta.get('version')!r})")
+        raise CheckpointError(
+            f"{directory}: not a version-{VERSION} dtp checkpoint "
+            f"(format {meta.get('format')!r}, version {meta.get('version')!r})"
+        )
     if meta.get("layout") != LAYOUT:
-        raise CheckpointError(f"{directory}: tensors are stored in layout {meta.get('layout')!r}; this dtp reads "
-                              f"{LAYOUT!r} only (loading another layout would scramble packed rows)")
+        raise CheckpointError(
+            f"{directory}: tensors are stored in layout {meta.get('layout')!r}; this dtp reads "
+            f"{LAYOUT!r} only (loading another layout would scramble packed rows)"
+        )
     _check_schema(meta, directory, sum(files.values()))
     return meta
 

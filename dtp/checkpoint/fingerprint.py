@@ -1,22 +1,28 @@
 """A content hash of a tensor that does not depend on how it is sharded.
 
-Each element's bit pattern is weighted by a pseudo-random function of its position in the full tensor
-and the products are summed modulo the prime 2^31 - 1. Integer addition is associative, so every rank
-hashes its own chunk (knowing the chunk's offset), the partial sums add up in any order, and the
-result equals the hash of the gathered tensor bit for bit — at tp 4, at tp 2 and offline alike. Two
-weightings give 62 bits. A moved, flipped or missing element changes the hash (barring a 2^-62 fluke).
+Each element's bit pattern is weighted by a pseudo-random function of its position in the full
+tensor and the products are summed modulo the prime 2^31 - 1. Integer addition is associative, so
+every rank hashes its own chunk (knowing the chunk's offset), the partial sums add up in any order,
+and the result equals the hash of the gathered tensor bit for bit — at tp 4, at tp 2 and offline
+alike. Two weightings give 62 bits. A moved, flipped or missing element changes the hash (barring a
+2^-62 fluke).
 """
+
 from __future__ import annotations
 
 import torch
 
 P = 2**31 - 1  # a prime: products of two residues fit in int64
-_MIX = ((1_103_515_245, 12_345), (1_664_525, 1_013_904_223))  # (a, b) of the two position weightings
+# (a, b) of the two position weightings
+_MIX = ((1_103_515_245, 12_345), (1_664_525, 1_013_904_223))
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _positions(shape: tuple[int, ...], offsets: tuple[int, ...], global_shape: tuple[int, ...]) -> torch.Tensor:
-    """Flat indices in the full tensor of the chunk of `shape` at `offsets`, without materialising the full tensor."""
+def _positions(
+    shape: tuple[int, ...], offsets: tuple[int, ...], global_shape: tuple[int, ...]
+) -> torch.Tensor:
+    """Flat indices in the full tensor of the chunk of `shape` at `offsets`, without materialising
+    the full tensor."""
     strides = [1] * len(global_shape)
     for d in range(len(global_shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * global_shape[d + 1]
@@ -28,8 +34,11 @@ def _positions(shape: tuple[int, ...], offsets: tuple[int, ...], global_shape: t
     return index.expand(shape)
 
 
-def chunk_sums(local: torch.Tensor, offsets: tuple[int, ...], global_shape: tuple[int, ...]) -> list[int]:
-    """The two partial sums (each < P) of one chunk; add them over all chunks, modulo P, to get `finish`'s input."""
+def chunk_sums(
+    local: torch.Tensor, offsets: tuple[int, ...], global_shape: tuple[int, ...]
+) -> list[int]:
+    """The two partial sums (each < P) of one chunk; add them over all chunks, modulo P, to get
+    `finish`'s input."""
     local = local.detach().contiguous().cpu()
     if local.numel() == 0:
         return [0, 0]
@@ -38,7 +47,8 @@ def chunk_sums(local: torch.Tensor, offsets: tuple[int, ...], global_shape: tupl
     sums = []
     for a, b in _MIX:
         weight = (pos * a + b).remainder(P)
-        weight = (weight * weight).remainder(P)  # non-linear in the position: no structured permutation cancels
+        # non-linear in the position: no structured permutation cancels
+        weight = (weight * weight).remainder(P)
         sums.append(int((bits * weight).remainder(P).sum().remainder(P)))
     return sums
 

@@ -1,11 +1,13 @@
 """One writer per checkpoint: `DIR.lock` beside DIR names the process saving into it.
 
-A save's rank 0 takes the lock around its write (`claim`/`release`), and a launcher can hold it for a whole run
-(`held`), which also refuses a second run before any rank starts and, on the way out, removes the `DIR.tmp-*`
-a save killed with its ranks left behind. The lock file is created whole (written aside, then hard-linked into
-place), so a reader never sees it half-written; one whose process is gone (same host) is stale and replaced.
-Only the lock holder removes `DIR.tmp-*`, so two runs never delete each other's work in progress.
+A save's rank 0 takes the lock around its write (`claim`/`release`), and a launcher can hold it for
+a whole run (`held`), which also refuses a second run before any rank starts and, on the way out,
+removes the `DIR.tmp-*` a save killed with its ranks left behind. The lock file is created whole
+(written aside, then hard-linked into place), so a reader never sees it half-written; one whose
+process is gone (same host) is stale and replaced. Only the lock holder removes `DIR.tmp-*`, so two
+runs never delete each other's work in progress.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,7 +38,8 @@ def _owner(lock: Path) -> dict | None:
 
 def _alive(owner: dict) -> bool:
     if owner.get("host") != socket.gethostname():
-        return True  # another machine's process (a shared file system): it cannot be checked from here
+        # another machine's process (a shared file system): it cannot be checked from here
+        return True
     try:
         os.kill(owner["pid"], 0)
     except ProcessLookupError:
@@ -47,7 +50,8 @@ def _alive(owner: dict) -> bool:
 
 
 def _ours(owner: dict) -> bool:
-    """Held by this process, or by the launcher that started it (a rank of a run that holds the lock)."""
+    """Held by this process, or by the launcher that started it (a rank of a run that holds the
+    lock)."""
     return owner.get("host") == socket.gethostname() and owner["pid"] in (os.getpid(), os.getppid())
 
 
@@ -58,7 +62,9 @@ def claim(directory: Path) -> bool:
     try:
         lock.parent.mkdir(parents=True, exist_ok=True)
         aside = lock.parent / f".{lock.name}.{secrets.token_hex(4)}"
-        aside.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n", encoding="utf-8")
+        aside.write_text(
+            json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n", encoding="utf-8"
+        )
     except OSError as err:
         raise CheckpointError(f"cannot create checkpoint lock {lock}: {err.strerror}") from None
     try:
@@ -74,11 +80,15 @@ def claim(directory: Path) -> bool:
             if owner is not None and _alive(owner):
                 raise CheckpointError(
                     f"checkpoint {directory} is being saved by another run (pid {owner['pid']} on "
-                    f"{owner.get('host')}); two runs must not save into one checkpoint — wait for it, or use "
-                    f"another --checkpoint (if that process is not a dtp run, remove {lock})")
+                    f"{owner.get('host')}); two runs must not save into one checkpoint — wait for "
+                    "it, or use "
+                    f"another --checkpoint (if that process is not a dtp run, remove {lock})"
+                )
             with contextlib.suppress(FileNotFoundError):  # stale: its process is gone
                 lock.unlink()
-        raise CheckpointError(f"cannot take checkpoint lock {lock}: another process keeps replacing it")
+        raise CheckpointError(
+            f"cannot take checkpoint lock {lock}: another process keeps replacing it"
+        )
     except OSError as err:
         raise CheckpointError(f"cannot create checkpoint lock {lock}: {err.strerror}") from None
     finally:
@@ -90,14 +100,18 @@ def release(directory: Path) -> None:
     """Remove DIR's lock if this process holds it."""
     lock = lock_path(directory)
     owner = _owner(lock)
-    if owner is not None and owner["pid"] == os.getpid() and owner.get("host") == socket.gethostname():
+    if (
+        owner is not None
+        and owner["pid"] == os.getpid()
+        and owner.get("host") == socket.gethostname()
+    ):
         with contextlib.suppress(FileNotFoundError):
             lock.unlink()
 
 
 def begin_save(directory: Path) -> tuple[str, bool]:
-    """Take the lock (unless this run holds it already) and make the save's temporary directory: (its path,
-    whether this call took the lock and must release it)."""
+    """Take the lock (unless this run holds it already) and make the save's temporary directory:
+    (its path, whether this call took the lock and must release it)."""
     locked = claim(directory)
     try:
         return str(prepare(directory)), locked
@@ -108,8 +122,8 @@ def begin_save(directory: Path) -> tuple[str, bool]:
 
 
 def remove_partial(directory: Path) -> None:
-    """Remove the `DIR.tmp-*` of interrupted saves (call it holding the lock), and put back a previous checkpoint
-    that a save killed between its two renames left as the only `DIR.old-*`."""
+    """Remove the `DIR.tmp-*` of interrupted saves (call it holding the lock), and put back a
+    previous checkpoint that a save killed between its two renames left as the only `DIR.old-*`."""
     parent = directory.parent
     if not parent.is_dir():
         return
@@ -123,8 +137,9 @@ def remove_partial(directory: Path) -> None:
 
 @contextlib.contextmanager
 def held(directory: str | Path | None) -> Iterator[None]:
-    """Hold DIR's lock for a whole run (in the launcher, before ranks start); on the way out, also after
-    Ctrl-C or SIGTERM, remove what a killed save left and release it. No-op when `directory` is None."""
+    """Hold DIR's lock for a whole run (in the launcher, before ranks start); on the way out, also
+    after Ctrl-C or SIGTERM, remove what a killed save left and release it. No-op when `directory`
+    is None."""
     if directory is None:
         yield
         return

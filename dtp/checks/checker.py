@@ -1,9 +1,10 @@
 """The checker: everything that can be known about a plan before any process starts.
 
-Runs the rules of this package in order (options and the mesh header; then, against a model, the rules of
-dtp.checks.model_rules) and raises all problems of a file together as one PlanError. The rules that need a model
-import torch; `dtp check PLAN` runs only the first.
+Runs the rules of this package in order (options and the mesh header; then, against a model, the
+rules of dtp.checks.model_rules) and raises all problems of a file together as one PlanError. The
+rules that need a model import torch; `dtp check PLAN` runs only the first.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,12 +31,15 @@ class Checked:
     resolution: Resolution | None
     tp: int | None
     admissible_tp: tuple[int, ...]  # every tp ≤ MAX_TP_SHOWN that satisfies all divisibility rules
-    warnings: tuple[Diagnostic, ...] = ()  # problems that do not stop the plan (printed as `warning:`)
+    # problems that do not stop the plan (printed as `warning:`)
+    warnings: tuple[Diagnostic, ...] = ()
 
 
-def check(plan: ir.Plan, model: nn.Module | None = None, tp: int | None = None, dp: int | None = None) -> Checked:
-    """Check `plan` alone, or against `model` (build it on the meta device) for a given tp (and dp, when the
-    plan's `mesh` header must agree with it)."""
+def check(
+    plan: ir.Plan, model: nn.Module | None = None, tp: int | None = None, dp: int | None = None
+) -> Checked:
+    """Check `plan` alone, or against `model` (build it on the meta device) for a given tp (and dp,
+    when the plan's `mesh` header must agree with it)."""
     if tp is not None and tp < 1:
         raise ValueError("tp must be positive")
     if tp is None and model is not None and conditions.reads_tp(plan):
@@ -44,8 +48,9 @@ def check(plan: ir.Plan, model: nn.Module | None = None, tp: int | None = None, 
 
 
 def _check_every_branch(plan: ir.Plan, model: nn.Module, dp: int | None) -> Checked:
-    """No tp given, but `when` conditions read it: check once per distinct choice of branches over the tp
-    values listed, and admit each tp its own branches admit (errors: those of tp=1's branches)."""
+    """No tp given, but `when` conditions read it: check once per distinct choice of branches over
+    the tp values listed, and admit each tp its own branches admit (errors: those of tp=1's
+    branches)."""
     config = conditions.model_config(model)
     by_choice: dict[tuple, list[int]] = {}
     for d in range(1, MAX_TP_SHOWN + 1):
@@ -65,7 +70,9 @@ def _check_every_branch(plan: ir.Plan, model: nn.Module, dp: int | None) -> Chec
     return Checked(first.plan, first.resolution, None, tuple(sorted(admissible)), first.warnings)
 
 
-def _check(plan: ir.Plan, model: nn.Module | None, tp: int | None, dp: int | None, cond_tp: int | None) -> Checked:
+def _check(
+    plan: ir.Plan, model: nn.Module | None, tp: int | None, dp: int | None, cond_tp: int | None
+) -> Checked:
     diags = check_syntax_level(plan) + check_mesh(plan, dp)
     res: Resolution | None = None
     sizes: list[int] = []
@@ -97,6 +104,9 @@ def checked_for(plan: ir.Plan | Checked, model: nn.Module, tp: int) -> Checked:
 def sequence_shape_problem(checked: Checked, tp: int, seq: int) -> str | None:
     """Why a sequence-parallel plan cannot run on `seq` tokens at `tp`, if it cannot."""
     if seq < tp and checked.resolution.sequence_parallel:
-        return (f"--seq {seq} is shorter than tp={tp}: sequence parallelism gives every rank a part of the "
-                f"sequence, so use --seq {tp} or more")
+        return (
+            f"--seq {seq} is shorter than tp={tp}: sequence parallelism gives every rank a part of "
+            "the "
+            f"sequence, so use --seq {tp} or more"
+        )
     return None

@@ -1,21 +1,25 @@
-"""Layout flow: follow every activation's layout through the model, in module order, before any rank starts.
+"""Layout flow: follow every activation's layout through the model, in module order, before any rank
+starts.
 
-A plan sets layouts at module boundaries (colwise hands on a local slice of the features, rowwise its
-reduced sum, sequence_parallel a sequence-sharded DTensor); between them the model's own code runs on
-whatever arrives. The walk follows the shape every transformer has: a top-level chain (embeddings, the
-blocks, the final norm, the head) carrying the residual stream into every block (a child of a
-ModuleList); inside a block the norms read the residual stream, and each branch (a child container:
-attention, MLP) starts from it and adds its result back. Inside a branch each leaf reads what the forward's
-source says it reads (dtp/layout/forward_source.py: q, k and v side by side, their outputs meeting before
-o_proj); where the source cannot say, modules run in registration order.
+A plan sets layouts at module boundaries (colwise hands on a local slice of the features, rowwise
+its reduced sum, sequence_parallel a sequence-sharded DTensor); between them the model's own code
+runs on whatever arrives. The walk follows the shape every transformer has: a top-level chain
+(embeddings, the blocks, the final norm, the head) carrying the residual stream into every block (a
+child of a ModuleList); inside a block the norms read the residual stream, and each branch (a child
+container: attention, MLP) starts from it and adds its result back. Inside a branch each leaf reads
+what the forward's source says it reads (dtp/layout/forward_source.py: q, k and v side by side,
+their outputs meeting before o_proj); where the source cannot say, modules run in registration
+order.
 
 What it catches, each of which torch finds only mid-run or never:
-- a colwise output that no rowwise consumes (it reaches a plain module, or leaves its branch a slice);
+- a colwise output that no rowwise consumes (it reaches a plain module, or leaves its branch a
+  slice);
 - `output=partial` sums that nothing reduces;
 - a local tensor a consumer reads with another layout, a DTensor reaching a plain module or a plain
   residual stream (`local=` mismatches);
 - sequence parallelism that leaves a norm or dropout of the residual stream out.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Mapping
@@ -34,34 +38,51 @@ from dtp.layout.trace import Trace, branch_flow
 
 Report = Callable[[Pos, int, str, str], None]  # (position, length, module path, message)
 
+
 def _relevant(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, nn.Embedding, nn.Dropout)) or is_norm(module)
 
 
 def _execution_order(leaves: list[str], style_of: Callable[[str], str | None]) -> list[str]:
-    """Registration order, except a branch's one rowwise layer registered before its colwise layers (Phi-3's
-    o_proj precedes qkv_proj) or before the sharded norms of their outputs (OLMo2's q_norm, k_norm follow
-    o_proj): it runs after them, so it is walked right after the last one."""
+    """Registration order, except a branch's one rowwise layer registered before its colwise layers
+    (Phi-3's o_proj precedes qkv_proj) or before the sharded norms of their outputs (OLMo2's q_norm,
+    k_norm follow o_proj): it runs after them, so it is walked right after the last one."""
     inner = ("colwise", "sharded_norm")
     cols = [i for i, p in enumerate(leaves) if style_of(p) in inner]
     rows = [i for i, p in enumerate(leaves) if style_of(p) == "rowwise"]
-    norms_after = any(style_of(p) == "sharded_norm" for p in leaves[rows[0]:]) if len(rows) == 1 else False
+    norms_after = (
+        any(style_of(p) == "sharded_norm" for p in leaves[rows[0] :]) if len(rows) == 1 else False
+    )
     if len(rows) != 1 or not cols or (rows[0] > cols[0] and not norms_after):
         return leaves
     row = leaves[rows[0]]
     rest = [p for p in leaves if p != row]
     last = max(i for i, p in enumerate(rest) if style_of(p) in inner)
-    return rest[:last + 1] + [row] + rest[last + 1:]
+    return rest[: last + 1] + [row] + rest[last + 1 :]
 
 
 class _Walk:
-    """One pass over the model; reports problems through `report` and stops where one makes the rest moot."""
+    """One pass over the model; reports problems through `report` and stops where one makes the rest
+    moot."""
 
-    def __init__(self, res: Resolution, layouts: Mapping[str, object], sp: bool, vocab: int | None, report: Report,
-                 trace: Trace | None = None):
+    def __init__(
+        self,
+        res: Resolution,
+        layouts: Mapping[str, object],
+        sp: bool,
+        vocab: int | None,
+        report: Report,
+        trace: Trace | None = None,
+    ):
         self.res, self.layouts, self.sp, self.vocab, self.report = res, layouts, sp, vocab, report
-        self.sp_rule = next((r for r in sorted(res.claims.values(), key=lambda r: (r.pos.line, r.pos.column))
-                             if r.style.name == "sequence_parallel"), None)
+        self.sp_rule = next(
+            (
+                r
+                for r in sorted(res.claims.values(), key=lambda r: (r.pos.line, r.pos.column))
+                if r.style.name == "sequence_parallel"
+            ),
+            None,
+        )
         self.block_paths = blocks(res.modules)
         self.trace = trace
 
@@ -71,14 +92,20 @@ class _Walk:
         """`path` relative to the block that holds `anchor` too (so one message fits every layer)."""
         for block in self.block_paths:
             if anchor and path.startswith(block + ".") and anchor.startswith(block + "."):
-                return path[len(block) + 1:]
+                return path[len(block) + 1 :]
         return path or "the model"
 
     def fail(self, subject: str, message: str, *candidates: str | None) -> None:
-        """Report at the rule of the first claimed candidate (else the first sequence_parallel rule)."""
-        rule = next((self.res.claims[c] for c in candidates if c and c in self.res.claims), None) or self.sp_rule
+        """Report at the rule of the first claimed candidate (else the first sequence_parallel
+        rule)."""
+        rule = (
+            next((self.res.claims[c] for c in candidates if c and c in self.res.claims), None)
+            or self.sp_rule
+        )
         if rule is None:
-            rule = min(self.res.claims.values(), key=lambda r: (r.pos.line, r.pos.column), default=None)
+            rule = min(
+                self.res.claims.values(), key=lambda r: (r.pos.line, r.pos.column), default=None
+            )
         pos, length = (rule.style.pos, len(rule.style.name)) if rule else (NOWHERE, 1)
         self.report(pos, length, subject, message)
 
@@ -96,14 +123,21 @@ class _Walk:
         src = f"{self.rel(got.producer, path)}" if got.producer else "the model's own computation"
         hint = ""
         if style == "rowwise" and want == "shard(-1)" and got.layout == "replicate":
-            hint = ("; no colwise layer before it slices the features: shard the layer that produces its input "
-                    "colwise, or use rowwise(input=replicate)")
+            hint = (
+                "; no colwise layer before it slices the features: shard the layer that produces "
+                "its input "
+                "colwise, or use rowwise(input=replicate)"
+            )
             if got.producer and self.style(got.producer) == "colwise":
                 hint = f"; drop output=replicate from {src} (rowwise consumes its slice) or use rowwise(input=replicate)"
         elif got.layout == "replicate" and want == "shard(1)":
             hint = "; it is not sequence-sharded here: drop input=shard(1), or shard the sequence before it"
-        self.fail(path, f"{style} reads a local input as {want}, but receives {got.describe()} from {src}{hint}",
-                   path)
+        self.fail(
+            path,
+            f"{style} reads a local input as {want}, but receives {got.describe()} from "
+            f"{src}{hint}",
+            path,
+        )
         return False
 
     def _plain(self, path: str, got: Act) -> bool:
@@ -115,25 +149,58 @@ class _Walk:
         where = self.rel(path, got.producer)
         src = got.producer
         if got.dtensor:
-            hint = ("; make it vocab_parallel" if isinstance(module, nn.Linear) and module.out_features == self.vocab
-                    else f"; shard {where} too, or hand it a local tensor (local=true)")
-            self.fail(src or path, f"hands {where} ({kind}, not sharded) a DTensor ({got.layout}); a plain module "
-                       f"cannot mix one with its own parameters{hint}", src, path)
+            hint = (
+                "; make it vocab_parallel"
+                if isinstance(module, nn.Linear) and module.out_features == self.vocab
+                else f"; shard {where} too, or hand it a local tensor (local=true)"
+            )
+            self.fail(
+                src or path,
+                f"hands {where} ({kind}, not sharded) a DTensor ({got.layout}); a plain module "
+                f"cannot mix one with its own parameters{hint}",
+                src,
+                path,
+            )
         elif got.layout == "partial":
-            self.fail(src or path, f"output=partial hands on partial sums that nothing reduces: {where} ({kind}, not "
-                       "sharded) reads them as the full activation; drop output=partial (the default reduces them), "
-                       "or hand them on as a DTensor (local=false) to a sharded layer", src, path)
+            self.fail(
+                src or path,
+                f"output=partial hands on partial sums that nothing reduces: {where} ({kind}, not "
+                "sharded) reads them as the full activation; drop output=partial (the default "
+                "reduces them), "
+                "or hand them on as a DTensor (local=false) to a sharded layer",
+                src,
+                path,
+            )
         elif got.layout == "shard(-1)" and src and self.style(src) == "colwise" and is_norm(module):
-            self.fail(src, f"colwise output ({got.describe()}) reaches {where} ({kind}, not sharded, so it reads "
-                       "full activations only): a norm over each head takes `replicate(reduce_grad=true)` (its gradient "
-                       "is summed over the ranks), a norm over all features `sharded_norm`", src, path)
+            self.fail(
+                src,
+                f"colwise output ({got.describe()}) reaches {where} ({kind}, not sharded, so it "
+                "reads "
+                "full activations only): a norm over each head takes `replicate(reduce_grad=true)` "
+                "(its gradient "
+                "is summed over the ranks), a norm over all features `sharded_norm`",
+                src,
+                path,
+            )
         elif got.layout == "shard(-1)" and src and self.style(src) == "colwise":
-            self.fail(src, f"colwise output ({got.describe()}) reaches {where} ({kind}, not sharded), which needs "
-                       f"the full features: no rowwise consumes it; make {where} rowwise, or give the colwise layer "
-                       "output=replicate", src, path)
+            self.fail(
+                src,
+                f"colwise output ({got.describe()}) reaches {where} ({kind}, not sharded), which "
+                "needs "
+                f"the full features: no rowwise consumes it; make {where} rowwise, or give the "
+                "colwise layer "
+                "output=replicate",
+                src,
+                path,
+            )
         else:
-            self.fail(src or path, f"hands {where} ({kind}, not sharded) {got.describe()}, but it needs the full "
-                       "activation", src, path)
+            self.fail(
+                src or path,
+                f"hands {where} ({kind}, not sharded) {got.describe()}, but it needs the full "
+                "activation",
+                src,
+                path,
+            )
         return False
 
     def step(self, path: str, got: Act) -> Act | None:
@@ -148,11 +215,13 @@ class _Walk:
             return PLAIN if self._plain(path, got) else None
         if m.style == "vocab_parallel" and m.embedding:
             return Act(layout_text(m.output), not m.local, path)
-        if m.style == "sharded_norm":  # normalises the colwise slice it reads, hands on the same slice
+        # normalises the colwise slice it reads, hands on the same slice
+        if m.style == "sharded_norm":
             return Act("shard(-1)", False, path) if self._expect(path, "shard(-1)", got) else None
         if m.style == "sequence_parallel":  # a plain input is read as the full sequence
             return Act("shard(1)", True, path) if self._expect(path, "replicate", got) else None
-        if m.input is None:  # replicate(reduce_grad=true) runs on whatever arrives (a per-head norm on local heads)
+        # replicate(reduce_grad=true) runs on whatever arrives (a per-head norm on local heads)
+        if m.input is None:
             return got
         if not self._expect(path, layout_text(m.input), got):
             return None
@@ -160,10 +229,20 @@ class _Walk:
             return Act("shard(-1)", True, path)
         out = Act(layout_text(m.output), not m.local, path)
         parent = path.rpartition(".")[0]
-        if m.style == "colwise" and out.dtensor and "." in path and attention_like(self.res.modules[parent]):
-            self.fail(path, f"colwise hands the attention's own code ({self.rel(parent, path)}) a DTensor, but "
-                       "its head reshapes, rotary embeddings and scaled_dot_product_attention run on local tensors; "
-                       "drop local=false", path)
+        if (
+            m.style == "colwise"
+            and out.dtensor
+            and "." in path
+            and attention_like(self.res.modules[parent])
+        ):
+            self.fail(
+                path,
+                f"colwise hands the attention's own code ({self.rel(parent, path)}) a DTensor, but "
+                "its head reshapes, rotary embeddings and scaled_dot_product_attention run on local "
+                "tensors; "
+                "drop local=false",
+                path,
+            )
             return None
         return out
 
@@ -172,43 +251,80 @@ class _Walk:
     def _covered(self, path: str) -> bool:
         """Under sequence parallelism a residual-stream norm or dropout must be sequence_parallel."""
         module = self.res.modules[path]
-        if not self.sp or not (is_norm(module) or isinstance(module, nn.Dropout)) or self.style(path) is not None:
+        if (
+            not self.sp
+            or not (is_norm(module) or isinstance(module, nn.Dropout))
+            or self.style(path) is not None
+        ):
             return True
         pattern = path
         for block in self.block_paths:
             if path.startswith(block + "."):
                 head, _, _ = block.rpartition(".")
-                pattern = f"{head}.*.{path[len(block) + 1:]}"
-        self.fail(path, f"sequence parallelism covers only some norms and dropouts: this {type(module).__name__} is "
-                   "not sequence_parallel, but once one is, the residual stream is sequence-sharded and every norm "
-                   f"and dropout on it must be too; add `{pattern}: sequence_parallel`")
+                pattern = f"{head}.*.{path[len(block) + 1 :]}"
+        self.fail(
+            path,
+            "sequence parallelism covers only some norms and dropouts: this "
+            f"{type(module).__name__} is "
+            "not sequence_parallel, but once one is, the residual stream is sequence-sharded and "
+            "every norm "
+            f"and dropout on it must be too; add `{pattern}: sequence_parallel`",
+        )
         return False
 
     def _residual(self) -> Act:
         return Act("shard(1)", True) if self.sp else PLAIN
 
     def _join(self, branch: str, got: Act) -> None:
-        """A branch's result is added back to the residual stream: DTensor under sequence parallelism, else plain."""
-        if got.dtensor == self.sp and (self.sp or got.layout == "replicate") and got.layout != "partial":
+        """A branch's result is added back to the residual stream: DTensor under sequence
+        parallelism, else plain."""
+        if (
+            got.dtensor == self.sp
+            and (self.sp or got.layout == "replicate")
+            and got.layout != "partial"
+        ):
             return
         src = got.producer
         where = f"{branch}'s result reaches the residual stream as {got.describe()}"
-        if got.layout == "partial":  # even as a DTensor: left to the residual add's implicit redistribution,
+        # even as a DTensor: left to the residual add's implicit redistribution,
+        if got.layout == "partial":
             # it breaks DTensor's backward on some shapes (a one-token sequence shard)
-            self.fail(src or branch, f"output=partial: {where}, sums that nothing in the plan reduces before "
-                       "they are added; drop output=partial (the default reduces them)", src)
+            self.fail(
+                src or branch,
+                f"output=partial: {where}, sums that nothing in the plan reduces before "
+                "they are added; drop output=partial (the default reduces them)",
+                src,
+            )
         elif self.sp and not got.dtensor:
-            fix = "drop local=true" if src else f"shard {branch} (sequence parallelism reaches every branch)"
-            self.fail(src or branch, f"{where}, but under sequence parallelism the residual stream is a "
-                       f"sequence-sharded DTensor: a DTensor and a local tensor cannot be added; {fix}", src)
+            fix = (
+                "drop local=true"
+                if src
+                else f"shard {branch} (sequence parallelism reaches every branch)"
+            )
+            self.fail(
+                src or branch,
+                f"{where}, but under sequence parallelism the residual stream is a "
+                f"sequence-sharded DTensor: a DTensor and a local tensor cannot be added; {fix}",
+                src,
+            )
         elif got.dtensor:
-            self.fail(src or branch, f"{where}, but without sequence parallelism the residual stream is a plain "
-                       "tensor: a DTensor and a local tensor cannot be added; drop local=false", src)
+            self.fail(
+                src or branch,
+                f"{where}, but without sequence parallelism the residual stream is a plain "
+                "tensor: a DTensor and a local tensor cannot be added; drop local=false",
+                src,
+            )
         elif got.layout == "shard(-1)" and src and self.style(src) == "colwise":
-            self.fail(src, f"colwise output unconsumed: {where}, with no rowwise to reduce it first; make the "
-                       "branch's next Linear rowwise, or give this one output=replicate", src)
+            self.fail(
+                src,
+                f"colwise output unconsumed: {where}, with no rowwise to reduce it first; make the "
+                "branch's next Linear rowwise, or give this one output=replicate",
+                src,
+            )
         else:
-            self.fail(src or branch, f"{where}, but it must be the full activation as a plain tensor", src)
+            self.fail(
+                src or branch, f"{where}, but it must be the full activation as a plain tensor", src
+            )
 
     def branch(self, block: str, leaves: list[str], start: Act) -> None:
         """Walk one branch of a block from the residual stream and add its result back."""
@@ -216,32 +332,43 @@ class _Walk:
         sources = branch_flow(self.trace, leaves) if self.trace is not None else None
         if sources is None:
             sources = branch_sources(self.res.modules, leaves, (nn.Dropout,))
-        if sources is not None:  # the forward (as it ran, else its source) says which output each leaf reads
+        # the forward (as it ran, else its source) says which output each leaf reads
+        if sources is not None:
             got = meet_by_source(self, sources, start)
             if got is not None:
-                self._join(leaves[0][len(block) + 1:].split(".")[0], got)
+                self._join(leaves[0][len(block) + 1 :].split(".")[0], got)
             return
         got, sibling_input = start, None
         for path in leaves:
-            if self.style(path) == "colwise" and sibling_input is not None and got.producer and \
-                    got.producer.rpartition(".")[0] == path.rpartition(".")[0]:
+            if (
+                self.style(path) == "colwise"
+                and sibling_input is not None
+                and got.producer
+                and got.producer.rpartition(".")[0] == path.rpartition(".")[0]
+            ):
                 # q/k/v, gate/up: colwise siblings read the same input and hand on alike
                 before = got
                 got = self.step(path, sibling_input)
                 if got is None:
                     return
                 if (got.layout, got.dtensor) != (before.layout, before.dtensor):
-                    self.fail(path, f"colwise siblings hand on different layouts: {got.describe()} here, "
-                               f"{before.describe()} from {self.rel(before.producer, path)}; give them the same "
-                               "output and local options", path)
+                    self.fail(
+                        path,
+                        f"colwise siblings hand on different layouts: {got.describe()} here, "
+                        f"{before.describe()} from {self.rel(before.producer, path)}; give them the "
+                        "same "
+                        "output and local options",
+                        path,
+                    )
                     return
                 continue
-            if self.style(path) != "sharded_norm":  # a sharded norm of q leaves k, v reading q's input
+            # a sharded norm of q leaves k, v reading q's input
+            if self.style(path) != "sharded_norm":
                 sibling_input = got if self.style(path) == "colwise" else None
             got = self.step(path, got)
             if got is None:
                 return
-        name = leaves[0][len(block) + 1:].split(".")[0]
+        name = leaves[0][len(block) + 1 :].split(".")[0]
         self._join(name, got)
 
     def walk(self, order: list[str]) -> None:
@@ -262,7 +389,9 @@ class _Walk:
                 if isinstance(self.res.modules[path], nn.Embedding) and last_embedding is not None:
                     if not self._combine(*last_embedding, path, got):
                         return
-                last_embedding = (path, got) if isinstance(self.res.modules[path], nn.Embedding) else None
+                last_embedding = (
+                    (path, got) if isinstance(self.res.modules[path], nn.Embedding) else None
+                )
                 stream = got
                 continue
             leaves = []
@@ -282,13 +411,22 @@ class _Walk:
         """Consecutive top-level embeddings (token + position) are added: their layouts must agree."""
         if (first.dtensor, first.layout) == (second.dtensor, second.layout):
             return True
-        (a_path, a), (b_path, b) = sorted([(first_path, first), (second_path, second)],
-                                          key=lambda pa: pa[0] not in self.layouts)
-        fix = ("give it output=replicate, local=true and cut the sum into sequence shards with a sequence_parallel "
-               "dropout or norm after it (plans/gpt2-sp.tp)" if self.sp else "hand on the full activation as a local "
-               "tensor (the default)")
-        self.fail(a_path, f"its output ({a.describe()}) is added to {b_path}'s ({b.describe()}), and the two "
-                   f"cannot be combined; {fix}", a_path)
+        (a_path, a), (b_path, b) = sorted(
+            [(first_path, first), (second_path, second)], key=lambda pa: pa[0] not in self.layouts
+        )
+        fix = (
+            "give it output=replicate, local=true and cut the sum into sequence shards with a "
+            "sequence_parallel "
+            "dropout or norm after it (plans/gpt2-sp.tp)"
+            if self.sp
+            else "hand on the full activation as a local tensor (the default)"
+        )
+        self.fail(
+            a_path,
+            f"its output ({a.describe()}) is added to {b_path}'s ({b.describe()}), and the two "
+            f"cannot be combined; {fix}",
+            a_path,
+        )
         return False
 
     def _enter(self, block: str, stream: Act) -> bool:
@@ -297,23 +435,33 @@ class _Walk:
             return True
         src = stream.producer
         if self.sp:
-            self.fail(src or block, f"the residual stream enters {block} as {stream.describe()}, but sequence "
-                       "parallelism needs it sequence-sharded from the first block on; make the embedding "
-                       "vocab_parallel (its output is then reduce-scattered into sequence shards), or a dropout or "
-                       "norm before the first block sequence_parallel", src)
+            self.fail(
+                src or block,
+                f"the residual stream enters {block} as {stream.describe()}, but sequence "
+                "parallelism needs it sequence-sharded from the first block on; make the embedding "
+                "vocab_parallel (its output is then reduce-scattered into sequence shards), or a "
+                "dropout or "
+                "norm before the first block sequence_parallel",
+                src,
+            )
         else:
-            self.fail(src or block, f"hands the residual stream {stream.describe()} as it enters {block}; without "
-                       "sequence parallelism it must be the full activation as a local tensor"
-                       + ("; drop local=false" if stream.dtensor else "; drop the output option"), src)
+            self.fail(
+                src or block,
+                f"hands the residual stream {stream.describe()} as it enters {block}; without "
+                "sequence parallelism it must be the full activation as a local tensor"
+                + ("; drop local=false" if stream.dtensor else "; drop the output option"),
+                src,
+            )
         return False
 
     def _block(self, block: str, leaves: list[str]) -> None:
         stream = self._residual()
         groups: dict[str, list[str]] = {}
         for path in leaves:
-            child = path[len(block) + 1:].split(".")[0]
+            child = path[len(block) + 1 :].split(".")[0]
             groups.setdefault(child, []).append(path)
-        chain: list[str] = []  # Linears held directly by the block (OPT's fc1, fc2): one branch together
+        # Linears held directly by the block (OPT's fc1, fc2): one branch together
+        chain: list[str] = []
         for child, paths in groups.items():
             direct = paths == [f"{block}.{child}"]
             module = self.res.modules[paths[0]]
@@ -333,17 +481,33 @@ class _Walk:
 
     def _output(self, stream: Act) -> None:
         src = stream.producer
-        if (stream.layout, stream.dtensor) == ("replicate", False) or (stream.dtensor and src and self.style(src) == "vocab_parallel"
-                               and not self.layouts[src].embedding):
+        if (stream.layout, stream.dtensor) == ("replicate", False) or (
+            stream.dtensor
+            and src
+            and self.style(src) == "vocab_parallel"
+            and not self.layouts[src].embedding
+        ):
             return
-        self.fail(src or "the model", f"its output ({stream.describe()}) is the model's output, which nothing "
-                   "gathers; use vocab_parallel on the output projection (the loss then runs vocab-parallel), or "
-                   "output=replicate", src)
+        self.fail(
+            src or "the model",
+            f"its output ({stream.describe()}) is the model's output, which nothing "
+            "gathers; use vocab_parallel on the output projection (the loss then runs "
+            "vocab-parallel), or "
+            "output=replicate",
+            src,
+        )
 
 
-def analyse(res: Resolution, sp: bool, layouts: Mapping[str, object], vocab: int | None, report: Report,
-            trace: Trace | None = None) -> None:
-    """Walk `res`'s model with the plan's module layouts (`dtp.layout.lower`'s) and report what cannot meet."""
+def analyse(
+    res: Resolution,
+    sp: bool,
+    layouts: Mapping[str, object],
+    vocab: int | None,
+    report: Report,
+    trace: Trace | None = None,
+) -> None:
+    """Walk `res`'s model with the plan's module layouts (`dtp.layout.lower`'s) and report what
+    cannot meet."""
     order: list[str] = []
     for path, module in res.modules.items():
         if not path or any(path.startswith(p + ".") for p in order[-1:]):

@@ -1,5 +1,6 @@
-"""How check rules report: one diagnostic per rule that fails on many matched modules, and the tp values that
-would work."""
+"""How check rules report: one diagnostic per rule that fails on many matched modules, and the tp
+values that would work."""
+
 from __future__ import annotations
 
 from dtp.errors import Diagnostic, Pos
@@ -27,6 +28,10 @@ class Reporter:
         """One diagnostic per (position, message), naming the first module and how many more."""
         out = []
         for (pos, length, message), paths in self.groups.items():
-            more = f" (and {len(paths) - 1} more module{'s' if len(paths) > 2 else ''})" if len(paths) > 1 else ""
+            more = (
+                f" (and {len(paths) - 1} more module{'s' if len(paths) > 2 else ''})"
+                if len(paths) > 1
+                else ""
+            )
             out.append(Diagnostic(pos, f"{paths[0]}{more}: {message}", length))
         return out

@@ -1,5 +1,7 @@
-"""Check rules for each claimed module: the style fits the module, packed parts split, tp divides what the style
-shards (vocabulary rows may be uneven), and, in attention, whole heads per rank (dtp/checks/heads.py)."""
+"""Check rules for each claimed module: the style fits the module, packed parts split, tp divides
+what the style shards (vocabulary rows may be uneven), and, in attention, whole heads per rank
+(dtp/checks/heads.py)."""
+
 from __future__ import annotations
 
 import torch.nn as nn
@@ -19,20 +21,32 @@ from dtp.models import vocab_size
 def module_fits(style: str, module: nn.Module, vocab: int | None) -> str | None:
     """None when `style` can apply to `module`, else what the style needs."""
     if style in ("colwise", "rowwise"):
-        return None if is_linear(module) else f"{style} applies to nn.Linear or transformers' Conv1D"
+        return (
+            None if is_linear(module) else f"{style} applies to nn.Linear or transformers' Conv1D"
+        )
     if style == "experts":
-        return None if is_experts(module) else (
-            "experts applies to a module with 3-D expert parameters gate_up_proj (E, 2·I, H) and down_proj "
-            "(E, H, I), or transposed (E, H, 2·I) and (E, I, H), optionally gate_up_proj_bias (E, 2·I) and "
-            "down_proj_bias (E, H), and no other parameters of its own")
+        return (
+            None
+            if is_experts(module)
+            else (
+                "experts applies to a module with 3-D expert parameters gate_up_proj (E, 2·I, H) "
+                "and down_proj "
+                "(E, H, I), or transposed (E, H, 2·I) and (E, I, H), optionally gate_up_proj_bias "
+                "(E, 2·I) and "
+                "down_proj_bias (E, H), and no other parameters of its own"
+            )
+        )
     if style == "vocab_parallel":
         if isinstance(module, nn.Embedding):
             return None
         if isinstance(module, nn.Linear):
             if vocab is None or module.out_features == vocab:
                 return None
-            return (f"vocab_parallel on an nn.Linear applies to the output projection (out_features == vocab "
-                    f"size {vocab}), not one with out_features={module.out_features}")
+            return (
+                "vocab_parallel on an nn.Linear applies to the output projection (out_features == "
+                "vocab "
+                f"size {vocab}), not one with out_features={module.out_features}"
+            )
         return "vocab_parallel applies to nn.Embedding or the output nn.Linear"
     if style == "sequence_parallel":
         if is_norm(module) or isinstance(module, nn.Dropout):
@@ -53,17 +67,27 @@ def _attention_of(res: Resolution, path: str) -> tuple[str, nn.Module] | None:
     return (parent, module) if module is not None and attention.attention_like(module) else None
 
 
-def _check_vocab(style: ir.Style, path: str, what: str, size: int, tp: int | None, rep: Reporter) -> None:
-    """Uneven vocabulary shards are fine (torch.chunk's layout), shards that leave the last ranks empty are not."""
+def _check_vocab(
+    style: ir.Style, path: str, what: str, size: int, tp: int | None, rep: Reporter
+) -> None:
+    """Uneven vocabulary shards are fine (torch.chunk's layout), shards that leave the last ranks
+    empty are not."""
     if tp and -(-size // tp) * (tp - 1) >= size:
         good = [t for t in range(1, min(size, MAX_TP_SHOWN) + 1) if -(-size // t) * (t - 1) < size]
-        rep.add(style.pos, len(style.name), path, f"vocab_parallel shards {what} over tp={tp}, which leaves the "
-                f"last ranks without rows (torch.chunk layout); tp values up to {good[-1]} work")
+        rep.add(
+            style.pos,
+            len(style.name),
+            path,
+            f"vocab_parallel shards {what} over tp={tp}, which leaves the "
+            f"last ranks without rows (torch.chunk layout); tp values up to {good[-1]} work",
+        )
 
 
-def check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: Reporter, sizes: list[int]) -> bool:
-    """Style fits, packed parts, divisibility and heads of every claimed module; False when a style does not fit.
-    `sizes` collects every size tp must divide (the admissible tp values)."""
+def check_modules(
+    res: Resolution, model: nn.Module, tp: int | None, rep: Reporter, sizes: list[int]
+) -> bool:
+    """Style fits, packed parts, divisibility and heads of every claimed module; False when a style
+    does not fit. `sizes` collects every size tp must divide (the admissible tp values)."""
     vocab = vocab_size(model)
     fits = True
     for path, rule in res.claims.items():
@@ -82,26 +106,37 @@ def check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: Report
         if style.name == "slice_params":
             slices.check_slice_params(path, style, module, res, tp, rep)
             continue
-        if style.name == "sharded_norm":  # an RMS norm over colwise-sharded features (dtp/checks/norms.py)
+        # an RMS norm over colwise-sharded features (dtp/checks/norms.py)
+        if style.name == "sharded_norm":
             before = len(rep.groups)
             norms.check_sharded_norm(res, path, style, rep)
             if len(rep.groups) != before:
                 fits = False
                 continue
-        if isinstance(style.option("packed"), ir.PartList):  # unequal or replicated parts (dtp/layout/parts.py)
+        # unequal or replicated parts (dtp/layout/parts.py)
+        if isinstance(style.option("packed"), ir.PartList):
             before = len(rep.groups)
             parts.check_parts(path, module, style, res.modules[""], tp, rep, sizes)
-            fits = fits and len(rep.groups) == before  # parts that do not fit give no layout to follow
+            # parts that do not fit give no layout to follow
+            fits = fits and len(rep.groups) == before
             continue
         packed = vocabulary.packed(style)
         fan_in, fan_out = features(module) if is_linear(module) else (0, 0)
         owner = _attention_of(res, path) if style.name in ("colwise", "rowwise") else None
         info = attention.heads(model, *owner) if owner else None
-        if info and style.name == "colwise" and not heads.check_fused_parts(path, style, owner[1], module, info, rep, tp):
+        if (
+            info
+            and style.name == "colwise"
+            and not heads.check_fused_parts(path, style, owner[1], module, info, rep, tp)
+        ):
             continue
         if packed > 1 and fan_out % packed:
-            rep.add(style.pos, length, path, f"packed={packed} needs out_features={fan_out} to split into "
-                    f"{packed} equal parts")
+            rep.add(
+                style.pos,
+                length,
+                path,
+                f"packed={packed} needs out_features={fan_out} to split into {packed} equal parts",
+            )
             continue
         for what, size in sharded_sizes(style.name, module, packed):
             if style.name == "vocab_parallel":
@@ -109,8 +144,13 @@ def check_modules(res: Resolution, model: nn.Module, tp: int | None, rep: Report
                 continue
             sizes.append(size)
             if tp and size % tp:
-                rep.add(style.pos, length, path, f"{style.name} shards {what} over tp={tp}, which does not divide it; "
-                        f"tp values that work: {working_tp(size)}")
+                rep.add(
+                    style.pos,
+                    length,
+                    path,
+                    f"{style.name} shards {what} over tp={tp}, which does not divide it; "
+                    f"tp values that work: {working_tp(size)}",
+                )
         if info:
             width = fan_out // packed if style.name == "colwise" else fan_in
             heads.check_whole_heads(path, style, info, width, packed, tp, rep, sizes, owner[1])

@@ -1,20 +1,22 @@
 """Check rule: the model's forward runs on the shapes one rank holds.
 
-A plan can be consistent in every layout and still cut a tensor the model's own code sizes from elsewhere:
-nanoGPT views its heads with `C // self.n_head`, where `C` comes from `x.size()`, the block input's full width,
-so a rank holding half the heads has half the features and `view` fails mid-run. Whether that happens is a
-question about the model's code, and the code can answer it: the forward runs once on a fake twin of the model
-(dtp/layout/trace.py) whose split layers hold one rank's slice of their weights (rank 0's, as
-`ParamPlacement.local_shape` gives it) and whose `set` attributes hold their values at this tp — the shapes
-the hot path computes with, since the column and row layers and the vocabulary-parallel head run on local
-tensors. If the unsharded forward runs and this one raises, no run of the plan can succeed: that is a proof,
-reported at the rule that split the module where it raised, with the model's own line.
+A plan can be consistent in every layout and still cut a tensor the model's own code sizes from
+elsewhere: nanoGPT views its heads with `C // self.n_head`, where `C` comes from `x.size()`, the
+block input's full width, so a rank holding half the heads has half the features and `view` fails
+mid-run. Whether that happens is a question about the model's code, and the code can answer it: the
+forward runs once on a fake twin of the model (dtp/layout/trace.py) whose split layers hold one
+rank's slice of their weights (rank 0's, as `ParamPlacement.local_shape` gives it) and whose `set`
+attributes hold their values at this tp — the shapes the hot path computes with, since the column
+and row layers and the vocabulary-parallel head run on local tensors. If the unsharded forward runs
+and this one raises, no run of the plan can succeed: that is a proof, reported at the rule that
+split the module where it raised, with the model's own line.
 
-Only what the twin models faithfully is run: `colwise`, `rowwise` and `vocab_parallel` on plain `nn.Linear` and
-`nn.Embedding` (sequence parallelism, replicate and `set` as they are). A plan with any other style on the way
-(slice_input, slice_params, experts, sharded_norm, a Linear subclass with its own forward, transformers' Conv1D)
-is not run here; the runtime proof of `dtp apply` remains.
+Only what the twin models faithfully is run: `colwise`, `rowwise` and `vocab_parallel` on plain
+`nn.Linear` and `nn.Embedding` (sequence parallelism, replicate and `set` as they are). A plan with
+any other style on the way (slice_input, slice_params, experts, sharded_norm, a Linear subclass with
+its own forward, transformers' Conv1D) is not run here; the runtime proof of `dtp apply` remains.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -48,7 +50,8 @@ def _modelled(res: Resolution, low: Lowered) -> bool:
 
 
 def _local(res: Resolution, low: Lowered, tp: int, path: str) -> bool:
-    """Whether module `path` computes on this rank's slice of its weights (rather than gathering them)."""
+    """Whether module `path` computes on this rank's slice of its weights (rather than gathering
+    them)."""
     layout = low.modules.get(path)
     if layout is None:
         return False
@@ -59,17 +62,21 @@ def _local(res: Resolution, low: Lowered, tp: int, path: str) -> bool:
     return layout.style == "vocab_parallel" and not layout.embedding
 
 
-_KEEP = 2  # blocks kept per container: every block of one class runs the same code on the same shapes
+# blocks kept per container: every block of one class runs the same code on the same shapes
+_KEEP = 2
 
 
 def _shorten(twin: nn.Module) -> set[str]:
-    """Drop all but the first _KEEP blocks of each container of `twin` (a forward looping over them then runs
-    _KEEP); the paths of the blocks dropped."""
+    """Drop all but the first _KEEP blocks of each container of `twin` (a forward looping over them
+    then runs _KEEP); the paths of the blocks dropped."""
     dropped: set[str] = set()
     for path in blocks(dict(twin.named_modules())):
         parent, _, name = path.rpartition(".")
         holder = twin.get_submodule(parent) if parent else twin
-        if isinstance(holder, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) and list(holder._modules).index(name) >= _KEEP:
+        if (
+            isinstance(holder, (nn.ModuleList, nn.Sequential, nn.ModuleDict))
+            and list(holder._modules).index(name) >= _KEEP
+        ):
             dropped.add(path)
     for path in sorted(dropped, key=lambda p: -len(p)):
         parent, _, name = path.rpartition(".")
@@ -78,14 +85,18 @@ def _shorten(twin: nn.Module) -> set[str]:
             del holder[name]
         else:
             holder._modules.pop(name)
-    for holder in twin.modules():  # ModuleList and Sequential index by position: renumber what is left
+    # ModuleList and Sequential index by position: renumber what is left
+    for holder in twin.modules():
         if isinstance(holder, (nn.ModuleList, nn.Sequential)):
-            holder._modules = dict(zip(map(str, range(len(holder._modules))), holder._modules.values()))
+            holder._modules = dict(
+                zip(map(str, range(len(holder._modules))), holder._modules.values())
+            )
     return dropped
 
 
 def _deep(model: nn.Module) -> bool:
-    """Whether some container holds more than 4 × _KEEP blocks: then shortening it pays for its extra run."""
+    """Whether some container holds more than 4 × _KEEP blocks: then shortening it pays for its
+    extra run."""
     found = blocks(dict(model.named_modules()))
     parents = [p.rpartition(".")[0] for p in found]
     return any(parents.count(p) > 4 * _KEEP for p in set(parents))
@@ -95,34 +106,47 @@ def _prepare(res: Resolution, low: Lowered, tp: int, short: bool):
     def prepare(twin: nn.Module, fake) -> None:
         dropped = _shorten(twin) if short else set()
         for path in res.claims:
-            if any(path == d or path.startswith(d + ".") for d in dropped) or not _local(res, low, tp, path):
+            if any(path == d or path.startswith(d + ".") for d in dropped) or not _local(
+                res, low, tp, path
+            ):
                 continue
             module = twin.get_submodule(path)
             placements = res.placements(path)
             for name, param in list(module.named_parameters(recurse=False)):
                 shape = placements[name].local_shape(tuple(param.shape), tp)
-                setattr(module, name, nn.Parameter(fake(shape, param.dtype), requires_grad=param.requires_grad))
+                setattr(
+                    module,
+                    name,
+                    nn.Parameter(fake(shape, param.dtype), requires_grad=param.requires_grad),
+                )
         for path, values in low.rewrites.items():
             if not any(path == d or path.startswith(d + ".") for d in dropped):
                 rewrite(twin.get_submodule(path), values)
+
     return prepare
 
 
-# One rank's run by model and by what the twin changes: a plan checked again (auto's rounds, apply's pre-flight,
-# every `when` branch) runs once. Held weakly, as TRACES holds the model's own trace.
+# One rank's run by model and by what the twin changes: a plan checked again (auto's rounds, apply's
+# pre-flight, every `when` branch) runs once. Held weakly, as TRACES holds the model's own trace.
 _RUNS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Trace]] = weakref.WeakKeyDictionary()
 
 
 def _key(res: Resolution, low: Lowered, tp: int) -> tuple:
-    """What the rank's twin differs from the model by: the local layers (path, style, local shapes) and rewrites."""
-    local = tuple(sorted((path, tuple(sorted((n, repr(p)) for n, p in res.placements(path).items())))
-                         for path in res.claims if _local(res, low, tp, path)))
+    """What the rank's twin differs from the model by: the local layers (path, style, local shapes)
+    and rewrites."""
+    local = tuple(
+        sorted(
+            (path, tuple(sorted((n, repr(p)) for n, p in res.placements(path).items())))
+            for path in res.claims
+            if _local(res, low, tp, path)
+        )
+    )
     return tp, local, tuple(sorted((p, tuple(sorted(v.items()))) for p, v in low.rewrites.items()))
 
 
 def _owner(res: Resolution, where: str | None) -> str | None:
-    """The claimed module nearest `where` (the module running when the forward raised): itself, one under it, or
-    one under its nearest ancestor that has any."""
+    """The claimed module nearest `where` (the module running when the forward raised): itself, one
+    under it, or one under its nearest ancestor that has any."""
     path = where
     while path is not None:
         inside = [p for p in res.claims if p == path or p.startswith(path + ".") or not path]
@@ -133,8 +157,8 @@ def _owner(res: Resolution, where: str | None) -> str | None:
 
 
 def check_rank_shapes(res: Resolution, model: nn.Module, tp: int, rep: Reporter) -> Trace | None:
-    """Run the forward on one rank's shapes (see the module docstring); report where it cannot run. Returns the
-    sharded trace (None when the plan or the model is not one this check can run)."""
+    """Run the forward on one rank's shapes (see the module docstring); report where it cannot run.
+    Returns the sharded trace (None when the plan or the model is not one this check can run)."""
     if tp < 2:
         return None
     whole = model_trace(model)
@@ -142,7 +166,8 @@ def check_rank_shapes(res: Resolution, model: nn.Module, tp: int, rep: Reporter)
         return None
     try:
         low = lower(res, tp)
-    except ExprError:  # a `set` that does not divide at this tp: _check_sets says so where the tp is the user's
+    # a `set` that does not divide at this tp: _check_sets says so where the tp is the user's
+    except ExprError:
         return None
     if not _modelled(res, low):
         return None
@@ -150,8 +175,9 @@ def check_rank_shapes(res: Resolution, model: nn.Module, tp: int, rep: Reporter)
     shard = _RUNS.setdefault(model, {}).get(key)
     if shard is None:
         forward = TRACES.forward(model)
-        # a deep model runs on its first blocks (the cost of a forward on fakes grows with depth), unless the
-        # shortened whole model cannot run (a forward that indexes its blocks by config.n_layer)
+        # a deep model runs on its first blocks (the cost of a forward on fakes grows with depth),
+        # unless the shortened whole model cannot run (a forward that indexes its blocks by
+        # config.n_layer)
         short = _deep(model) and trace(model, forward, prepare=lambda twin, fake: _shorten(twin)).ok
         shard = _RUNS[model][key] = trace(model, forward, prepare=_prepare(res, low, tp, short))
     if shard.ok:
@@ -161,22 +187,41 @@ def check_rank_shapes(res: Resolution, model: nn.Module, tp: int, rep: Reporter)
         return shard
     rule = res.claims[owner]
     where = generic_path(shard.where or owner)
-    line = f"`{shard.frame.split(': ', 1)[1]}` ({shard.frame.split(': ', 1)[0]})" if shard.frame else "its forward"
+    line = (
+        f"`{shard.frame.split(': ', 1)[1]}` ({shard.frame.split(': ', 1)[0]})"
+        if shard.frame
+        else "its forward"
+    )
     cache = _head_buffers(model, shard.where or owner)
-    held = (f"; {cache} holds every head of the whole model (a cache set up before sharding, as gpt-fast's "
-            "setup_caches makes it): dtp does not split buffers, so keep the attention whole or build the model "
-            "without the cache") if cache else ""
-    rep.add(rule.style.pos, len(rule.style.name), owner,
-            f"at tp={tp} a rank's share cannot run through {where}: {line} raises {shard.error}, while the whole "
-            f"model runs; the forward sizes tensors with numbers each rank holds less of: a module attribute can be "
-            f"rewritten (`set {where}.ATTR = ATTR / tp`), a width read from a tensor (`x.size()`) cannot; else keep "
-            f"{where} whole (no colwise or rowwise rule inside it){held}")
+    held = (
+        (
+            f"; {cache} holds every head of the whole model (a cache set up before sharding, as "
+            "gpt-fast's "
+            "setup_caches makes it): dtp does not split buffers, so keep the attention whole or "
+            "build the model "
+            "without the cache"
+        )
+        if cache
+        else ""
+    )
+    rep.add(
+        rule.style.pos,
+        len(rule.style.name),
+        owner,
+        f"at tp={tp} a rank's share cannot run through {where}: {line} raises {shard.error}, while "
+        "the whole "
+        "model runs; the forward sizes tensors with numbers each rank holds less of: a module "
+        "attribute can be "
+        f"rewritten (`set {where}.ATTR = ATTR / tp`), a width read from a tensor (`x.size()`) "
+        "cannot; else keep "
+        f"{where} whole (no colwise or rowwise rule inside it){held}",
+    )
     return shard
 
 
 def _head_buffers(model: nn.Module, path: str) -> str | None:
-    """The buffer under attention `path` (or its nearest attention ancestor) with a dimension of the model's head
-    count, named generically with that dimension: a KV cache sized for every head."""
+    """The buffer under attention `path` (or its nearest attention ancestor) with a dimension of the
+    model's head count, named generically with that dimension: a KV cache sized for every head."""
     info = config_heads(model)
     while path and not attention_like(model.get_submodule(path)):
         path = path.rpartition(".")[0]

@@ -1,5 +1,6 @@
 """The command line's argument types: argparse only. Nothing in the library imports this module,
 and it never imports torch."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,9 @@ def _integer(text: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text[:40]}'") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer, got '{text[:40]}'"
+        ) from None
 
 
 def positive_int(text: str) -> int:
@@ -40,7 +43,9 @@ def timeout_seconds(text: str) -> float:
     """argparse type: a finite number of seconds in (0, one week]."""
     value = positive_float(text)
     if value > MAX_TIMEOUT:
-        raise argparse.ArgumentTypeError(f"expected at most {MAX_TIMEOUT:.0f} seconds (a week), got {text[:40]}")
+        raise argparse.ArgumentTypeError(
+            f"expected at most {MAX_TIMEOUT:.0f} seconds (a week), got {text[:40]}"
+        )
     return value
 
 
@@ -60,15 +65,30 @@ def tp_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated tp sizes like 1,2,4, got '{text[:40]}'") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated tp sizes like 1,2,4, got '{text[:40]}'"
+        ) from None
     if len(values) < 2 or any(v < 1 for v in values) or len(set(values)) != len(values):
         # one tp compared with itself would pass vacuously
-        raise argparse.ArgumentTypeError(f"expected two or more distinct positive tp sizes, got '{text[:40]}'")
+        raise argparse.ArgumentTypeError(
+            f"expected two or more distinct positive tp sizes, got '{text[:40]}'"
+        )
     return values
 
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+}
 
 
 MAX_MEMORY = 2**60  # bytes (an exbibyte): more is a typo, and its float would be inf
@@ -79,18 +99,27 @@ def memory_size(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     unit = m and _UNITS.get(m.group(2).lower())
     if not m or unit is None or float(m.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive size like 3000000, 512KiB or 1.5GiB, got '{text[:40]}'")
+        raise argparse.ArgumentTypeError(
+            f"expected a positive size like 3000000, 512KiB or 1.5GiB, got '{text[:40]}'"
+        )
     value = float(m.group(1)) * unit
     if value > MAX_MEMORY:
-        raise argparse.ArgumentTypeError(f"expected at most {MAX_MEMORY} bytes (1 EiB), got '{text[:40]}'")
+        raise argparse.ArgumentTypeError(
+            f"expected at most {MAX_MEMORY} bytes (1 EiB), got '{text[:40]}'"
+        )
     return int(value)
 
 
 def bounded(limit: int, low: int = 1) -> Callable[[str], int]:
-    """argparse type: an integer in [`low`, `limit`] (a size whose typo must not ask for a million GPUs)."""
+    """argparse type: an integer in [`low`, `limit`] (a size whose typo must not ask for a million
+    GPUs)."""
+
     def parse(text: str) -> int:
         value = _integer(text)
         if not low <= value <= limit:
-            raise argparse.ArgumentTypeError(f"expected an integer in [{low}, {limit}], got {text[:40]}")
+            raise argparse.ArgumentTypeError(
+                f"expected an integer in [{low}, {limit}], got {text[:40]}"
+            )
         return value
+
     return parse

@@ -1,5 +1,7 @@
-"""`dtp bench [...]`: benchmarks next to a Megatron-style baseline. Its flags are the benchmark's own parser's
-(dtp/bench/run.py, also `python -m dtp.bench`), so everything after `bench` is handed on as it is."""
+"""`dtp bench [...]`: benchmarks next to a Megatron-style baseline. Its flags are the benchmark's
+own parser's (dtp/bench/run.py, also `python -m dtp.bench`), so everything after `bench` is handed
+on as it is."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,8 +9,13 @@ import argparse
 
 def add_parser(sub) -> None:
     """Register `dtp bench`, whose arguments (`--help` too) go to the benchmark's parser."""
-    b = sub.add_parser("bench", help="benchmarks next to a Megatron-style baseline (`dtp bench --help`)",
-                       add_help=False, prefix_chars="\0")  # no option of its own: every word is handed on
+    b = sub.add_parser(
+        "bench",
+        help="benchmarks next to a Megatron-style baseline (`dtp bench --help`)",
+        # no option of its own: every word is handed on
+        add_help=False,
+        prefix_chars="\0",
+    )
     b.add_argument("argv", nargs=argparse.REMAINDER)
     b.set_defaults(func=run)
 

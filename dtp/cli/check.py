@@ -1,4 +1,5 @@
 """`dtp check PLAN [MODEL] [--tp N] [--dp M]`: exit 0 the plan holds, 2 a plan or usage error."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,9 +14,17 @@ def add_parser(sub) -> None:
     """Register `dtp check`."""
     c = sub.add_parser("check", help="check a plan, alone or against a model")
     c.add_argument("plan")
-    c.add_argument("model", nargs="?", help="zoo name, model YAML, package.module:factory, or a save_pretrained directory")
+    c.add_argument(
+        "model",
+        nargs="?",
+        help="zoo name, model YAML, package.module:factory, or a save_pretrained directory",
+    )
     c.add_argument("--tp", type=positive_int, help="tensor-parallel size to check divisibility for")
-    c.add_argument("--dp", type=positive_int, help="data-parallel size the plan's `mesh` header must agree with")
+    c.add_argument(
+        "--dp",
+        type=positive_int,
+        help="data-parallel size the plan's `mesh` header must agree with",
+    )
     c.set_defaults(func=run)
 
 
@@ -40,7 +49,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     res = checked.resolution
     rules = len({r.pos for r in res.claims.values()})
-    where = f"tp={args.tp}" if args.tp else "tp values that work: " + ", ".join(map(str, checked.admissible_tp))
-    print(f"{args.plan}: ok on {args.model}: {len(res.claims)} modules claimed by {rules} rules, "
-          f"{len(res.sets)} attribute rewrites; {where}")
+    where = (
+        f"tp={args.tp}"
+        if args.tp
+        else "tp values that work: " + ", ".join(map(str, checked.admissible_tp))
+    )
+    print(
+        f"{args.plan}: ok on {args.model}: {len(res.claims)} modules claimed by {rules} rules, "
+        f"{len(res.sets)} attribute rewrites; {where}"
+    )
     return 0

@@ -1,4 +1,6 @@
-"""`dtp fmt PLAN... [--write | --check]`: exit 0 formatted (or printed), 1 with --check a file is not, 2 a plan error."""
+"""`dtp fmt PLAN... [--write | --check]`: exit 0 formatted (or printed), 1 with --check a file is
+not, 2 a plan error."""
+
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,6 @@
-"""`dtp plans`: the plans dtp ships, by the name any PLAN argument takes (`dtp apply gpt2 gpt2-tiny`); exit 0."""
+"""`dtp plans`: the plans dtp ships, by the name any PLAN argument takes (`dtp apply gpt2
+gpt2-tiny`); exit 0."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,13 +10,18 @@ from dtp.lang.parse import load, shipped_plans
 
 def add_parser(sub) -> None:
     """Register `dtp plans`."""
-    p = sub.add_parser("plans", help="list the shipped plans (a PLAN argument may name one: `dtp apply gpt2 gpt2-tiny`)")
+    p = sub.add_parser(
+        "plans",
+        help="list the shipped plans (a PLAN argument may name one: `dtp apply gpt2 gpt2-tiny`)",
+    )
     p.set_defaults(func=run)
 
 
 def _summary(text: str) -> str:
     """The plan's first comment line (what it is for), without the `#`."""
-    line = next((line.lstrip("# ").strip() for line in text.splitlines() if line.startswith("#")), "")
+    line = next(
+        (line.lstrip("# ").strip() for line in text.splitlines() if line.startswith("#")), ""
+    )
     return line if len(line) <= 80 else line[:79].rstrip() + "…"
 
 

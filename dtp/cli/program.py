@@ -1,4 +1,6 @@
-"""The `dtp` command line: one parser per command (dtp/cli/<command>.py), one way out for every error."""
+"""The `dtp` command line: one parser per command (dtp/cli/<command>.py), one way out for every
+error."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,16 +9,33 @@ import signal
 import sys
 from typing import NoReturn
 
-from dtp.cli import apply, bench, check, explain, export, fmt, fuzz, plan, plans, search, simulate, train
+from dtp.cli import (
+    apply,
+    bench,
+    check,
+    explain,
+    export,
+    fmt,
+    fuzz,
+    plan,
+    plans,
+    search,
+    simulate,
+    train,
+)
 from dtp.errors import DtpError, Terminated
 from dtp.runtime.torchrun import leave_rank, under_torchrun
 
-COMMANDS = (check, fmt, explain, apply, fuzz, simulate, search, train, export, bench, plan, plans)  # in `dtp --help`'s order
+# in `dtp --help`'s order
+COMMANDS = (check, fmt, explain, apply, fuzz, simulate, search, train, export, bench, plan, plans)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every command; building it imports no torch (`dtp --help`, `check`, `fmt`)."""
-    p = argparse.ArgumentParser(prog="dtp", description="Declarative tensor parallelism on PyTorch DTensor.")
+    """The argument parser of every command; building it imports no torch (`dtp --help`, `check`,
+    `fmt`)."""
+    p = argparse.ArgumentParser(
+        prog="dtp", description="Declarative tensor parallelism on PyTorch DTensor."
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(sub)
@@ -28,9 +47,11 @@ def _terminate(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; its exit status (2 a usage or plan error, 1 a failed run, 130/143 interrupted)."""
+    """Run one command; its exit status (2 a usage or plan error, 1 a failed run, 130/143
+    interrupted)."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    signal.signal(signal.SIGTERM, _terminate)  # like Ctrl-C: ranks stopped, temp dirs removed, then exit
+    # like Ctrl-C: ranks stopped, temp dirs removed, then exit
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.func(args)
     except DtpError as err:
@@ -47,9 +68,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> NoReturn:
-    """The `dtp` console script and `python -m dtp`: `main`, then exit (a torchrun rank skips finalisation)."""
-    # Before torch is imported: its C++ logs (a rendezvous that finds no peer prints stack frames, a process group
-    # torn down at Ctrl-C prints warnings) would bury dtp's one-paragraph messages. Errors still show.
+    """The `dtp` console script and `python -m dtp`: `main`, then exit (a torchrun rank skips
+    finalisation)."""
+    # Before torch is imported: its C++ logs (a rendezvous that finds no peer prints stack frames, a
+    # process group torn down at Ctrl-C prints warnings) would bury dtp's one-paragraph messages.
+    # Errors still show.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
     code = main()

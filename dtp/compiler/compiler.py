@@ -1,9 +1,10 @@
-"""Checked plan → the `parallelize_module` plan: dtp's Megatron layers where the layout is Megatron's, torch's own
-ParallelStyles elsewhere.
+"""Checked plan → the `parallelize_module` plan: dtp's Megatron layers where the layout is
+Megatron's, torch's own ParallelStyles elsewhere.
 
-Two steps. `dtp.layout.lower` decides every module's input/output layouts with no process group (so the
-checker and `explain` read the same decisions); `compile_plan` turns them into styles. What the table names is
-what runs: each style's `_apply` shards the parameters and installs the module's forward, nothing is undone.
+Two steps. `dtp.layout.lower` decides every module's input/output layouts with no process group (so
+the checker and `explain` read the same decisions); `compile_plan` turns them into styles. What the
+table names is what runs: each style's `_apply` shards the parameters and installs the module's
+forward, nothing is undone.
 
 | plan style                  | ParallelStyle                                                                |
 |-----------------------------|------------------------------------------------------------------------------|
@@ -21,6 +22,7 @@ what runs: each style's `_apply` shards the parameters and installs the module's
 | sharded_norm                | ShardedNorm: RMS norm on this rank's features, sum of squares all-reduced    |
 | colwise siblings            | SharedInput on their parent: one input redistribution for q/k/v, gate/up     |
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -49,7 +51,12 @@ from dtp.compiler.styles import (
     SetAttributes,
     SharedInput,
 )
-from dtp.compiler.vocab_parallel import VocabParallelEmbedding, VocabParallelHead, cross_entropy, vocab_layouts
+from dtp.compiler.vocab_parallel import (
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    cross_entropy,
+    vocab_layouts,
+)
 from dtp.lang import ir
 from dtp.layout.lower import SEQUENCE, Lowered, ModuleLayout, lower
 from dtp.layout.placement import ParamPlacement, param_placements
@@ -68,7 +75,8 @@ class Compiled:
     styles: dict[str, ParallelStyle]
     rewrites: dict[str, SetAttributes]
     lowered: Lowered
-    packed: dict[str, ParamPlacement] = field(default_factory=dict)  # parameter → placement, to gather it back
+    # parameter → placement, to gather it back
+    packed: dict[str, ParamPlacement] = field(default_factory=dict)
 
     @property
     def loss_parallel(self) -> bool:
@@ -77,8 +85,9 @@ class Compiled:
 
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The mean token cross-entropy of the sharded model's logits (..., V): vocabulary-parallel on the local
-        shard where the head left them split by vocabulary, plain otherwise; equal on every rank."""
+        """The mean token cross-entropy of the sharded model's logits (..., V): vocabulary-parallel
+        on the local shard where the head left them split by vocabulary, plain otherwise; equal on
+        every rank."""
         return cross_entropy(logits, targets)
 
 
@@ -95,7 +104,9 @@ def _style(m: ModuleLayout, module: nn.Module, leaves: LocalParams | None) -> Pa
             return PlacedColwise(dict(m.placements), **kw)
         return ColwiseParallel(**kw)
     if m.style == "rowwise":
-        return PlacedRowwise(input_layouts=m.input, output_layouts=m.output, use_local_output=m.local)
+        return PlacedRowwise(
+            input_layouts=m.input, output_layouts=m.output, use_local_output=m.local
+        )
     if m.style == "experts":
         return ExpertsParallel()
     if m.reduce_grad:
@@ -107,9 +118,13 @@ def _style(m: ModuleLayout, module: nn.Module, leaves: LocalParams | None) -> Pa
     if m.style == "sharded_norm":
         return ShardedNorm(dict(m.placements)["weight"])
     if m.style == "vocab_parallel" and m.embedding:
-        return RowwiseEmbedding(input_layouts=m.input, output_layouts=m.output, use_local_output=m.local)
+        return RowwiseEmbedding(
+            input_layouts=m.input, output_layouts=m.output, use_local_output=m.local
+        )
     if m.style == "vocab_parallel":
-        return ColwiseParallel(input_layouts=m.input, output_layouts=m.output, use_local_output=False)
+        return ColwiseParallel(
+            input_layouts=m.input, output_layouts=m.output, use_local_output=False
+        )
     return SequenceParallelFromReplicated()
 
 
@@ -129,11 +144,15 @@ def placed_params(low: Lowered, model: nn.Module) -> dict[str, ParamPlacement]:
     return out
 
 
-def compile_plan(plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh, *, fsdp_follows: bool = False) -> Compiled:
-    """Compile `plan` for `model` on `mesh` (checking it first if it is not a Checked plan for this tp).
+def compile_plan(
+    plan: ir.Plan | Checked, model: nn.Module, mesh: DeviceMesh, *, fsdp_follows: bool = False
+) -> Compiled:
+    """Compile `plan` for `model` on `mesh` (checking it first if it is not a Checked plan for this
+    tp).
 
-    `fsdp_follows`: FSDP2 will shard the model next and swap its own parameters in around each forward, so the
-    Megatron layers read their parameters through DTensor's `to_local()` instead of dtp's leaves."""
+    `fsdp_follows`: FSDP2 will shard the model next and swap its own parameters in around each
+    forward, so the Megatron layers read their parameters through DTensor's `to_local()` instead of
+    dtp's leaves."""
     tp = tp_mesh(mesh).size()
     checked = checked_for(plan, model, tp)
     low = lower(checked.resolution, tp)

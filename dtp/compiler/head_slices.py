@@ -1,18 +1,22 @@
-"""`slice_input`: per-head tensors a module receives from outside, cut to this rank's heads; `slice_params`:
-per-head parameters an attention module holds itself (GPT-OSS's learnt `sinks`, one logit per head).
+"""`slice_input`: per-head tensors a module receives from outside, cut to this rank's heads;
+`slice_params`: per-head parameters an attention module holds itself (GPT-OSS's learnt `sinks`, one
+logit per head).
 
-Some models build a per-head tensor once, for every head, outside attention and hand it to each attention
-module as an input. Bloom's ALiBi bias is laid out (batch · heads, 1, keys): the heads at dimension 0,
-folded with the batch in front of them. Falcon's ALiBi bias is (batch, heads, 1, keys), and the 4-D causal
-mask Falcon folds that bias into is (batch, heads, queries, keys): heads at dimension 1. With attention
-sharded by heads each rank must read its own heads' part. Every rank holds the whole tensor already, so
-the cut needs no communication. A size of 1 at the heads dimension is a value broadcast over every head
-(a causal mask without per-head bias) and is kept whole.
+Some models build a per-head tensor once, for every head, outside attention and hand it to each
+attention module as an input. Bloom's ALiBi bias is laid out (batch · heads, 1, keys): the heads at
+dimension 0, folded with the batch in front of them. Falcon's ALiBi bias is (batch, heads, 1, keys),
+and the 4-D causal mask Falcon folds that bias into is (batch, heads, queries, keys): heads at
+dimension 1. With attention sharded by heads each rank must read its own heads' part. Every rank
+holds the whole tensor already, so the cut needs no communication. A size of 1 at the heads
+dimension is a value broadcast over every head (a causal mask without per-head bias) and is kept
+whole.
 
-A tensor whose gradient is needed is refused: each rank's gradient would cover its own heads only, and
-the sum over ranks that would make it whole is not part of this layout. A sliced parameter needs no such
-sum: each rank's gradient covers its own heads' values, which are all it holds (Shard at the heads dim).
+A tensor whose gradient is needed is refused: each rank's gradient would cover its own heads only,
+and the sum over ranks that would make it whole is not part of this layout. A sliced parameter needs
+no such sum: each rank's gradient covers its own heads' values, which are all it holds (Shard at the
+heads dim).
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,30 +31,42 @@ from dtp.layout.modules import forward_params
 from dtp.layout.placement import ParamPlacement
 
 
-def cut_heads(x: torch.Tensor, heads: int, dim: int, rank: int, tp: int, what: str = "input") -> torch.Tensor:
-    """Rank `rank`'s `heads // tp` heads of `x`, whose dimension `dim` holds every head (any dimension
-    folded in front of them: (batch · heads) at 0) or 1 (broadcast over heads: kept whole)."""
+def cut_heads(
+    x: torch.Tensor, heads: int, dim: int, rank: int, tp: int, what: str = "input"
+) -> torch.Tensor:
+    """Rank `rank`'s `heads // tp` heads of `x`, whose dimension `dim` holds every head (any
+    dimension folded in front of them: (batch · heads) at 0) or 1 (broadcast over heads: kept
+    whole)."""
     if x.requires_grad:
-        raise ValueError(f"slice_input: {what} requires a gradient; each rank's would cover its own heads only, "
-                         f"so slice_input cuts only tensors built without one (ALiBi biases, masks)")
+        raise ValueError(
+            f"slice_input: {what} requires a gradient; each rank's would cover its own heads only, "
+            f"so slice_input cuts only tensors built without one (ALiBi biases, masks)"
+        )
     if x.dim() <= dim:
-        raise ValueError(f"slice_input: {what} has shape {tuple(x.shape)}, which has no dimension {dim} to cut "
-                         f"into {heads} heads")
+        raise ValueError(
+            f"slice_input: {what} has shape {tuple(x.shape)}, which has no dimension {dim} to cut "
+            f"into {heads} heads"
+        )
     size = x.shape[dim]
     if size == 1:
         return x
     if size % heads:
         other = [d for d, n in enumerate(x.shape) if n == heads]
         hint = f"; dimension {other[0]} holds {heads}: dim={other[0]}?" if other else ""
-        raise ValueError(f"slice_input: {what} has shape {tuple(x.shape)}: dimension {dim} ({size}) holds neither "
-                         f"the {heads} heads (nor a batch folded with them) nor 1 (a value broadcast over heads){hint}")
+        raise ValueError(
+            f"slice_input: {what} has shape {tuple(x.shape)}: dimension {dim} ({size}) holds "
+            "neither "
+            f"the {heads} heads (nor a batch folded with them) nor 1 (a value broadcast over "
+            f"heads){hint}"
+        )
     per = heads // tp
     split = x.unflatten(dim, (size // heads, heads))  # (…, folded, heads, …)
     return split.narrow(dim + 1, rank * per, per).flatten(dim, dim + 1).contiguous()
 
 
 def input_positions(module: nn.Module, names: tuple[str, ...]) -> dict[str, int | None]:
-    """Where each named input of `module.forward` may come positionally (None: keyword only or unknown)."""
+    """Where each named input of `module.forward` may come positionally (None: keyword only or
+    unknown)."""
     params = forward_params(module)
     if params is None:  # no Python signature: keywords only
         return dict.fromkeys(names)
@@ -60,7 +76,8 @@ def input_positions(module: nn.Module, names: tuple[str, ...]) -> dict[str, int 
 
 class SliceHeadsInput(ParallelStyle):
     """Cut the inputs `names` (given by keyword or position) of a module, each holding every head at
-    dimension `dim`, to this rank's heads; None and non-tensor values pass through. No communication."""
+    dimension `dim`, to this rank's heads; None and non-tensor values pass through. No
+    communication."""
 
     def __init__(self, names: tuple[str, ...], heads: int, dim: int = 0):
         super().__init__()
@@ -95,8 +112,8 @@ class SliceHeadsInput(ParallelStyle):
 
 
 class SlicedHeads:
-    """The forward of a module holding this rank's heads of its own per-head parameters: its own forward, on
-    their local tensors."""
+    """The forward of a module holding this rank's heads of its own per-head parameters: its own
+    forward, on their local tensors."""
 
     _sliced_params: tuple[str, ...]
 
@@ -107,8 +124,9 @@ class SlicedHeads:
 
 
 class SliceHeadsParams(ParallelStyle):
-    """The module's own parameters `names`, each holding every head at dimension `dim`, kept as Shard(dim)
-    DTensors (this rank's heads) and handed to its forward as local tensors. No communication."""
+    """The module's own parameters `names`, each holding every head at dimension `dim`, kept as
+    Shard(dim) DTensors (this rank's heads) and handed to its forward as local tensors. No
+    communication."""
 
     def __init__(self, names: tuple[str, ...], dim: int = 0):
         super().__init__()

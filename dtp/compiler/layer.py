@@ -1,9 +1,11 @@
-"""How a dtp ParallelStyle makes a module its tensor-parallel layer: the module's class becomes a subclass whose
-forward is the layer's, as FSDP2's `fully_shard` turns an nn.Linear into an `FSDPLinear`.
+"""How a dtp ParallelStyle makes a module its tensor-parallel layer: the module's class becomes a
+subclass whose forward is the layer's, as FSDP2's `fully_shard` turns an nn.Linear into an
+`FSDPLinear`.
 
-The style's `_apply` is the one step: nothing torch installed is undone afterwards, and the forward is the
-class's (`ColumnParallelLinear.forward`), so a deep copy of the model (an EMA copy) computes with its own
-parameters. What the layer communicates over is one attribute, `_tp`, that copies share.
+The style's `_apply` is the one step: nothing torch installed is undone afterwards, and the forward
+is the class's (`ColumnParallelLinear.forward`), so a deep copy of the model (an EMA copy) computes
+with its own parameters. What the layer communicates over is one attribute, `_tp`, that copies
+share.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from dtp.compiler.local_params import LocalParams
 
 @dataclass(frozen=True, eq=False)
 class TensorParallelGroup:
-    """A layer's tensor-parallel group, and the model's parameter leaves (None: DTensor's `to_local()`, for a
-    model that FSDP2 shards next)."""
+    """A layer's tensor-parallel group, and the model's parameter leaves (None: DTensor's
+    `to_local()`, for a model that FSDP2 shards next)."""
 
     mesh: DeviceMesh  # 1-D
     group: ProcessGroup
@@ -37,21 +39,26 @@ class TensorParallelGroup:
         return cls(mesh, mesh.get_group(0), mesh.get_local_rank(), mesh.size(), leaves)
 
     def params(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """`module`'s own parameters as this rank's local tensors, their gradients reaching the DTensors."""
+        """`module`'s own parameters as this rank's local tensors, their gradients reaching the
+        DTensors."""
         if self.leaves is not None:
             return self.leaves.of(module)
-        return {n: p.to_local() if isinstance(p, DTensor) else p for n, p in module._parameters.items()
-                if p is not None}
+        return {
+            n: p.to_local() if isinstance(p, DTensor) else p
+            for n, p in module._parameters.items()
+            if p is not None
+        }
 
     def __deepcopy__(self, memo: dict) -> TensorParallelGroup:
-        return self  # a copy of the model communicates over the same group (process groups are not copied)
+        # a copy of the model communicates over the same group (process groups are not copied)
+        return self
 
 
 @functools.cache
 def layer_class(layer: type, base: type) -> type:
-    """The class `layer` + `base` (ColumnParallel + Linear → ColumnParallelLinear; a layer's `prefix` replaces its
-    name there): `layer`'s forward, `base`'s everything else. One per pair, so modules of one kind share a class
-    (and torch.compile's guards on it)."""
+    """The class `layer` + `base` (ColumnParallel + Linear → ColumnParallelLinear; a layer's
+    `prefix` replaces its name there): `layer`'s forward, `base`'s everything else. One per pair, so
+    modules of one kind share a class (and torch.compile's guards on it)."""
     name = getattr(layer, "prefix", layer.__name__) + base.__name__
     return type(name, (layer, base), {"__module__": layer.__module__})
 

@@ -1,17 +1,22 @@
-"""Megatron's column- and row-parallel linear layers as ParallelStyles (`MegatronColwise`, `MegatronRowwise`).
+"""Megatron's column- and row-parallel linear layers as ParallelStyles (`MegatronColwise`,
+`MegatronRowwise`).
 
-Between a column- and a row-parallel layer the layout is known when the plan is compiled: the column-parallel
-input is replicated, its output is this rank's features, the row-parallel product is a partial sum. torch's
-ColwiseParallel/RowwiseParallel run each Linear as a DTensor op (sharding propagation and wrapping on every
-call, forward and backward); these styles shard the parameters as they do — DTensors, so checkpoints,
-gradients, clipping and the optimizer see the same thing — and make the module a layer that computes on the
-local shards (dtp.compiler.layer), with Megatron's f and g (dtp.compiler.mappings) as its only communication:
+Between a column- and a row-parallel layer the layout is known when the plan is compiled: the
+column-parallel input is replicated, its output is this rank's features, the row-parallel product is
+a partial sum. torch's ColwiseParallel/RowwiseParallel run each Linear as a DTensor op (sharding
+propagation and wrapping on every call, forward and backward); these styles shard the parameters as
+they do — DTensors, so checkpoints, gradients, clipping and the optimizer see the same thing — and
+make the module a layer that computes on the local shards (dtp.compiler.layer), with Megatron's f
+and g (dtp.compiler.mappings) as its only communication:
 
-- `ColumnParallelLinear`: f on the input; the output is this rank's features (Shard(-1), handed on local);
-- `RowParallelLinear`: this rank's input features; g on the product; the bias added after the sum, on every rank
-  (Megatron's RowParallelLinear): its gradient is the same everywhere without an all-reduce.
+- `ColumnParallelLinear`: f on the input; the output is this rank's features (Shard(-1), handed on
+  local);
+- `RowParallelLinear`: this rank's input features; g on the product; the bias added after the sum,
+  on every rank (Megatron's RowParallelLinear): its gradient is the same everywhere without an
+  all-reduce.
 
-Both take nn.Linear and transformers' Conv1D (weight (in, out)), with packed parts (dtp/compiler/placed.py).
+Both take nn.Linear and transformers' Conv1D (weight (in, out)), with packed parts
+(dtp/compiler/placed.py).
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from dtp.layout.placement import ParamPlacement
 
 
 def linear(module: nn.Module, x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
-    """`module`'s product on local tensors: F.linear, or Conv1D's (its forward reads the global width `nf`)."""
+    """`module`'s product on local tensors: F.linear, or Conv1D's (its forward reads the global
+    width `nf`)."""
     weight, bias = params["weight"], params.get("bias")
     if not is_conv1d(module):
         return F.linear(x, weight, bias)
@@ -51,7 +57,8 @@ class ColumnParallel:
 
 
 class RowParallel:
-    """The forward of a row-parallel layer (this rank's input features → the sum over ranks, replicated)."""
+    """The forward of a row-parallel layer (this rank's input features → the sum over ranks,
+    replicated)."""
 
     _tp: TensorParallelGroup
 
@@ -59,15 +66,17 @@ class RowParallel:
         params = self._tp.params(self)
         bias = params.pop("bias", None)
         y = sum_over_ranks(linear(self, features_of_rank(x), params), self._tp.group)
-        return y if bias is None else y + bias  # a new tensor either way: it may be updated in place
+        # a new tensor either way: it may be updated in place
+        return y if bias is None else y + bias
 
 
-def megatron_layouts(module: nn.Module, style: str, layouts: tuple[Placement | None, Placement | None],
-                     local: bool) -> bool:
-    """Whether `style` on `module` has Megatron's layouts, which these layers compute: a plain nn.Linear or a
-    Conv1D (a subclass has a forward of its own), replicated input → local Shard(-1) output (colwise), local
-    Shard(-1) input → replicated output (rowwise). Else torch's style runs it (sequence parallelism, DTensor or
-    partial outputs)."""
+def megatron_layouts(
+    module: nn.Module, style: str, layouts: tuple[Placement | None, Placement | None], local: bool
+) -> bool:
+    """Whether `style` on `module` has Megatron's layouts, which these layers compute: a plain
+    nn.Linear or a Conv1D (a subclass has a forward of its own), replicated input → local Shard(-1)
+    output (colwise), local Shard(-1) input → replicated output (rowwise). Else torch's style runs
+    it (sequence parallelism, DTensor or partial outputs)."""
     if type(module) is not nn.Linear and not is_conv1d(module) or not local:
         return False
     if style == "colwise":
@@ -76,8 +85,8 @@ def megatron_layouts(module: nn.Module, style: str, layouts: tuple[Placement | N
 
 
 class LayerStyle(ParallelStyle):
-    """A ParallelStyle that shards a module's parameters and makes the module its `layer` (dtp.compiler.layer),
-    reading them through `leaves` (None: DTensor's `to_local()`)."""
+    """A ParallelStyle that shards a module's parameters and makes the module its `layer`
+    (dtp.compiler.layer), reading them through `leaves` (None: DTensor's `to_local()`)."""
 
     layer: type
 
@@ -109,7 +118,8 @@ class _Megatron(LayerStyle):
 
 
 class MegatronColwise(_Megatron):
-    """Shard a Linear or Conv1D by output features (`placements`) and make it a `ColumnParallel` layer."""
+    """Shard a Linear or Conv1D by output features (`placements`) and make it a `ColumnParallel`
+    layer."""
 
     layer = ColumnParallel
 

@@ -1,24 +1,27 @@
-"""`sharded_norm`: an RMS norm over a feature dimension that a colwise layer shards (OLMo2's q_norm and k_norm
-normalise the whole q and k projections, every head together).
+"""`sharded_norm`: an RMS norm over a feature dimension that a colwise layer shards (OLMo2's q_norm
+and k_norm normalise the whole q and k projections, every head together).
 
-Each rank holds its slice x_r of the features and the matching slice w_r of the norm's weight. The only
-cross-rank quantity is the sum of squares over all F features, so each rank computes
+Each rank holds its slice x_r of the features and the matching slice w_r of the norm's weight. The
+only cross-rank quantity is the sum of squares over all F features, so each rank computes
 
     y_r = w_r · x_r / sqrt(Σ_ranks Σ x_r² / F + eps)
 
-with one all-reduce of a (batch, seq, 1) buffer in the forward pass and one of its gradient in the backward
-pass (every rank's output depends on every rank's sum: Megatron's f and g around a scalar per token). The
-weight's gradient needs no reduction: each rank's slice is its own. Statistics are kept in at least float32,
-as Hugging Face's RMSNorms keep them.
+with one all-reduce of a (batch, seq, 1) buffer in the forward pass and one of its gradient in the
+backward pass (every rank's output depends on every rank's sum: Megatron's f and g around a scalar
+per token). The weight's gradient needs no reduction: each rank's slice is its own. Statistics are
+kept in at least float32, as Hugging Face's RMSNorms keep them.
 
-A part list (`sharded_norm(packed=[repeat(kv)])`) lays the weight out as the colwise projection before it:
-with key/value heads repeated over ranks (tp a multiple of them), each head is held by tp/H ranks, so the
-all-reduced sum counts every head tp/H times over tp·F_local = (tp/H)·F features: the mean is exact, and the
-repeated weight rows' gradient is summed over the ranks that share them (dtp/compiler/placed.py).
+A part list (`sharded_norm(packed=[repeat(kv)])`) lays the weight out as the colwise projection
+before it: with key/value heads repeated over ranks (tp a multiple of them), each head is held by
+tp/H ranks, so the all-reduced sum counts every head tp/H times over tp·F_local = (tp/H)·F features:
+the mean is exact, and the repeated weight rows' gradient is summed over the ranks that share them
+(dtp/compiler/placed.py).
 
-What the module computes is not assumed: `check` runs its own forward on a probe input and compares it with
-the formula above, so a norm with another formula (Gemma's 1 + weight, a LayerNorm's mean) is refused.
+What the module computes is not assumed: `check` runs its own forward on a probe input and compares
+it with the formula above, so a norm with another formula (Gemma's 1 + weight, a LayerNorm's mean)
+is refused.
 """
+
 from __future__ import annotations
 
 import torch
@@ -47,7 +50,8 @@ class _SumOverRanks(torch.autograd.Function):
 
 
 class ShardedRMSNorm:
-    """The forward of an RMS norm over this rank's features: one input (however it is passed), local slices."""
+    """The forward of an RMS norm over this rank's features: one input (however it is passed), local
+    slices."""
 
     _tp: TensorParallelGroup
 
@@ -61,8 +65,8 @@ class ShardedRMSNorm:
 
 
 class ShardedNorm(ParallelStyle):
-    """An RMS norm on this rank's slice of a colwise-sharded feature dimension: weight sharded like the
-    features (`placement`), the sum of squares all-reduced; reads and hands on local slices."""
+    """An RMS norm on this rank's slice of a colwise-sharded feature dimension: weight sharded like
+    the features (`placement`), the sum of squares all-reduced; reads and hands on local slices."""
 
     def __init__(self, placement: ParamPlacement):
         super().__init__()

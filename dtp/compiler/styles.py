@@ -1,5 +1,7 @@
-"""The ParallelStyles torch does not have: a shared input for sibling colwise layers, sequence parallelism from a
-replicated input, chained styles, and per-rank attribute rewrites (packed parts: dtp/compiler/placed.py)."""
+"""The ParallelStyles torch does not have: a shared input for sibling colwise layers, sequence
+parallelism from a replicated input, chained styles, and per-rank attribute rewrites (packed parts:
+dtp/compiler/placed.py)."""
+
 from __future__ import annotations
 
 import inspect
@@ -32,8 +34,8 @@ class SetAttributes(ParallelStyle):
 
 
 class Chained(ParallelStyle):
-    """Several styles on one module, applied in order (a shared input for the colwise children of a module
-    whose own style, slice_params, leaves its activations alone)."""
+    """Several styles on one module, applied in order (a shared input for the colwise children of a
+    module whose own style, slice_params, leaves its activations alone)."""
 
     def __init__(self, *styles: ParallelStyle):
         super().__init__()
@@ -50,9 +52,9 @@ class SharedInput(ParallelStyle):
 
     Without it each colwise child turns the same replicated input into a DTensor on its own, so the
     backward pass all-reduces that input's gradient once per child; here the children receive one
-    Replicate DTensor, their Partial gradients add up first, and one all-reduce follows (Megatron's f).
-    torch's PrepareModuleInput needs to know whether the input arrives positionally or by keyword
-    (Hugging Face passes `hidden_states=`); this hook accepts either.
+    Replicate DTensor, their Partial gradients add up first, and one all-reduce follows (Megatron's
+    f). torch's PrepareModuleInput needs to know whether the input arrives positionally or by
+    keyword (Hugging Face passes `hidden_states=`); this hook accepts either.
     """
 
     def __init__(self, input_layout: Placement | None = None):
@@ -98,4 +100,6 @@ class SequenceParallelFromReplicated(SequenceParallel):
         x = inputs[0]
         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
             x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
-        return SequenceParallel._prepare_input_fn(sequence_sharding, mod, (x, *inputs[1:]), device_mesh)
+        return SequenceParallel._prepare_input_fn(
+            sequence_sharding, mod, (x, *inputs[1:]), device_mesh
+        )

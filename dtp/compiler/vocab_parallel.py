@@ -1,18 +1,20 @@
-"""The vocabulary-parallel ends as ParallelStyles: Megatron's VocabParallelEmbedding, the output head, and the
-cross-entropy over logits split by vocabulary, with DTensor parameters and no DTensor arithmetic.
+"""The vocabulary-parallel ends as ParallelStyles: Megatron's VocabParallelEmbedding, the output
+head, and the cross-entropy over logits split by vocabulary, with DTensor parameters and no DTensor
+arithmetic.
 
-torch gives these ends as DTensor programs: RowwiseParallel on an Embedding (a masked lookup whose partial sum
-is reduced), ColwiseParallel with `Shard(-1)` logits, and `loss_parallel`'s cross-entropy. Their layouts are
-fixed when the plan is compiled, so, as for the column/row pairs (dtp.compiler.megatron), the styles shard the
-parameters and make the modules layers that compute on local tensors and communicate where torch's programs do,
-with the same all-reduces (op, count and bytes):
+torch gives these ends as DTensor programs: RowwiseParallel on an Embedding (a masked lookup whose
+partial sum is reduced), ColwiseParallel with `Shard(-1)` logits, and `loss_parallel`'s
+cross-entropy. Their layouts are fixed when the plan is compiled, so, as for the column/row pairs
+(dtp.compiler.megatron), the styles shard the parameters and make the modules layers that compute on
+local tensors and communicate where torch's programs do, with the same all-reduces (op, count and
+bytes):
 
-- `VocabParallelEmbedding`: rows [start, start + n) of the vocabulary; ids outside them look up row 0 and are
-  zeroed; g on the sum (forward), nothing in backward;
-- `VocabParallelHead`: f on the input, this rank's logits handed on as a `Shard(-1)` DTensor, so that every
-  reader (parity, gathers, the loss) sees the global logits;
-- `cross_entropy`: all-reduces of the row maxima, of the sums of exponentials and of the target logits (the
-  three loss_parallel makes, at the same (N, 1) shapes); its backward is local.
+- `VocabParallelEmbedding`: rows [start, start + n) of the vocabulary; ids outside them look up row
+  0 and are zeroed; g on the sum (forward), nothing in backward;
+- `VocabParallelHead`: f on the input, this rank's logits handed on as a `Shard(-1)` DTensor, so
+  that every reader (parity, gathers, the loss) sees the global logits;
+- `cross_entropy`: all-reduces of the row maxima, of the sums of exponentials and of the target
+  logits (the three loss_parallel makes, at the same (N, 1) shapes); its backward is local.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ IGNORE_INDEX = -100  # F.cross_entropy's default, which transformers' labels use
 
 
 def _first_row(rows: int, mesh: DeviceMesh) -> int:
-    """This rank's first of `rows` vocabulary rows split over `mesh` (torch.chunk's split: ceil(V / tp) per rank)."""
+    """This rank's first of `rows` vocabulary rows split over `mesh` (torch.chunk's split: ceil(V /
+    tp) per rank)."""
     return _row_start(rows, mesh.get_local_rank(), mesh.size())
 
 
@@ -55,17 +58,21 @@ class VocabRows:
         inside = (local >= 0) & (local < weight.shape[0])
         pad = self.padding_idx
         pad = pad - start if pad is not None and 0 <= pad - start < weight.shape[0] else None
-        out = F.embedding(torch.where(inside, local, 0), weight, pad).masked_fill(~inside.unsqueeze(-1), 0.0)
-        return sum_over_ranks(out, tp.group)  # a new tensor either way: it may be updated in place (CTRL)
+        out = F.embedding(torch.where(inside, local, 0), weight, pad).masked_fill(
+            ~inside.unsqueeze(-1), 0.0
+        )
+        # a new tensor either way: it may be updated in place (CTRL)
+        return sum_over_ranks(out, tp.group)
 
 
 class VocabLogits:
-    """The forward of an output head whose rows are split by vocabulary, the logits a `Shard(-1)` DTensor
-    (VocabParallelLinear)."""
+    """The forward of an output head whose rows are split by vocabulary, the logits a `Shard(-1)`
+    DTensor (VocabParallelLinear)."""
 
     prefix = "VocabParallel"
     _tp: TensorParallelGroup
-    _logit_specs: dict  # (local shape, dtype) → the logits' DTensorSpec, made once by DTensor.from_local
+    # (local shape, dtype) → the logits' DTensorSpec, made once by DTensor.from_local
+    _logit_specs: dict
 
     def forward(self, x: torch.Tensor) -> DTensor:  # noqa: D102 - the class says it
         params = self._tp.params(self)
@@ -73,16 +80,25 @@ class VocabLogits:
         return _as_shards(y, self.weight.shape[0], self._tp.mesh, self._logit_specs)
 
 
-def vocab_layouts(module: nn.Module, embedding: bool, layouts: tuple[Placement | None, Placement | None],
-                  local: bool) -> bool:
-    """Whether vocab_parallel on `module` has the layouts these layers compute: a plain nn.Embedding, replicated
-    ids → replicated local output, reading only its rows (no max_norm, scale_grad_by_freq or sparse gradient);
-    a plain nn.Linear, replicated input → `Shard(-1)` DTensor logits. Else torch's style runs it (sequence
-    parallelism, an embedding option that reads the whole table, a subclass with its own forward)."""
+def vocab_layouts(
+    module: nn.Module,
+    embedding: bool,
+    layouts: tuple[Placement | None, Placement | None],
+    local: bool,
+) -> bool:
+    """Whether vocab_parallel on `module` has the layouts these layers compute: a plain
+    nn.Embedding, replicated ids → replicated local output, reading only its rows (no max_norm,
+    scale_grad_by_freq or sparse gradient); a plain nn.Linear, replicated input → `Shard(-1)`
+    DTensor logits. Else torch's style runs it (sequence parallelism, an embedding option that reads
+    the whole table, a subclass with its own forward)."""
     if embedding:
         whole_table = module.max_norm is not None or module.scale_grad_by_freq or module.sparse
-        return (type(module) is nn.Embedding and local and not whole_table
-                and layouts == (Replicate(), Replicate()))
+        return (
+            type(module) is nn.Embedding
+            and local
+            and not whole_table
+            and layouts == (Replicate(), Replicate())
+        )
     return type(module) is nn.Linear and not local and layouts == (Replicate(), Shard(-1))
 
 
@@ -123,15 +139,22 @@ SPECS_KEPT = 16  # logits shapes whose spec a head keeps (sequence lengths vary 
 
 
 def _as_shards(y: torch.Tensor, vocab: int, mesh: DeviceMesh, specs: dict) -> DTensor:
-    """This rank's logits `y` (..., V/tp) as the `Shard(-1)` DTensor of global width `vocab`: DTensor.from_local
-    the first time for a shape, then the DTensor constructor on the spec that call made (from_local's checks
-    and spec building, run after the head's GEMM on every step, cost as much as the rest of the head's Python)."""
+    """This rank's logits `y` (..., V/tp) as the `Shard(-1)` DTensor of global width `vocab`:
+    DTensor.from_local the first time for a shape, then the DTensor constructor on the spec that
+    call made (from_local's checks and spec building, run after the head's GEMM on every step, cost
+    as much as the rest of the head's Python)."""
     key = (y.shape, y.dtype)
     spec = specs.get(key)
     if spec is None:
         shape = (*y.shape[:-1], vocab)
-        out = DTensor.from_local(y, mesh, [Shard(y.ndim - 1)], run_check=False, shape=shape,
-                                 stride=_contiguous_stride(shape))
+        out = DTensor.from_local(
+            y,
+            mesh,
+            [Shard(y.ndim - 1)],
+            run_check=False,
+            shape=shape,
+            stride=_contiguous_stride(shape),
+        )
         if len(specs) >= SPECS_KEPT:
             specs.clear()
         specs[key] = out._spec
@@ -140,8 +163,9 @@ def _as_shards(y: torch.Tensor, vocab: int, mesh: DeviceMesh, specs: dict) -> DT
 
 
 class _FromLocalShards(torch.autograd.Function):
-    """DTensor.from_local on a spec already made: the local tensor's gradient is the DTensor gradient's shard
-    (redistributed to the forward's placements first, as from_local's backward does)."""
+    """DTensor.from_local on a spec already made: the local tensor's gradient is the DTensor
+    gradient's shard (redistributed to the forward's placements first, as from_local's backward
+    does)."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, spec) -> DTensor:
@@ -161,7 +185,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of logits (N, V/tp) split by vocabulary; targets (N,) are global ids."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, start: int, mesh: DeviceMesh) -> torch.Tensor:
+    def forward(
+        ctx, logits: torch.Tensor, targets: torch.Tensor, start: int, mesh: DeviceMesh
+    ) -> torch.Tensor:
         group = mesh.get_group(0)
         row_max = all_reduce(logits.detach().amax(dim=-1, keepdim=True), group, "max")
         shifted = logits - row_max
@@ -171,7 +197,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local = targets - start
         inside = valid & (local >= 0) & (local < logits.shape[-1])
         local = torch.where(inside, local, 0).unsqueeze(-1)
-        picked = all_reduce(shifted.gather(-1, local).masked_fill_(~inside.unsqueeze(-1), 0.0), group)
+        picked = all_reduce(
+            shifted.gather(-1, local).masked_fill_(~inside.unsqueeze(-1), 0.0), group
+        )
         count = valid.sum()
         loss = (sum_exp.log() - picked).squeeze(-1).masked_fill(~valid, 0.0).sum() / count
         ctx.save_for_backward(exp.div_(sum_exp), local, inside, valid, count)
@@ -182,21 +210,29 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, local, inside, valid, count = ctx.saved_tensors
         scale = (grad / count).to(softmax.dtype)
         out = softmax * scale
-        out.scatter_add_(-1, local, (inside.to(softmax.dtype) * -scale).unsqueeze(-1))  # − the target's one-hot
+        # − the target's one-hot
+        out.scatter_add_(-1, local, (inside.to(softmax.dtype) * -scale).unsqueeze(-1))
         return out.masked_fill_(~valid.unsqueeze(-1), 0.0), None, None, None
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The mean token cross-entropy of logits (..., V) against `targets` (...), ignoring IGNORE_INDEX.
+    """The mean token cross-entropy of logits (..., V) against `targets` (...), ignoring
+    IGNORE_INDEX.
 
-    Logits split by vocabulary (a `Shard(-1)` DTensor on a 1-D mesh, the vocabulary-parallel head's output)
-    go through the vocabulary-parallel loss on their local shard; the loss is a plain tensor, equal on every rank. Other logits
-    take F.cross_entropy. Half-precision logits are read in float32, as autocast and loss_parallel compute it."""
+    Logits split by vocabulary (a `Shard(-1)` DTensor on a 1-D mesh, the vocabulary-parallel head's
+    output) go through the vocabulary-parallel loss on their local shard; the loss is a plain
+    tensor, equal on every rank. Other logits take F.cross_entropy. Half-precision logits are read
+    in float32, as autocast and loss_parallel compute it."""
     if not isinstance(logits, DTensor):
         logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
         return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
-    if logits.device_mesh.ndim != 1 or logits.placements not in ((Shard(-1),), (Shard(logits.ndim - 1),)):
-        raise ValueError(f"vocabulary-parallel logits must be Shard(-1) on a 1-D mesh, got {logits.placements}")
+    if logits.device_mesh.ndim != 1 or logits.placements not in (
+        (Shard(-1),),
+        (Shard(logits.ndim - 1),),
+    ):
+        raise ValueError(
+            f"vocabulary-parallel logits must be Shard(-1) on a 1-D mesh, got {logits.placements}"
+        )
     mesh = logits.device_mesh
     local = logits.to_local()
     if local.dtype in (torch.float16, torch.bfloat16):

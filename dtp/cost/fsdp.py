@@ -1,5 +1,6 @@
-"""FSDP2's units over the dp dimension and the bytes each all-gathers, counted statically: each block of the
-model's top-level ModuleLists is one unit and the model itself the root."""
+"""FSDP2's units over the dp dimension and the bytes each all-gathers, counted statically: each
+block of the model's top-level ModuleLists is one unit and the model itself the root."""
+
 from __future__ import annotations
 
 import torch
@@ -9,7 +10,8 @@ from dtp.checks.checker import Checked
 
 
 def units(model: nn.Module) -> list[str]:
-    """Paths of the FSDP units below the root: the elements of ModuleLists not nested in another unit."""
+    """Paths of the FSDP units below the root: the elements of ModuleLists not nested in another
+    unit."""
     out: list[str] = []
     for path, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and not any(path.startswith(u + ".") for u in out):
@@ -17,10 +19,13 @@ def units(model: nn.Module) -> list[str]:
     return out
 
 
-def unit_bytes(checked: Checked, model: nn.Module, tp: int, dp: int, elem: int) -> list[tuple[str, int]]:
+def unit_bytes(
+    checked: Checked, model: nn.Module, tp: int, dp: int, elem: int
+) -> list[tuple[str, int]]:
     """(unit path, bytes of its all-gathered parameters) for each FSDP unit, the root ("") last.
 
-    A unit's buffer holds its tp-local parameters, each padded on dim 0 to a multiple of dp as FSDP2 does.
+    A unit's buffer holds its tp-local parameters, each padded on dim 0 to a multiple of dp as FSDP2
+    does.
     """
     res = checked.resolution
     local: dict[int, tuple[int, ...]] = {}

@@ -1,10 +1,12 @@
-"""Parameter bytes per rank: the one function every command uses (explain's totals, apply's and train's
-reports, the fuzzer's property, the memory budget), and the measured counterpart it is tested against.
+"""Parameter bytes per rank: the one function every command uses (explain's totals, apply's and
+train's reports, the fuzzer's property, the memory budget), and the measured counterpart it is
+tested against.
 
-The table follows the placements `check` resolved: torch.chunk's tp shards (uneven vocabularies leave the
-last ranks shorter; packed parts shard part by part), then FSDP2's dim-0 shards over dp (dim 0 padded to
-a multiple of dp). A tied parameter counts once.
+The table follows the placements `check` resolved: torch.chunk's tp shards (uneven vocabularies
+leave the last ranks shorter; packed parts shard part by part), then FSDP2's dim-0 shards over dp
+(dim 0 padded to a multiple of dp). A tied parameter counts once.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -29,9 +31,11 @@ def _unique(checked: Checked, model: nn.Module) -> Iterator[tuple[ParamPlacement
                 yield placements[name], tuple(p.shape)
 
 
-def param_bytes_per_rank(checked: Checked, model: nn.Module, tp: int, dp: int = 1, elem: int = 4) -> list[int]:
-    """Parameter bytes on each rank (rank = dp_index · tp + tp_index) from the placement table; `model`
-    may be on meta."""
+def param_bytes_per_rank(
+    checked: Checked, model: nn.Module, tp: int, dp: int = 1, elem: int = 4
+) -> list[int]:
+    """Parameter bytes on each rank (rank = dp_index · tp + tp_index) from the placement table;
+    `model` may be on meta."""
     out = []
     for rank in range(tp * dp):
         total = 0
@@ -43,7 +47,9 @@ def param_bytes_per_rank(checked: Checked, model: nn.Module, tp: int, dp: int = 
     return out
 
 
-def ideal_param_bytes(checked: Checked, model: nn.Module, tp: int, dp: int = 1, elem: int = 4) -> int:
+def ideal_param_bytes(
+    checked: Checked, model: nn.Module, tp: int, dp: int = 1, elem: int = 4
+) -> int:
     """Megatron's ideal per rank: (replicated + sharded / tp) / dp."""
     replicated = sharded = 0
     for placement, shape in _unique(checked, model):
@@ -66,6 +72,10 @@ def replicated_fraction(checked: Checked, model: nn.Module) -> float:
 
 
 def local_param_bytes(model: nn.Module) -> int:
-    """The bytes of this rank's local shards (tied parameters once). Equal to the table under tp; under FSDP2
-    a short last dp shard is a view of a padded allocation, which the table counts and this does not."""
-    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in model.parameters())
+    """The bytes of this rank's local shards (tied parameters once). Equal to the table under tp;
+    under FSDP2 a short last dp shard is a view of a padded allocation, which the table counts and
+    this does not."""
+    return sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+        for p in model.parameters()
+    )

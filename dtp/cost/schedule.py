@@ -21,6 +21,7 @@ A layout change costs (N tokens × width × element size is the buffer S):
 
 Sibling colwise layers that share their parent's input pay the input cost once (Megatron's f).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
@@ -60,14 +61,25 @@ class NotModeled(Exception):
     """A layout the analytic model does not cover (e.g. a partial input); explain says so."""
 
 
-def schedule(checked: Checked, tp: int, batch: int, seq: int, *, dtype: torch.dtype = torch.float32,
-             lowered: Lowered | None = None, dp: int = 1, model: nn.Module | None = None,
-             checkpoint_activations: bool = False, plain: bool | None = None) -> list[Collective]:
-    """Every collective of one forward + backward pass of the plan at `tp` on `batch` × `seq` tokens per
-    data-parallel rank; with dp > 1 (give `model`) also FSDP2's parameter all-gathers and gradient
-    reduce-scatters; with `checkpoint_activations`, each block's forward collectives again in backward.
-    `plain` (default: tp 1 and dp 1, as `apply` and `train` run it): the model is plain PyTorch, no collective;
-    False: a one-rank DTensor model, whose vocabulary-parallel loss still issues its collectives."""
+def schedule(
+    checked: Checked,
+    tp: int,
+    batch: int,
+    seq: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    lowered: Lowered | None = None,
+    dp: int = 1,
+    model: nn.Module | None = None,
+    checkpoint_activations: bool = False,
+    plain: bool | None = None,
+) -> list[Collective]:
+    """Every collective of one forward + backward pass of the plan at `tp` on `batch` × `seq` tokens
+    per data-parallel rank; with dp > 1 (give `model`) also FSDP2's parameter all-gathers and
+    gradient reduce-scatters; with `checkpoint_activations`, each block's forward collectives again
+    in backward. `plain` (default: tp 1 and dp 1, as `apply` and `train` run it): the model is plain
+    PyTorch, no collective; False: a one-rank DTensor model, whose vocabulary-parallel loss still
+    issues its collectives."""
     if tp == 1 and dp == 1 if plain is None else plain:
         return []
     out = _tensor_parallel(checked, tp, batch, seq, dtype, lowered)
@@ -79,63 +91,122 @@ def schedule(checked: Checked, tp: int, batch: int, seq: int, *, dtype: torch.dt
             name = path or "(root)"
             out.append(Collective("all_gather", "forward", nbytes, name, "FSDP2 parameters", "dp"))
             if path:  # FSDP2 keeps the root's parameters gathered from forward to backward
-                out.append(Collective("all_gather", "backward", nbytes, name, "FSDP2 parameters again", "dp"))
-            out.append(Collective("reduce_scatter", "backward", nbytes, name, "FSDP2 gradients", "dp"))
+                out.append(
+                    Collective(
+                        "all_gather", "backward", nbytes, name, "FSDP2 parameters again", "dp"
+                    )
+                )
+            out.append(
+                Collective("reduce_scatter", "backward", nbytes, name, "FSDP2 gradients", "dp")
+            )
     return out
 
 
 def recomputed(collectives: list[Collective], blocks: list[str]) -> list[Collective]:
     """Activation checkpointing per block re-runs each block's whole forward in backward (Megatron's
     recomputation): the block's forward tensor-parallel collectives again, in the backward phase."""
-    inside = [c for c in collectives if c.phase == "forward" and c.group == "tp"
-              and any(c.module == b or c.module.startswith(b + ".") for b in blocks)]
+    inside = [
+        c
+        for c in collectives
+        if c.phase == "forward"
+        and c.group == "tp"
+        and any(c.module == b or c.module.startswith(b + ".") for b in blocks)
+    ]
     return [replace(c, phase="backward", reason=f"recomputed forward: {c.reason}") for c in inside]
 
 
-def _tensor_parallel(checked: Checked, tp: int, batch: int, seq: int, dtype: torch.dtype,
-                     lowered: Lowered | None) -> list[Collective]:
+def _tensor_parallel(
+    checked: Checked, tp: int, batch: int, seq: int, dtype: torch.dtype, lowered: Lowered | None
+) -> list[Collective]:
     low = lowered or lower(checked.resolution, tp)
     res = checked.resolution
     elem = torch.empty((), dtype=dtype).element_size()
     tokens = batch * seq
     out: list[Collective] = []
 
-    # Sequence shards follow torch.chunk: a sequence that does not divide is padded for the collective.
+    # Sequence shards follow torch.chunk: a sequence that does not divide is padded for the
+    # collective.
     padded = batch * -(-seq // tp) * tp
 
-    def add(op: str, phase: str, width: int, module: str, reason: str, nbytes: int | None = None,
-            sequence: bool = False) -> None:
+    def add(
+        op: str,
+        phase: str,
+        width: int,
+        module: str,
+        reason: str,
+        nbytes: int | None = None,
+        sequence: bool = False,
+    ) -> None:
         n = padded if sequence else tokens
-        out.append(Collective(op, phase, nbytes if nbytes is not None else n * width * elem, module, reason))
+        out.append(
+            Collective(
+                op, phase, nbytes if nbytes is not None else n * width * elem, module, reason
+            )
+        )
 
     if low.loss_parallel:
-        head = next(p for p, m in low.modules.items() if m.style == "vocab_parallel" and not m.embedding)
-        # dtp's vocab-parallel cross-entropy (dtp.compiler.vocab_parallel) reads bf16 logits in float32: its
-        # three statistics travel in at least float32 (torch's loss_parallel sends the target logit in bf16)
+        head = next(
+            p for p, m in low.modules.items() if m.style == "vocab_parallel" and not m.embedding
+        )
+        # dtp's vocab-parallel cross-entropy (dtp.compiler.vocab_parallel) reads bf16 logits in
+        # float32: its three statistics travel in at least float32 (torch's loss_parallel sends the
+        # target logit in bf16)
         stats = max(elem, 4)
         for what, size in (("max", stats), ("sum of exponentials", stats), ("target logit", stats)):
-            add("all_reduce", "forward", 1, head, f"vocab-parallel cross-entropy: {what}", tokens * size)
+            add(
+                "all_reduce",
+                "forward",
+                1,
+                head,
+                f"vocab-parallel cross-entropy: {what}",
+                tokens * size,
+            )
     if tp == 1:
         return out  # DTensor skips redistributions over a one-rank mesh
 
-    shared_children = {c: parent for parent, children in low.shared_inputs.items() for c in children}
+    shared_children = {
+        c: parent for parent, children in low.shared_inputs.items() for c in children
+    }
     entered: set[str] = set()
     for path, m in low.modules.items():
         module = res.modules[path]
-        for name, placement in m.placements:  # replicated packed parts: their rows' gradient is summed
+        # replicated packed parts: their rows' gradient is summed
+        for name, placement in m.placements:
             rows = placement.replicated_rows(tp)
             param = getattr(module, name, None)
             if rows and param is not None:
                 numel = param.numel() // param.shape[placement.shard_dim] * rows
-                add("all_reduce", "backward", 0, path, f"gradient of {name}'s replicated parts", numel * elem)
-        if m.style == "sharded_norm":  # statistics in at least float32 (dtp/compiler/sharded_norm.py)
+                add(
+                    "all_reduce",
+                    "backward",
+                    0,
+                    path,
+                    f"gradient of {name}'s replicated parts",
+                    numel * elem,
+                )
+        # statistics in at least float32 (dtp/compiler/sharded_norm.py)
+        if m.style == "sharded_norm":
             stats = max(elem, 4)
-            add("all_reduce", "forward", 0, path, "sum of squares over the sharded features", tokens * stats)
+            add(
+                "all_reduce",
+                "forward",
+                0,
+                path,
+                "sum of squares over the sharded features",
+                tokens * stats,
+            )
             add("all_reduce", "backward", 0, path, "gradient of the sum of squares", tokens * stats)
             continue
         if m.reduce_grad:
             for name, p in module.named_parameters(recurse=False):
-                add("all_reduce", "backward", 0, path, f"gradient of replicated {name}", p.numel() * elem)
+                add(
+                    "all_reduce",
+                    "backward",
+                    0,
+                    path,
+                    f"gradient of replicated {name}",
+                    p.numel() * elem,
+                )
             continue
         if m.style == "experts":
             hidden = experts_layout(module).hidden
@@ -143,18 +214,35 @@ def _tensor_parallel(checked: Checked, tp: int, batch: int, seq: int, dtype: tor
             if not isinstance(top_k, int):
                 raise NotModeled(f"{path}: experts without config.num_experts_per_tok")
             add("all_reduce", "backward", hidden, path, "input: gradient (f)")
-            add("all_reduce", "backward", top_k, path, "routing weights: gradient (f), in at least float32",
-                tokens * top_k * max(elem, 4))
+            add(
+                "all_reduce",
+                "backward",
+                top_k,
+                path,
+                "routing weights: gradient (f), in at least float32",
+                tokens * top_k * max(elem, 4),
+            )
             add("all_reduce", "forward", hidden, path, "partial sums (g)")
             continue
         if m.style in ("colwise", "vocab_parallel") and not m.embedding:
             key = shared_children.get(path, path)
             if key not in entered:
                 entered.add(key)
-                layout = (SEQUENCE if low.sequence_parallel else Replicate()) if key in low.shared_inputs else m.input
-                _enter_region(add, layout, features(module)[0], key,
-                              "shared input of " + ", ".join(c.rsplit(".", 1)[-1] for c in low.shared_inputs[key])
-                              if key in low.shared_inputs else "input")
+                layout = (
+                    (SEQUENCE if low.sequence_parallel else Replicate())
+                    if key in low.shared_inputs
+                    else m.input
+                )
+                _enter_region(
+                    add,
+                    layout,
+                    features(module)[0],
+                    key,
+                    "shared input of "
+                    + ", ".join(c.rsplit(".", 1)[-1] for c in low.shared_inputs[key])
+                    if key in low.shared_inputs
+                    else "input",
+                )
             if m.style == "colwise" and m.output != Shard(-1):
                 if m.output != Replicate():
                     raise NotModeled(f"{path}: colwise output {m.output}")
@@ -162,21 +250,44 @@ def _tensor_parallel(checked: Checked, tp: int, batch: int, seq: int, dtype: tor
                     raise NotModeled(f"{path}: gathered output of packed parts")
                 add("all_gather", "forward", features(module)[1], path, "gathered output")
         elif m.style == "rowwise" or m.embedding:
-            if m.style == "rowwise" and m.input == Replicate():  # split locally; its gradient gathered
-                add("all_gather", "backward", features(module)[0], path, "gradient of the split input")
+            # split locally; its gradient gathered
+            if m.style == "rowwise" and m.input == Replicate():
+                add(
+                    "all_gather",
+                    "backward",
+                    features(module)[0],
+                    path,
+                    "gradient of the split input",
+                )
             elif m.style == "rowwise" and m.input != Shard(-1):
                 raise NotModeled(f"{path}: rowwise input {m.input}")
             width = module.embedding_dim if m.embedding else features(module)[1]
             _leave_region(add, m.output, width, path)
         elif m.style == "sequence_parallel":
             for name, p in module.named_parameters(recurse=False):
-                add("all_reduce", "backward", 0, path, f"gradient of replicated {name}", p.numel() * elem)
-    if low.sequence_parallel and not any(m.embedding and m.output == SEQUENCE for m in low.modules.values()):
-        # A replicated activation (e.g. GPT-2's token + position sum) is cut into sequence shards where it
-        # enters the first sequence-parallel module; the backward pass gathers its gradient.
+                add(
+                    "all_reduce",
+                    "backward",
+                    0,
+                    path,
+                    f"gradient of replicated {name}",
+                    p.numel() * elem,
+                )
+    if low.sequence_parallel and not any(
+        m.embedding and m.output == SEQUENCE for m in low.modules.values()
+    ):
+        # A replicated activation (e.g. GPT-2's token + position sum) is cut into sequence shards
+        # where it enters the first sequence-parallel module; the backward pass gathers its
+        # gradient.
         first = next(p for p, m in low.modules.items() if m.style == "sequence_parallel")
-        add("all_gather", "backward", _hidden(res.modules, low), first, "gradient of the split into sequence shards",
-            sequence=True)
+        add(
+            "all_gather",
+            "backward",
+            _hidden(res.modules, low),
+            first,
+            "gradient of the split into sequence shards",
+            sequence=True,
+        )
     return out
 
 
@@ -203,7 +314,14 @@ def _leave_region(add, placement, width: int, module: str) -> None:
     if placement == Replicate():
         add("all_reduce", "forward", width, module, "partial sums (g)")
     elif placement == SEQUENCE:
-        add("reduce_scatter", "forward", width, module, "partial sums to sequence shards", sequence=True)
+        add(
+            "reduce_scatter",
+            "forward",
+            width,
+            module,
+            "partial sums to sequence shards",
+            sequence=True,
+        )
         add("all_gather", "backward", width, module, "gradient", sequence=True)
     else:
         raise NotModeled(f"{module}: output {placement}")
@@ -212,12 +330,21 @@ def _leave_region(add, placement, width: int, module: str) -> None:
 def summarize(collectives: list[Collective], tp: int, dp: int = 1) -> dict:
     """The same shape as the measured `collectives` of a `dtp apply` report."""
     size = {"tp": tp, "dp": dp}
-    out: dict = {"total": len(collectives), "by_op": {}, "forward": {}, "backward": {}, "bytes": {}, "sent_bytes": {}}
+    out: dict = {
+        "total": len(collectives),
+        "by_op": {},
+        "forward": {},
+        "backward": {},
+        "bytes": {},
+        "sent_bytes": {},
+    }
     for c in collectives:
         out["by_op"][c.op] = out["by_op"].get(c.op, 0) + 1
         out[c.phase][c.op] = out[c.phase].get(c.op, 0) + 1
         out["bytes"][c.op] = out["bytes"].get(c.op, 0) + c.buffer_bytes
-        out["sent_bytes"][c.op] = out["sent_bytes"].get(c.op, 0) + sent_bytes(c.op, c.buffer_bytes, size[c.group])
+        out["sent_bytes"][c.op] = out["sent_bytes"].get(c.op, 0) + sent_bytes(
+            c.op, c.buffer_bytes, size[c.group]
+        )
     return out
 
 

@@ -1,8 +1,11 @@
-"""A persistent pool of gloo ranks for one mesh shape: started once, then fed one case after another.
+"""A persistent pool of gloo ranks for one mesh shape: started once, then fed one case after
+another.
 
-Starting ranks costs seconds (process start, process group); a fuzz example costs a fraction of one. A
-case that crashes or hangs a rank costs the pool: it is stopped and the next case starts a fresh one.
+Starting ranks costs seconds (process start, process group); a fuzz example costs a fraction of one.
+A case that crashes or hangs a rank costs the pool: it is stopped and the next case starts a fresh
+one.
 """
+
 from __future__ import annotations
 
 import queue
@@ -22,7 +25,8 @@ READY = "ready"  # what a rank answers once it has joined the process group and 
 
 
 def _worker(rank: int, world: int, port: int, jobs: list, results, tp: int, dp: int) -> None:
-    init_rank(rank, world, port, "cpu", RANK_TIMEOUT_S)  # loopback rendezvous; Ctrl-C is the parent's
+    # loopback rendezvous; Ctrl-C is the parent's
+    init_rank(rank, world, port, "cpu", RANK_TIMEOUT_S)
     mesh = make_mesh(tp, dp)
     results.put((rank, READY, None))
     while True:
@@ -59,9 +63,13 @@ class RankPool:
         self.results = ctx.Queue()
         self.tmp = tempfile.TemporaryDirectory(prefix="dtp-fuzz-")
         sock = loopback_listener(self.world)
-        self.procs = start_ranks(_worker, self.world, (self.world, sock.getsockname()[1], self.jobs, self.results,
-                                                       self.tp, self.dp))
-        self.store = serve_store(sock, self.world, RANK_TIMEOUT_S)  # after the fork: see serve_store
+        self.procs = start_ranks(
+            _worker,
+            self.world,
+            (self.world, sock.getsockname()[1], self.jobs, self.results, self.tp, self.dp),
+        )
+        # after the fork: see serve_store
+        self.store = serve_store(sock, self.world, RANK_TIMEOUT_S)
         deadline, ready = time.monotonic() + RANK_TIMEOUT_S, 0
         while ready < self.world and time.monotonic() < deadline and self.alive:
             try:
@@ -73,14 +81,17 @@ class RankPool:
         return ready == self.world
 
     def run(self, cfg: RunConfig, timeout: float = 120.0) -> dict:
-        """Rank 0's report for `cfg`; raises RuntimeError (a rank failed) or Hang. Either closes the pool."""
+        """Rank 0's report for `cfg`; raises RuntimeError (a rank failed) or Hang. Either closes the
+        pool."""
         for q in self.jobs:
             q.put(cfg)
         deadline = time.monotonic() + timeout
         report, errors, answered, grace = None, [], 0, 0.0
         while answered < self.world:
             try:
-                rank, rep, err = self.results.get(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
+                rank, rep, err = self.results.get(
+                    timeout=max(0.05, min(1.0, deadline - time.monotonic()))
+                )
             except queue.Empty:
                 if time.monotonic() > deadline or (errors and time.monotonic() > grace):
                     self.close()

@@ -1,13 +1,14 @@
 """`dtp fuzz`: hypothesis drives cases through persistent rank pools and checks the properties.
 
-Properties of every case (for mutated plans, `--mutate`, a run that fails parity or raises on a rank with a
-clean report is a right answer, and a plan marked wrong must not pass):
+Properties of every case (for mutated plans, `--mutate`, a run that fails parity or raises on a rank
+with a clean report is a right answer, and a plan marked wrong must not pass):
 1. a plan that `check` rejects is rejected before launch with a PlanError, never a crash or a hang;
-2. a plan that `check` accepts reaches parity with the unsharded model (logits, loss, gradients, and the
-   parameters after two optimizer steps);
+2. a plan that `check` accepts reaches parity with the unsharded model (logits, loss, gradients, and
+   the parameters after two optimizer steps);
 3. the measured collectives equal the analytic schedule;
 4. each rank holds exactly the parameter bytes the placement table (`explain`) says it does.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -43,7 +44,10 @@ class Outcome:
 def _model_spec(case: Case, scratch: Path) -> str:
     if isinstance(case.model, str):
         return case.model
-    path = scratch / f"model-{hashlib.sha1(json.dumps(case.model, sort_keys=True).encode()).hexdigest()[:10]}.yaml"
+    path = (
+        scratch
+        / f"model-{hashlib.sha1(json.dumps(case.model, sort_keys=True).encode()).hexdigest()[:10]}.yaml"
+    )
     if not path.exists():
         path.write_text(yaml.safe_dump(case.model))
     return str(path)
@@ -67,37 +71,60 @@ def evaluate(case: Case, pools: Pools, timeout: float = 120.0) -> Outcome:
         return Outcome("rejected")  # `dtp apply` refuses it as a usage error
     plan_path = pool.path("plan.tp")
     plan_path.write_text(case.plan)
-    cfg = RunConfig(plan=str(plan_path), model=spec, tp=case.tp, dp=case.dp, batch=case.batch, seq=case.seq,
-                    steps=2, seed=case.seed, dtype=case.dtype, timeout=timeout)
+    cfg = RunConfig(
+        plan=str(plan_path),
+        model=spec,
+        tp=case.tp,
+        dp=case.dp,
+        batch=case.batch,
+        seq=case.seq,
+        steps=2,
+        seed=case.seed,
+        dtype=case.dtype,
+        timeout=timeout,
+    )
     mutated = "mutation" in case.meta  # a deliberate mistake: a clean failure is a right answer
     try:
         report = pool.run(cfg, timeout)
     except Hang as err:
         return Outcome("failed", f"accepted by check, but the run hung: {err}")
     except RuntimeError as err:
-        return Outcome("run_failed" if mutated else "failed", f"accepted by check, but the run failed: {err}")
+        return Outcome(
+            "run_failed" if mutated else "failed", f"accepted by check, but the run failed: {err}"
+        )
     parity = report.parity
     if not parity["ok"]:
         q = parity[parity["worst_quantity"]]
-        return Outcome("parity_failed" if mutated else "failed",
-                       f"parity failed: {parity['worst_tensor']} ({parity['worst_quantity']}) max rel "
-                       f"{q['max_rel']:.3g}, max abs {q['max_abs']:.3g}; {'; '.join(q['problems'][:2])}")
+        return Outcome(
+            "parity_failed" if mutated else "failed",
+            f"parity failed: {parity['worst_tensor']} ({parity['worst_quantity']}) max rel "
+            f"{q['max_rel']:.3g}, max abs {q['max_abs']:.3g}; {'; '.join(q['problems'][:2])}",
+        )
     if case.meta.get("wrong") and case.tp > 1:
-        return Outcome("failed", f"false pass: the mutation '{case.meta['mutation']}' cannot compute what the "
-                                 "unsharded model does, yet parity passed")
+        return Outcome(
+            "failed",
+            f"false pass: the mutation '{case.meta['mutation']}' cannot compute what the "
+            "unsharded model does, yet parity passed",
+        )
     measured, analytic = report.collectives, report.analytic_collectives
     keys = ("by_op", "forward", "backward", "bytes")
     if "not_modeled" in analytic:  # parity still decides; there is no schedule to compare with
         pass
     elif any(measured[k] != analytic[k] for k in keys):
-        return Outcome("failed", f"collectives differ from the analytic schedule: measured {measured['by_op']} "
-                                 f"{measured['bytes']}, analytic {analytic.get('by_op')} {analytic.get('bytes')}")
+        return Outcome(
+            "failed",
+            f"collectives differ from the analytic schedule: measured {measured['by_op']} "
+            f"{measured['bytes']}, analytic {analytic.get('by_op')} {analytic.get('bytes')}",
+        )
     if case.dp == 1:
         elem = torch.empty((), dtype=getattr(torch, case.dtype)).element_size()
         want = param_bytes_per_rank(checked, meta_model, case.tp, 1, elem)
         if report.param_bytes_per_rank != want:
-            return Outcome("failed", f"parameter bytes per rank {report.param_bytes_per_rank} but the placement "
-                                     f"table says {want}")
+            return Outcome(
+                "failed",
+                f"parameter bytes per rank {report.param_bytes_per_rank} but the placement "
+                f"table says {want}",
+            )
     return Outcome("passed")
 
 
@@ -118,22 +145,45 @@ class Summary:
         """`N examples in S s (R/min): … passed, … rejected by check, …, … failed`."""
         c = self.counts
         rate = self.examples / self.seconds * 60 if self.seconds else 0.0
-        clean = "".join(f", {c[k]} {what}" for k, what in (("parity_failed", "failed parity cleanly"),
-                                                           ("run_failed", "failed their run cleanly")) if c[k])
-        return (f"{self.examples} examples in {self.seconds:.1f} s ({rate:.0f}/min): {c['passed']} passed, "
-                f"{c['rejected']} rejected by check{clean}, {c['failed']} failed")
+        clean = "".join(
+            f", {c[k]} {what}"
+            for k, what in (
+                ("parity_failed", "failed parity cleanly"),
+                ("run_failed", "failed their run cleanly"),
+            )
+            if c[k]
+        )
+        return (
+            f"{self.examples} examples in {self.seconds:.1f} s ({rate:.0f}/min): {c['passed']} "
+            "passed, "
+            f"{c['rejected']} rejected by check{clean}, {c['failed']} failed"
+        )
 
 
-def fuzz(strategy, examples: int, seed: int, pools: Pools, shrink: bool = True, progress=None,
-         timeout: float = 120.0) -> Summary:
+def fuzz(
+    strategy,
+    examples: int,
+    seed: int,
+    pools: Pools,
+    shrink: bool = True,
+    progress=None,
+    timeout: float = 120.0,
+) -> Summary:
     """Draw up to `examples` cases; stop at the first failure and shrink it (hypothesis)."""
     summary = Summary()
     shrinking = [False]
     start = time.monotonic()
 
-    @settings(max_examples=examples, database=None, deadline=None, derandomize=False, print_blob=False,
-              phases=[Phase.generate, Phase.shrink] if shrink else [Phase.generate],
-              suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
+    @settings(
+        max_examples=examples,
+        database=None,
+        deadline=None,
+        derandomize=False,
+        print_blob=False,
+        phases=[Phase.generate, Phase.shrink] if shrink else [Phase.generate],
+        suppress_health_check=list(HealthCheck),
+        report_multiple_bugs=False,
+    )
     @hseed(seed)
     @given(strategy)
     def prop(case: Case) -> None:
@@ -156,21 +206,30 @@ def fuzz(strategy, examples: int, seed: int, pools: Pools, shrink: bool = True, 
 
 
 def save(case: Case, message: str, directory: Path) -> Path:
-    """Write a self-contained case file: the plan text, the model, the mesh, the shapes, the seed, the error."""
+    """Write a self-contained case file: the plan text, the model, the mesh, the shapes, the seed,
+    the error."""
     directory.mkdir(parents=True, exist_ok=True)
     data = {**case.to_json(), "error": message, "torch": torch.__version__}
-    name = hashlib.sha1(json.dumps(case.to_json(), sort_keys=True, default=str).encode()).hexdigest()[:12]
+    name = hashlib.sha1(
+        json.dumps(case.to_json(), sort_keys=True, default=str).encode()
+    ).hexdigest()[:12]
     path = directory / f"case-{name}.json"
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
     return path
 
 
 def fuzz_parser(strategy, examples: int, seed: int) -> list[str]:
-    """Feed texts to the parser; anything but a clean PlanError is a failure. Returns failure messages."""
+    """Feed texts to the parser; anything but a clean PlanError is a failure. Returns failure
+    messages."""
     failures: list[str] = []
 
-    @settings(max_examples=examples, database=None, deadline=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @hseed(seed)
     @given(strategy)
     def prop(text: str) -> None:

@@ -1,12 +1,13 @@
-"""Variant sweep: every config variant of `dtp.hf.variant_list` against its shipped `plans/hf/*.tp`, at tp 2
-and 4, the way a third party's checkpoint would meet it. Per variant and tp: `check` refuses it (a clean,
-positioned message: acceptable where the layout cannot serve the config), or the sharded run reaches parity
-with measured == analytic collectives; anything else — a traceback in `check`, a run that crashes or hangs
-after `check` passed, parity failing, counts differing — is a bug. Expensive (one rank launch per batch),
-so it runs outside pytest:
+"""Variant sweep: every config variant of `dtp.hf.variant_list` against its shipped `plans/hf/*.tp`,
+at tp 2 and 4, the way a third party's checkpoint would meet it. Per variant and tp: `check` refuses
+it (a clean, positioned message: acceptable where the layout cannot serve the config), or the
+sharded run reaches parity with measured == analytic collectives; anything else — a traceback in
+`check`, a run that crashes or hangs after `check` passed, parity failing, counts differing — is a
+bug. Expensive (one rank launch per batch), so it runs outside pytest:
 
     python -m dtp.hf.variants [--tp 2 4] [--only SUBSTRING] [-o bench/results/hf_variants.md]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,8 @@ BATCH = 8  # variants per rank launch: the fork and rendezvous cost is shared
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one variant did at one tp: `kind` is ok, refused, or a bug kind (check-crash, run-crash, parity,
-    counts, build); `detail` the message or the numbers."""
+    """What one variant did at one tp: `kind` is ok, refused, or a bug kind (check-crash, run-crash,
+    parity, counts, build); `detail` the message or the numbers."""
 
     variant: str
     tp: int
@@ -48,8 +49,11 @@ class Outcome:
         return self.kind not in ("ok", "refused", "build")
 
 
-def verify_variants_on_rank(rank: int, world: int, items: list[tuple[str, str, dict]]) -> list[dict]:
-    """For `dtp.runtime.ranks.on_ranks`: verify each (name, family, overrides) on one tp mesh, in turn."""
+def verify_variants_on_rank(
+    rank: int, world: int, items: list[tuple[str, str, dict]]
+) -> list[dict]:
+    """For `dtp.runtime.ranks.on_ranks`: verify each (name, family, overrides) on one tp mesh, in
+    turn."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out = []
     for name, family, overrides in items:
@@ -66,7 +70,8 @@ def _plan(variant: Variant):
 
 
 def _landed(config, key: str, want) -> bool:
-    """Whether override `key` = `want` shows in the built config (rotary fractions move into rope_parameters)."""
+    """Whether override `key` = `want` shows in the built config (rotary fractions move into
+    rope_parameters)."""
     if key == "attn_implementation":
         return config._attn_implementation == want
     if key == "dtype":
@@ -77,7 +82,8 @@ def _landed(config, key: str, want) -> bool:
 
 
 def precheck(variant: Variant, tp: int) -> Outcome | None:
-    """The outcome decided before any rank starts (a build failure, `check` refusing or crashing), or None."""
+    """The outcome decided before any rank starts (a build failure, `check` refusing or crashing),
+    or None."""
     try:
         model = hf.build(variant.family, **variant.overrides)
     except Exception as err:  # noqa: BLE001 - transformers rejects the config itself: not dtp's business
@@ -113,13 +119,16 @@ def judge(variant: str, tp: int, r: dict) -> Outcome:
     if not r["ok"]:
         return Outcome(variant, tp, "parity", f"worst {r['worst']}: {errs}; {r['problems'][:2]}")
     if r["measured"] != r["analytic"]:
-        return Outcome(variant, tp, "counts", f"measured {r['measured']} != analytic {r['analytic']}")
+        return Outcome(
+            variant, tp, "counts", f"measured {r['measured']} != analytic {r['analytic']}"
+        )
     counts = {ph: dict(sorted(r["measured"][ph].items())) for ph in ("forward", "backward")}
     return Outcome(variant, tp, "ok", f"{errs}; {counts}")
 
 
 def run_batch(batch: list[Variant], tp: int, timeout: float) -> list[Outcome]:
-    """Run `batch` on tp ranks; a launch that fails as a whole (crash, hang) is retried one variant at a time."""
+    """Run `batch` on tp ranks; a launch that fails as a whole (crash, hang) is retried one variant
+    at a time."""
     items = [(v.name, v.family, v.overrides) for v in batch]
     try:
         results = on_ranks(verify_variants_on_rank, tp, items, timeout=timeout * len(batch))
@@ -134,7 +143,9 @@ def run_batch(batch: list[Variant], tp: int, timeout: float) -> list[Outcome]:
     return out
 
 
-def sweep(variants: list[Variant], tps: list[int], timeout: float = 120, log=print) -> list[Outcome]:
+def sweep(
+    variants: list[Variant], tps: list[int], timeout: float = 120, log=print
+) -> list[Outcome]:
     """Every variant at every tp: prechecked here, the rest run in batches per family."""
     outcomes: list[Outcome] = []
     for tp in tps:
@@ -148,15 +159,22 @@ def sweep(variants: list[Variant], tps: list[int], timeout: float = 120, log=pri
                 log(f"tp={tp} {v.name}: {pre.kind}")
         for start in range(0, len(pending), BATCH):
             t0 = time.perf_counter()
-            for o in run_batch(pending[start:start + BATCH], tp, timeout):
+            for o in run_batch(pending[start : start + BATCH], tp, timeout):
                 outcomes.append(o)
-                log(f"tp={tp} {o.variant}: {o.kind}" + ("" if o.kind == "ok" else f" — {o.detail[:300]}"))
-            log(f"  (batch of {len(pending[start:start + BATCH])} in {time.perf_counter() - t0:.0f} s)")
+                log(
+                    f"tp={tp} {o.variant}: {o.kind}"
+                    + ("" if o.kind == "ok" else f" — {o.detail[:300]}")
+                )
+            log(
+                f"  (batch of {len(pending[start : start + BATCH])} in "
+                f"{time.perf_counter() - t0:.0f} s)"
+            )
     return outcomes
 
 
 def _relative(text: str) -> str:
-    """Plan paths in messages as the repository names them (plans/hf/…), not this checkout's absolute path."""
+    """Plan paths in messages as the repository names them (plans/hf/…), not this checkout's
+    absolute path."""
     return re.sub(r"\S*/(plans/hf/)", r"\1", text)
 
 
@@ -164,7 +182,10 @@ def table(outcomes: list[Outcome], variants: list[Variant]) -> str:
     """A markdown table: one row per variant, one column per tp."""
     tps = sorted({o.tp for o in outcomes})
     by = {(o.variant, o.tp): o for o in outcomes}
-    lines = ["| variant | like | " + " | ".join(f"tp {t}" for t in tps) + " |", "|---|---|" + "---|" * len(tps)]
+    lines = [
+        "| variant | like | " + " | ".join(f"tp {t}" for t in tps) + " |",
+        "|---|---|" + "---|" * len(tps),
+    ]
     for v in variants:
         cells = []
         for t in tps:
@@ -172,17 +193,29 @@ def table(outcomes: list[Outcome], variants: list[Variant]) -> str:
             if o is None:
                 cells.append("")
             elif o.kind == "ok":
-                cells.append("ok " + o.detail.split("; ", 1)[1].replace("'", "").replace("all_reduce", "AR")
-                             .replace("all_gather", "AG").replace("forward", "f").replace("backward", "b"))
+                cells.append(
+                    "ok "
+                    + o.detail.split("; ", 1)[1]
+                    .replace("'", "")
+                    .replace("all_reduce", "AR")
+                    .replace("all_gather", "AG")
+                    .replace("forward", "f")
+                    .replace("backward", "b")
+                )
             else:
-                cells.append(f"**{o.kind}**: " + _relative(o.detail).replace("|", "/").replace("\n", " ")[:200])
+                cells.append(
+                    f"**{o.kind}**: "
+                    + _relative(o.detail).replace("|", "/").replace("\n", " ")[:200]
+                )
         lines.append(f"| `{v.name}` | {v.like} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the sweep, print progress and the table; exit 1 if any variant found a bug."""
-    ap = argparse.ArgumentParser(prog="python -m dtp.hf.variants", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m dtp.hf.variants", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--tp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--only", default="", help="run variants whose name contains this")
     ap.add_argument("--timeout", type=float, default=120, help="seconds per variant")
@@ -193,8 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     outcomes = sweep(variants, args.tp, args.timeout, log=lambda s: print(s, flush=True))
     text = table(outcomes, variants)
     bugs = [o for o in outcomes if o.bug]
-    summary = (f"{len(variants)} variants × tp {args.tp}: {sum(o.kind == 'ok' for o in outcomes)} ok, "
-               f"{sum(o.kind == 'refused' for o in outcomes)} refused by check, {len(bugs)} bugs\n")
+    summary = (
+        f"{len(variants)} variants × tp {args.tp}: {sum(o.kind == 'ok' for o in outcomes)} ok, "
+        f"{sum(o.kind == 'refused' for o in outcomes)} refused by check, {len(bugs)} bugs\n"
+    )
     print(text + summary)
     if args.output:
         args.output.write_text(text + "\n" + summary)

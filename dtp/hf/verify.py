@@ -1,8 +1,9 @@
 """Parity of a shipped `plans/hf/*.tp` plan on a tiny Hugging Face model, in this process's rank (no
-CommDebugMode): one forward + backward of the sharded model next to an unsharded copy, every gradient
-gathered and compared, and the collectives counted by dtp.runtime.comm's dispatch counter, set against the analytic
-schedule; several families can run in one rank launch.
+CommDebugMode): one forward + backward of the sharded model next to an unsharded copy, every
+gradient gathered and compared, and the collectives counted by dtp.runtime.comm's dispatch counter,
+set against the analytic schedule; several families can run in one rank launch.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -24,27 +25,48 @@ from dtp.verify.parity import ParityCheck
 from dtp.verify.reference import copy_in, forward_as, full_value
 
 
-def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq: int = 8, seed: int = 0,
-           overrides: dict | None = None) -> dict:
-    """{family, ok, logits, loss, grads, worst, measured, analytic} for one family (its tiny config with
-    `overrides` on top) on `mesh` (every rank)."""
+def verify(
+    family: str,
+    mesh,
+    plan_path: Path | None = None,
+    batch: int = 2,
+    seq: int = 8,
+    seed: int = 0,
+    overrides: dict | None = None,
+) -> dict:
+    """{family, ok, logits, loss, grads, worst, measured, analytic} for one family (its tiny config
+    with `overrides` on top) on `mesh` (every rank)."""
     rank = mesh.get_local_rank()
     torch.manual_seed(seed)
-    reference = hf.build(family, **(overrides or {})).train()  # unsharded, float32: the error sharding may add is measured against its own
-    truth = copy_in(reference, torch.float64)  # the parity rule's ground truth (dtp/verify/parity.py)
+    # unsharded, float32: the error sharding may add is measured against its own
+    reference = hf.build(family, **(overrides or {})).train()
+    # the parity rule's ground truth (dtp/verify/parity.py)
+    truth = copy_in(reference, torch.float64)
     plan = load_plan(str(plan_path or PLANS / f"{hf.FAMILIES[family][0]}.tp"))
-    # The sharded model comes from the build path `dtp apply` uses: meta → shard → blocks scattered from rank 0.
+
+    # The sharded model comes from the build path `dtp apply` uses: meta → shard → blocks scattered
+    # from rank 0.
     def source() -> torch.nn.Module:
         return hf.build(family, **(overrides or {}))
 
     with torch.device("meta"):
         meta = source()
     checked = checked_for(plan, meta, mesh.size())
-    applied = build_sharded(checked, source, mesh, seed=seed, device=torch.device("cpu"), dtype=None,
-                            full=reference if rank == 0 else None, from_rank0=True)
+    applied = build_sharded(
+        checked,
+        source,
+        mesh,
+        seed=seed,
+        device=torch.device("cpu"),
+        dtype=None,
+        full=reference if rank == 0 else None,
+        from_rank0=True,
+    )
     model = applied.model.train()
     vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(seed + 1))
+    ids = torch.randint(
+        0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(seed + 1)
+    )
     inputs, targets = ids[:, :-1], ids[:, 1:]
     fwd, bwd = CommCounter(), CommCounter()
     with fwd:
@@ -67,15 +89,38 @@ def verify(family: str, mesh, plan_path: Path | None = None, batch: int = 2, seq
         got = applied.full(name, p.grad) if p.grad is not None else None
         parity.compare("grads", f"{name}.grad", got, true_params[name].grad, ref_params[name].grad)
     tp = mesh.size()
-    analytic = summarize(schedule(applied.checked, tp, batch, seq, dtype=dtype, lowered=applied.compiled.lowered,
-                                  plain=applied.plain), tp)
-    measured = {"forward": fwd.get_comm_counts(), "backward": bwd.get_comm_counts(),
-                "bytes": dict(Counter(fwd.comm_bytes) + Counter(bwd.comm_bytes))}
+    analytic = summarize(
+        schedule(
+            applied.checked,
+            tp,
+            batch,
+            seq,
+            dtype=dtype,
+            lowered=applied.compiled.lowered,
+            plain=applied.plain,
+        ),
+        tp,
+    )
+    measured = {
+        "forward": fwd.get_comm_counts(),
+        "backward": bwd.get_comm_counts(),
+        "bytes": dict(Counter(fwd.comm_bytes) + Counter(bwd.comm_bytes)),
+    }
     report = parity.to_json()
-    return {"family": family, "rank": rank, "ok": report["ok"], "worst": report["worst_tensor"],
-            "errors": {q: report[q]["max_rel"] for q in ("logits", "loss", "grads")},
-            "problems": [p for q in ("logits", "loss", "grads") for p in report[q]["problems"]],
-            "measured": measured, "analytic": {"forward": analytic["forward"], "backward": analytic["backward"], "bytes": analytic["bytes"]}}
+    return {
+        "family": family,
+        "rank": rank,
+        "ok": report["ok"],
+        "worst": report["worst_tensor"],
+        "errors": {q: report[q]["max_rel"] for q in ("logits", "loss", "grads")},
+        "problems": [p for q in ("logits", "loss", "grads") for p in report[q]["problems"]],
+        "measured": measured,
+        "analytic": {
+            "forward": analytic["forward"],
+            "backward": analytic["backward"],
+            "bytes": analytic["bytes"],
+        },
+    }
 
 
 def verify_on_rank(rank: int, world: int, families: list) -> list[dict]:
@@ -87,5 +132,12 @@ def verify_on_rank(rank: int, world: int, families: list) -> list[dict]:
         try:
             out.append(verify(family, mesh, plan))
         except Exception as err:  # noqa: BLE001 - one family's failure is reported with the others
-            out.append({"family": family, "rank": rank, "ok": False, "error": f"{type(err).__name__}: {err}"})
+            out.append(
+                {
+                    "family": family,
+                    "rank": rank,
+                    "ok": False,
+                    "error": f"{type(err).__name__}: {err}",
+                }
+            )
     return out

@@ -1,11 +1,13 @@
 """`when config.ATTR { ... } else { ... }`: which branch a model's config selects.
 
-A condition reads attributes of the model's config object (`config`, `model_args` or `args`, as the head
-counts do): `when config.multi_query` (truthiness) or `when config.num_key_value_heads < tp` (== != < <= > >=
-between integers, booleans, `config.ATTR` and `tp`, the size of the tp mesh dimension). Only integers, booleans and None can be read: a plan is
-data, so a condition never calls anything, and an attribute the config lacks is an error with its position
-(and the nearest name), never a silent else.
+A condition reads attributes of the model's config object (`config`, `model_args` or `args`, as the
+head counts do): `when config.multi_query` (truthiness) or `when config.num_key_value_heads < tp`
+(== != < <= > >= between integers, booleans, `config.ATTR` and `tp`, the size of the tp mesh
+dimension). Only integers, booleans and None can be read: a plan is data, so a condition never calls
+anything, and an attribute the config lacks is an error with its position (and the nearest name),
+never a silent else.
 """
+
 from __future__ import annotations
 
 import operator
@@ -18,7 +20,12 @@ if TYPE_CHECKING:
     import torch.nn as nn
 
 _OPS: dict[str, Callable[[object, object], bool]] = {
-    "==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
+    "==": operator.eq,
+    "!=": operator.ne,
+    "<": operator.lt,
+    "<=": operator.le,
+    ">": operator.gt,
+    ">=": operator.ge,
 }
 
 
@@ -30,7 +37,8 @@ class ConditionError(ValueError):
         self.diagnostic = diagnostic
 
 
-CONFIG_ATTRS = ("config", "model_args", "args")  # where models keep their config (HF, Meta's Llama, nanoGPT-likes)
+# where models keep their config (HF, Meta's Llama, nanoGPT-likes)
+CONFIG_ATTRS = ("config", "model_args", "args")
 
 
 def model_config(model: nn.Module) -> object | None:
@@ -54,45 +62,77 @@ def _read(operand: ir.Operand, config: object | None, tp: int | None = None) -> 
         return operand.value
     if isinstance(operand, ir.Var):  # `tp`
         if tp is None:
-            raise ConditionError(Diagnostic(operand.pos, "this condition reads `tp`: give the tp the plan runs at "
-                                            "(--tp N)", 2))
+            raise ConditionError(
+                Diagnostic(
+                    operand.pos,
+                    "this condition reads `tp`: give the tp the plan runs at (--tp N)",
+                    2,
+                )
+            )
         return tp
     where = len(str(operand))
     if config is None:
-        raise ConditionError(Diagnostic(operand.pos, f"`{operand}`: this model has no config object to read "
-                                        "(a `when` condition reads `model.config`)", where))
+        raise ConditionError(
+            Diagnostic(
+                operand.pos,
+                f"`{operand}`: this model has no config object to read "
+                "(a `when` condition reads `model.config`)",
+                where,
+            )
+        )
     # vars(), not getattr: a property or a method on the config would run code a plan names
     names = _public_names(config)
     # Hugging Face configs alias standard names (GPT-2's num_attention_heads is n_head)
     aliases = getattr(type(config), "attribute_map", None)
     name = aliases.get(operand.name, operand.name) if isinstance(aliases, dict) else operand.name
-    found = config.get(name, KeyError) if isinstance(config, dict) else \
-        getattr(config, "__dict__", {}).get(name, KeyError)
+    found = (
+        config.get(name, KeyError)
+        if isinstance(config, dict)
+        else getattr(config, "__dict__", {}).get(name, KeyError)
+    )
     if found is KeyError or operand.name.startswith("_"):
         hint = did_you_mean(operand.name, names, cutoff=0.6, prefix="config.")
-        raise ConditionError(Diagnostic(operand.pos, f"the model's config has no attribute '{operand.name}'{hint}",
-                                        where))
+        raise ConditionError(
+            Diagnostic(
+                operand.pos, f"the model's config has no attribute '{operand.name}'{hint}", where
+            )
+        )
     if found is not None and not isinstance(found, (bool, int)):
         shown = repr(found) if len(repr(found)) <= 40 else repr(found)[:37] + "..."
-        raise ConditionError(Diagnostic(operand.pos, f"`{operand}` is {shown} ({type(found).__name__}); a condition "
-                                        "compares integers and booleans", where))
+        raise ConditionError(
+            Diagnostic(
+                operand.pos,
+                f"`{operand}` is {shown} ({type(found).__name__}); a condition "
+                "compares integers and booleans",
+                where,
+            )
+        )
     return found
 
 
 def holds(cond: ir.Condition, config: object | None, tp: int | None = None) -> bool:
-    """Whether `cond` holds for `config` at `tp`; ConditionError (with a position) when it cannot be read."""
+    """Whether `cond` holds for `config` at `tp`; ConditionError (with a position) when it cannot be
+    read."""
     left = _read(cond.left, config, tp)
     if cond.op is None:
         return bool(left)
     right = _read(cond.right, config, tp)  # type: ignore[arg-type]
-    if cond.op not in ("==", "!=") and (left is None or right is None or isinstance(left, bool)
-                                         or isinstance(right, bool)):
-        raise ConditionError(Diagnostic(cond.pos, f"`{cond}` orders {left!r} and {right!r}; < <= > >= compare "
-                                        "integers", len(str(cond))))
+    if cond.op not in ("==", "!=") and (
+        left is None or right is None or isinstance(left, bool) or isinstance(right, bool)
+    ):
+        raise ConditionError(
+            Diagnostic(
+                cond.pos,
+                f"`{cond}` orders {left!r} and {right!r}; < <= > >= compare integers",
+                len(str(cond)),
+            )
+        )
     return _OPS[cond.op](left, right)
 
 
-def chooser(model: nn.Module, diags: list[Diagnostic], tp: int | None = None) -> Callable[[ir.When], bool | None]:
+def chooser(
+    model: nn.Module, diags: list[Diagnostic], tp: int | None = None
+) -> Callable[[ir.When], bool | None]:
     """A branch picker for `ir.flatten`: errors go to `diags` (once each) and take neither branch."""
     config = model_config(model)
     seen: set = set()
@@ -111,12 +151,16 @@ def chooser(model: nn.Module, diags: list[Diagnostic], tp: int | None = None) ->
 
 
 def config_int(model: nn.Module, var: ir.Var) -> int:
-    """The value of `config.ATTR` in a set expression: an integer of the model's config (not a boolean)."""
-    ref = ir.ConfigRef(var.name[len("config."):], var.pos)
+    """The value of `config.ATTR` in a set expression: an integer of the model's config (not a
+    boolean)."""
+    ref = ir.ConfigRef(var.name[len("config.") :], var.pos)
     value = _read(ref, model_config(model))
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConditionError(Diagnostic(var.pos, f"`{ref}` is {value!r}; a set expression needs an integer",
-                                        len(var.name)))
+        raise ConditionError(
+            Diagnostic(
+                var.pos, f"`{ref}` is {value!r}; a set expression needs an integer", len(var.name)
+            )
+        )
     return value
 
 
@@ -132,7 +176,11 @@ def _whens(body: tuple) -> list[ir.When]:
 
 def reads_tp(plan: ir.Plan) -> bool:
     """Whether some `when` condition of `plan` reads `tp` (its branches depend on the mesh)."""
-    return any(isinstance(op, ir.Var) for w in _whens(plan.body) for op in (w.condition.left, w.condition.right))
+    return any(
+        isinstance(op, ir.Var)
+        for w in _whens(plan.body)
+        for op in (w.condition.left, w.condition.right)
+    )
 
 
 def branches(plan: ir.Plan, config: object | None, tp: int) -> tuple:

@@ -1,4 +1,5 @@
 """`set` arithmetic: the integer value of a set expression (`num_heads / tp`), exact or an error."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -8,7 +9,8 @@ from dtp.lang import ir
 
 
 class ExprError(Exception):
-    """A set expression that has no integer value (division by zero, an inexact division, an unknown name)."""
+    """A set expression that has no integer value (division by zero, an inexact division, an unknown
+    name)."""
 
     def __init__(self, pos: Pos, message: str, length: int = 1):
         super().__init__(message)

@@ -1,4 +1,5 @@
 """Plan IR → canonical .tp text (`dtp fmt`): four-space blocks, one blank line kept, comments kept."""
+
 from __future__ import annotations
 
 from dtp.errors import Pos
@@ -51,7 +52,9 @@ class _Writer:
 
     def __init__(self, plan: ir.Plan, source: str | None):
         self.lines: list[str] = []
-        self.standalone = sorted((c for c in plan.comments if not c.trailing), key=lambda c: c.pos.line)
+        self.standalone = sorted(
+            (c for c in plan.comments if not c.trailing), key=lambda c: c.pos.line
+        )
         self.trailing = {c.pos.line: c.text for c in plan.comments if c.trailing}
         src = source.split("\n") if source is not None else []
         self.blank = {n for n, line in enumerate(src, 1) if not line.strip()}
@@ -61,12 +64,16 @@ class _Writer:
         return any(self.last_line < n < upto for n in self.blank)
 
     def comments_before(self, line: int, indent: str, blank: bool = False) -> bool:
-        """Standalone comments above source `line`, with a blank line where the source had one (or where
-        `blank` asks for one before the first); returns whether that blank is still owed."""
+        """Standalone comments above source `line`, with a blank line where the source had one (or
+        where `blank` asks for one before the first); returns whether that blank is still owed."""
         while self.standalone and (line <= 0 or self.standalone[0].pos.line < line):
             comment = self.standalone.pop(0)
-            if (blank or self._gap_has_blank(comment.pos.line)) and self.lines and self.lines[-1] \
-                    and not self.lines[-1].endswith("{"):
+            if (
+                (blank or self._gap_has_blank(comment.pos.line))
+                and self.lines
+                and self.lines[-1]
+                and not self.lines[-1].endswith("{")
+            ):
                 self.lines.append("")
             blank = False
             self.lines.append(indent + comment.text)
@@ -76,7 +83,9 @@ class _Writer:
     def emit(self, text: str, pos: Pos, indent: str, blank_before: bool = False) -> None:
         """A line of code for the statement that started at `pos`."""
         if pos.line > 0:
-            blank_before = self.comments_before(pos.line, indent, blank_before) or self._gap_has_blank(pos.line)
+            blank_before = self.comments_before(
+                pos.line, indent, blank_before
+            ) or self._gap_has_blank(pos.line)
         if blank_before and self.lines and self.lines[-1] and not self.lines[-1].endswith("{"):
             self.lines.append("")
         comment = self.trailing.pop(pos.line, None) if pos.line > 0 else None

@@ -3,6 +3,7 @@
 Positions are excluded from equality so that a plan formatted and parsed again compares equal to the
 original (the round-trip property the tests check).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ def _pos() -> Pos:
 
 
 # ---- patterns ---------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class IndexRange:
@@ -48,6 +50,7 @@ class Pattern:
 
 # ---- styles -------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Layout:
     """A DTensor placement named in a plan: replicate, shard(dim) or partial."""
@@ -61,7 +64,8 @@ class Layout:
 
 @dataclass(frozen=True)
 class PartList:
-    """`[q, replicate(kv), 32]`: the packed parts of a sharded dimension, in order (see dtp/layout/parts.py)."""
+    """`[q, replicate(kv), 32]`: the packed parts of a sharded dimension, in order (see
+    dtp/layout/parts.py)."""
 
     items: tuple[Union[int, str], ...]
 
@@ -100,6 +104,7 @@ class Style:
 
 # ---- expressions (set statements) ----------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Num:
     """An integer literal."""
@@ -133,6 +138,7 @@ Expr = Union[Num, Var, BinOp]
 
 
 # ---- statements -------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -203,7 +209,8 @@ class Condition:
 
 @dataclass(frozen=True)
 class When:
-    """`when CONDITION { ... } else { ... }`: the branch the model's config selects (see dtp/lang/conditions.py)."""
+    """`when CONDITION { ... } else { ... }`: the branch the model's config selects (see
+    dtp/lang/conditions.py)."""
 
     condition: Condition
     body: tuple[Statement, ...]
@@ -236,7 +243,8 @@ class Plan:
     mesh: tuple[str, ...] = ("tp",)
     file: str = field(default="<plan>", compare=False)
     comments: tuple[Comment, ...] = field(default=(), compare=False, repr=False)
-    source: str | None = field(default=None, compare=False, repr=False)  # the text, for error excerpts
+    # the text, for error excerpts
+    source: str | None = field(default=None, compare=False, repr=False)
     # Where the header statements were, for error messages.
     version_pos: Pos = _pos()
     mesh_pos: Pos = _pos()
@@ -262,12 +270,14 @@ class FlatSet:
     pos: Pos
 
 
-def flatten(plan: Plan, choose: Callable[[When], bool | None] | None = None
-            ) -> tuple[list[FlatRule], list[FlatSet], list[Pattern]]:
+def flatten(
+    plan: Plan, choose: Callable[[When], bool | None] | None = None
+) -> tuple[list[FlatRule], list[FlatSet], list[Pattern]]:
     """Rules and sets with absolute patterns, plus every block prefix (each must match something).
 
     `choose` picks the branch of each `when` (True: its body, False: its else, None: neither, for a
-    condition that could not be evaluated); without it both branches count (checks that need no model)."""
+    condition that could not be evaluated); without it both branches count (checks that need no
+    model)."""
     rules: list[FlatRule] = []
     sets: list[FlatSet] = []
     blocks: list[Pattern] = []
@@ -277,7 +287,9 @@ def flatten(plan: Plan, choose: Callable[[When], bool | None] | None = None
             if isinstance(stmt, When):
                 taken = (True, False) if choose is None else (choose(stmt),)
                 for branch in taken:
-                    inner = stmt.body if branch is True else stmt.orelse if branch is False else None
+                    inner = (
+                        stmt.body if branch is True else stmt.orelse if branch is False else None
+                    )
                     walk(inner or (), prefix)
                 continue
             pattern = stmt.pattern if prefix is None else prefix.joined(stmt.pattern)

@@ -1,11 +1,12 @@
 """Which modules are attention, how many heads they hold, and what a fused projection really packs.
 
-Decided by structure, not by a module's path: a module is attention-like when its class says so, when it
-keeps head counts or a head size as integer attributes, or when it owns q/k/v (or fused qkv) projections.
-Head counts come from the model's config where it has one (`config_heads`), else from the attention module's
-own attributes. A fused projection's parts are read from its weight's shape: `config.multi_query` or a key/value
-head count in the config are only cross-checked against it.
+Decided by structure, not by a module's path: a module is attention-like when its class says so,
+when it keeps head counts or a head size as integer attributes, or when it owns q/k/v (or fused qkv)
+projections. Head counts come from the model's config where it has one (`config_heads`), else from
+the attention module's own attributes. A fused projection's parts are read from its weight's shape:
+`config.multi_query` or a key/value head count in the config are only cross-checked against it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,13 +17,35 @@ from dtp.lang.conditions import CONFIG_ATTRS
 from dtp.layout.modules import features
 from dtp.layout.trace import model_trace
 
-# Names of query/key/value projections across common codebases (Hugging Face, nanoGPT, Meta's Llama, MPT).
-PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "q_attn", "query_key_value", "wq", "wk",
-                         "wv", "wqkv", "Wqkv", "query", "key", "value", "qkv", "kv_proj", "in_proj"})
+# Names of query/key/value projections across common codebases (Hugging Face, nanoGPT, Meta's Llama,
+# MPT).
+PROJECTIONS = frozenset(
+    {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "qkv_proj",
+        "c_attn",
+        "q_attn",
+        "query_key_value",
+        "wq",
+        "wk",
+        "wv",
+        "wqkv",
+        "Wqkv",
+        "query",
+        "key",
+        "value",
+        "qkv",
+        "kv_proj",
+        "in_proj",
+    }
+)
 _COUNT_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads")
 _KV_ATTRS = ("num_key_value_heads", "n_kv_head", "n_kv_heads", "num_kv_heads")
 _SIZE_ATTRS = ("head_dim", "head_size")
-_CONFIG_HEAD_KEYS = ("n_head", "num_attention_heads", "n_heads", "num_heads")  # a config's names, in this order
+# a config's names, in this order
+_CONFIG_HEAD_KEYS = ("n_head", "num_attention_heads", "n_heads", "num_heads")
 _HIDDEN_KEYS = ("n_embd", "hidden_size", "dim", "d_model")
 
 
@@ -35,12 +58,16 @@ def _int_attr(obj: object, names: tuple[str, ...]) -> tuple[str, int] | None:
 
 
 def attention_like(module: nn.Module) -> bool:
-    """Whether `module` is an attention layer, judged by its class, its attributes and its projections."""
+    """Whether `module` is an attention layer, judged by its class, its attributes and its
+    projections."""
     if "attention" in type(module).__name__.lower():
         return True
     if _int_attr(module, _COUNT_ATTRS + _KV_ATTRS + _SIZE_ATTRS):
         return True
-    return any(name in PROJECTIONS and isinstance(child, nn.Linear) for name, child in module.named_children())
+    return any(
+        name in PROJECTIONS and isinstance(child, nn.Linear)
+        for name, child in module.named_children()
+    )
 
 
 @dataclass(frozen=True)
@@ -55,7 +82,8 @@ class Heads:
 
 
 def heads(model: nn.Module, path: str, module: nn.Module) -> Heads | None:
-    """The heads of attention module `path`: the model's config first, the module's own attributes second."""
+    """The heads of attention module `path`: the model's config first, the module's own attributes
+    second."""
     cfg = config_heads(model)
     size = _int_attr(module, _SIZE_ATTRS)
     if cfg is not None:
@@ -68,8 +96,8 @@ def heads(model: nn.Module, path: str, module: nn.Module) -> Heads | None:
 
 
 def module_heads(path: str, module: nn.Module) -> Heads | None:
-    """The heads of attention module `path` from its own attributes alone (a head count, a key/value count, a
-    head size or the projections' width)."""
+    """The heads of attention module `path` from its own attributes alone (a head count, a key/value
+    count, a head size or the projections' width)."""
     name = path.rsplit(".", 1)[-1] or "attention"
     size = _int_attr(module, _SIZE_ATTRS)
     count = _int_attr(module, _COUNT_ATTRS)
@@ -77,17 +105,27 @@ def module_heads(path: str, module: nn.Module) -> Heads | None:
         return None
     kv = _int_attr(module, _KV_ATTRS)
     if size is None:
-        width = next((c.in_features for n, c in module.named_children() if n in PROJECTIONS  # the hidden size
-                      and isinstance(c, nn.Linear)), None)
+        # the hidden size
+        width = next(
+            (
+                c.in_features
+                for n, c in module.named_children()
+                if n in PROJECTIONS and isinstance(c, nn.Linear)
+            ),
+            None,
+        )
         if width is None or width % count[1]:
             return None
         size = ("", width // count[1])
     source = f"{name}.{count[0]}"
-    return Heads(count[1], kv[1] if kv else count[1], size[1], source, f"{name}.{kv[0]}" if kv else source)
+    return Heads(
+        count[1], kv[1] if kv else count[1], size[1], source, f"{name}.{kv[0]}" if kv else source
+    )
 
 
 def fused_parts(attention: nn.Module, linear: nn.Linear, info: Heads) -> tuple[int, ...] | None:
-    """The widths packed in a fused q/k/v projection, from its weight's shape; None when it is not one."""
+    """The widths packed in a fused q/k/v projection, from its weight's shape; None when it is not
+    one."""
     names = {n for n, _ in attention.named_children()}
     if {"q_proj", "k_proj"} <= names or {"wq", "wk"} <= names or {"query", "key"} <= names:
         return None  # separate projections
@@ -113,41 +151,69 @@ def _read(config: object, key: str) -> object:
 
 def config_heads(model: nn.Module) -> Heads | None:
     """Head counts from the model's config object (`config`, `model_args` or `args`), if it has one."""
-    for attr in CONFIG_ATTRS:  # the first config that gives a head count (a model may hold several objects)
+    # the first config that gives a head count (a model may hold several objects)
+    for attr in CONFIG_ATTRS:
         config = getattr(model, attr, None)
         if config is None:
             continue
-        n_head = next(((k, _read(config, k)) for k in _CONFIG_HEAD_KEYS if isinstance(_read(config, k), int)), None)
+        n_head = next(
+            ((k, _read(config, k)) for k in _CONFIG_HEAD_KEYS if isinstance(_read(config, k), int)),
+            None,
+        )
         if n_head is None:
             continue
-        kv = next(((k, _read(config, k)) for k in _KV_ATTRS if isinstance(_read(config, k), int)), None)
+        kv = next(
+            ((k, _read(config, k)) for k in _KV_ATTRS if isinstance(_read(config, k), int)), None
+        )
         head_dim = _read(config, "head_dim")
         if not isinstance(head_dim, int):
-            hidden = next((_read(config, k) for k in _HIDDEN_KEYS if isinstance(_read(config, k), int)), None)
+            hidden = next(
+                (_read(config, k) for k in _HIDDEN_KEYS if isinstance(_read(config, k), int)), None
+            )
             if hidden is None:
                 continue
             head_dim = hidden // n_head[1]
         source = f"{attr}.{n_head[0]}"
-        if kv is None and getattr(config, "multi_query", None) is not True:  # no key/value count under a name we
+        # no key/value count under a name we
+        if kv is None and getattr(config, "multi_query", None) is not True:
             # know: the forward's views say (gpt-fast's n_local_heads)
             traced = _traced_kv(model, config, attr, n_head[1], head_dim)
             if traced is not None:
                 return Heads(n_head[1], traced[0], head_dim, source, traced[1])
-        return Heads(n_head[1], kv[1] if kv else n_head[1], head_dim, source, f"{attr}.{kv[0]}" if kv else source)
+        return Heads(
+            n_head[1],
+            kv[1] if kv else n_head[1],
+            head_dim,
+            source,
+            f"{attr}.{kv[0]}" if kv else source,
+        )
     return None
 
 
-def _traced_kv(model: nn.Module, config: object, attr: str, n_head: int, head_dim: int) -> tuple[int, str] | None:
-    """The key/value head count the forward views its projections with, when it is not the query count: one count
-    of heads of `head_dim` that divides `n_head` (e.g. 2 of 4), named after the config attribute that holds it."""
+def _traced_kv(
+    model: nn.Module, config: object, attr: str, n_head: int, head_dim: int
+) -> tuple[int, str] | None:
+    """The key/value head count the forward views its projections with, when it is not the query
+    count: one count of heads of `head_dim` that divides `n_head` (e.g. 2 of 4), named after the
+    config attribute that holds it."""
     tr = model_trace(model)
     if tr is None or not tr.ok:
         return None
-    counts = {v.heads for views in tr.views.values() for v in views
-              if v.head_dim == head_dim and v.heads != n_head and v.heads and n_head % v.heads == 0}
+    counts = {
+        v.heads
+        for views in tr.views.values()
+        for v in views
+        if v.head_dim == head_dim and v.heads != n_head and v.heads and n_head % v.heads == 0
+    }
     if len(counts) != 1:
         return None
     kv = counts.pop()
-    names = sorted(k for k in dir(config) if not k.startswith("_") and "head" in k.lower()
-                   and _read(config, k) == kv and not callable(_read(config, k)))
+    names = sorted(
+        k
+        for k in dir(config)
+        if not k.startswith("_")
+        and "head" in k.lower()
+        and _read(config, k) == kv
+        and not callable(_read(config, k))
+    )
     return kv, f"{attr}.{names[0]}" if names else "the forward's views of the key/value projections"

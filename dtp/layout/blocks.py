@@ -1,13 +1,17 @@
 """A model's repeated blocks, by structure: however the code holds them.
 
-- the children of an `nn.ModuleList` or `nn.Sequential` (nanoGPT's `transformer.h`, Hugging Face's `layers`);
-- the children of an `nn.ModuleDict` keyed by layer numbers, or holding two or more modules of one class
-  (torchtitan's `self.layers[str(layer_id)]`, so that pipeline stages can delete some and keep the names);
-- sibling attributes of one class (`self.block1`, `self.block2`) whose class holds no blocks itself (an
-  encoder and a decoder of one class are stacks of blocks, not blocks).
+- the children of an `nn.ModuleList` or `nn.Sequential` (nanoGPT's `transformer.h`, Hugging Face's
+  `layers`);
+- the children of an `nn.ModuleDict` keyed by layer numbers, or holding two or more modules of one
+  class (torchtitan's `self.layers[str(layer_id)]`, so that pipeline stages can delete some and keep
+  the names);
+- sibling attributes of one class (`self.block1`, `self.block2`) whose class holds no blocks itself
+  (an encoder and a decoder of one class are stacks of blocks, not blocks).
 
-A block is such a child that holds modules of its own; the outermost win (a block's experts list is inside it).
+A block is such a child that holds modules of its own; the outermost win (a block's experts list is
+inside it).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -32,8 +36,8 @@ def _container_children(path: str, module: nn.Module) -> list[str]:
 
 
 def blocks(modules: Mapping[str, nn.Module]) -> list[str]:
-    """The paths of the model's blocks (see the module docstring), in registration order, outermost only.
-    `modules` is `dict(model.named_modules())`."""
+    """The paths of the model's blocks (see the module docstring), in registration order, outermost
+    only. `modules` is `dict(model.named_modules())`."""
     held = {p for path, m in modules.items() for p in _container_children(path, m)}
     for path, module in modules.items():  # sibling attributes of one class
         if isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):

@@ -1,16 +1,17 @@
 """How a module holds its experts: the layouts of transformers' 3-D expert parameters.
 
-Mixtral and the Qwen MoEs keep gate_up_proj (E, 2·I, H) as [gate; up] and down_proj (E, H, I), no biases;
-GPT-OSS keeps them transposed, gate_up_proj (E, H, 2·I) with gate and up interleaved column by column, and
-adds gate_up_proj_bias (E, 2·I) and down_proj_bias (E, H). transformers 5 says which on the module
-(`is_transposed`, `is_concatenated`, set by `use_experts_implementation`); without those flags the
-orientation follows from the shapes, which tell the two apart whatever H and I are.
+Mixtral and the Qwen MoEs keep gate_up_proj (E, 2·I, H) as [gate; up] and down_proj (E, H, I), no
+biases; GPT-OSS keeps them transposed, gate_up_proj (E, H, 2·I) with gate and up interleaved column
+by column, and adds gate_up_proj_bias (E, 2·I) and down_proj_bias (E, H). transformers 5 says which
+on the module (`is_transposed`, `is_concatenated`, set by `use_experts_implementation`); without
+those flags the orientation follows from the shapes, which tell the two apart whatever H and I are.
 
 Splitting each expert's FFN dimension I over tp: [gate; up] halves are sharded as two packed parts;
-interleaved columns are cut in contiguous chunks of 2·I/tp, which keep gate/up pairs whole when tp divides
-I. down_proj_bias is added after the sum over the FFN dimension, so it stays replicated and is added by
-one rank only (dtp/compiler/placed.py).
+interleaved columns are cut in contiguous chunks of 2·I/tp, which keep gate/up pairs whole when tp
+divides I. down_proj_bias is added after the sum over the FFN dimension, so it stays replicated and
+is added by one rank only (dtp/compiler/placed.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,15 +34,22 @@ class ExpertsLayout:
     def describe(self) -> str:
         """The layout in words, for messages."""
         order = "[gate; up]" if self.concatenated else "gate/up interleaved"
-        shapes = ("gate_up_proj (E, H, 2·I), down_proj (E, I, H)" if self.transposed
-                  else "gate_up_proj (E, 2·I, H), down_proj (E, H, I)")
+        shapes = (
+            "gate_up_proj (E, H, 2·I), down_proj (E, I, H)"
+            if self.transposed
+            else "gate_up_proj (E, 2·I, H), down_proj (E, H, I)"
+        )
         return f"{shapes}, {order}"
 
 
 def experts_layout(module: nn.Module) -> ExpertsLayout | None:
     """The layout of `module`'s expert parameters, or None if it holds none dtp can split."""
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == down.dim() == 3):
+    if not (
+        isinstance(gate_up, nn.Parameter)
+        and isinstance(down, nn.Parameter)
+        and gate_up.dim() == down.dim() == 3
+    ):
         return None
     own = {n: p for n, p in module.named_parameters(recurse=False)}
     if set(own) - set(PARAMS):

@@ -1,16 +1,17 @@
 """What a module's forward does with its children and attributes, read from its Python source.
 
-The layout flow must not claim data flow the model does not have: q_proj, k_proj and v_proj all read the
-attention's input, and only the attention's own code combines their outputs. Registration order cannot tell
-a chain from siblings, the forward's source can: `self.k_proj(hidden_states)` reads what `self.q_proj` reads.
-The same reading finds the attributes a forward cuts tensors with (`view(bsz, -1, self.num_heads, …)`),
-which a split attention needs rewritten.
+The layout flow must not claim data flow the model does not have: q_proj, k_proj and v_proj all read
+the attention's input, and only the attention's own code combines their outputs. Registration order
+cannot tell a chain from siblings, the forward's source can: `self.k_proj(hidden_states)` reads what
+`self.q_proj` reads. The same reading finds the attributes a forward cuts tensors with (`view(bsz,
+-1, self.num_heads, …)`), which a split attention needs rewritten.
 
-A conservative def-use walk over the forward (and the `self.` methods it calls): every value carries the
-children and attributes it was computed from; `if self.FLAG:` on a boolean attribute follows the branch the
-module takes, any other branch both. Anything the walk cannot see (no source, a child reached another way)
-gives None, and the caller falls back to what it knew before.
+A conservative def-use walk over the forward (and the `self.` methods it calls): every value carries
+the children and attributes it was computed from; `if self.FLAG:` on a boolean attribute follows the
+branch the module takes, any other branch both. Anything the walk cannot see (no source, a child
+reached another way) gives None, and the caller falls back to what it knew before.
 """
+
 from __future__ import annotations
 
 import ast
@@ -24,15 +25,28 @@ if TYPE_CHECKING:
     import torch.nn as nn
 
 # Tensor methods whose arguments are sizes: an attribute read there shapes the heads.
-SHAPE_METHODS = frozenset({"view", "reshape", "split", "unflatten", "expand", "repeat", "chunk", "tensor_split",
-                           "new_zeros", "new_empty"})
+SHAPE_METHODS = frozenset(
+    {
+        "view",
+        "reshape",
+        "split",
+        "unflatten",
+        "expand",
+        "repeat",
+        "chunk",
+        "tensor_split",
+        "new_zeros",
+        "new_empty",
+    }
+)
 _MAX_DEPTH = 3  # `self.` methods followed from forward (Falcon: forward → _split_heads)
 
 
 @dataclass
 class ForwardFacts:
-    """What one module's forward reads: per child called as `self.NAME(…)`, the children its input comes from
-    (transitively, through any computation); the children its result comes from; attributes read as sizes."""
+    """What one module's forward reads: per child called as `self.NAME(…)`, the children its input
+    comes from (transitively, through any computation); the children its result comes from;
+    attributes read as sizes."""
 
     inputs: dict[str, frozenset[str]] = field(default_factory=dict)
     result: frozenset[str] = frozenset()
@@ -45,7 +59,8 @@ Tags = frozenset  # "c:NAME" (a child's output), "a:NAME" (an attribute's value)
 class _Walker:
     def __init__(self, cls: type, children: frozenset[str], flags: dict[str, bool]):
         self.cls, self.children, self.flags, self.facts = cls, children, flags, ForwardFacts()
-        self.deep: set[str] = set()  # children called inside a helper method: their input is not followed
+        # children called inside a helper method: their input is not followed
+        self.deep: set[str] = set()
 
     def expr(self, node: ast.AST | None, env: dict[str, Tags], depth: int) -> Tags:
         if node is None:
@@ -55,17 +70,22 @@ class _Walker:
         if _is_self_attr(node):
             return frozenset({"a:" + node.attr})
         if isinstance(node, ast.Call):
-            args = frozenset().union(*(self.expr(a, env, depth) for a in [*node.args, *(k.value for k in node.keywords)]))
+            args = frozenset().union(
+                *(self.expr(a, env, depth) for a in [*node.args, *(k.value for k in node.keywords)])
+            )
             func = node.func
             if _is_self_attr(func) and func.attr in self.children:
                 children = frozenset(t[2:] for t in args if t.startswith("c:"))
                 if depth:
                     self.deep.add(func.attr)
-                self.facts.inputs[func.attr] = self.facts.inputs.get(func.attr, frozenset()) | children
+                self.facts.inputs[func.attr] = (
+                    self.facts.inputs.get(func.attr, frozenset()) | children
+                )
                 return frozenset({"c:" + func.attr}) | args
             if _is_self_attr(func) and depth < _MAX_DEPTH:
                 method = _method(self.cls, func.attr)
-                if method is not None:  # args flow through the method; its own size reads are recorded
+                # args flow through the method; its own size reads are recorded
+                if method is not None:
                     return args | self.body(method, {}, depth + 1)
             if isinstance(func, ast.Attribute) and func.attr in SHAPE_METHODS:
                 self.facts.shape_attrs |= {t[2:] for t in args if t.startswith("a:")}
@@ -93,22 +113,32 @@ class _Walker:
         returned: Tags = frozenset()
         for stmt in body:
             if isinstance(stmt, (ast.If, ast.Match)):
-                if isinstance(stmt, ast.Match):  # torchtitan picks its attention kernel by `match self.attn_type`
+                # torchtitan picks its attention kernel by `match self.attn_type`
+                if isinstance(stmt, ast.Match):
                     self.expr(stmt.subject, env, depth)
                     branches = [case.body for case in stmt.cases]
-                    if not any(isinstance(c.pattern, ast.MatchAs) and c.pattern.pattern is None for c in stmt.cases):
+                    if not any(
+                        isinstance(c.pattern, ast.MatchAs) and c.pattern.pattern is None
+                        for c in stmt.cases
+                    ):
                         branches.append([])  # no `case _`: the match may take no case
                 else:
                     flag = self._flag(stmt.test)
                     self.expr(stmt.test, env, depth)
-                    branches = [stmt.body] if flag is True else [stmt.orelse] if flag is False else \
-                        [stmt.body, stmt.orelse]
+                    branches = (
+                        [stmt.body]
+                        if flag is True
+                        else [stmt.orelse]
+                        if flag is False
+                        else [stmt.body, stmt.orelse]
+                    )
                 envs = []
                 for branch in branches:
                     local = dict(env)
                     returned |= self.stmts(branch, local, depth)
                     envs.append(local)
-                for local in envs:  # either branch may have run: a name carries what any of them gave it
+                # either branch may have run: a name carries what any of them gave it
+                for local in envs:
                     for name, tags in local.items():
                         env[name] = env.get(name, frozenset()) | tags if len(envs) > 1 else tags
             elif isinstance(stmt, ast.Assign):
@@ -117,7 +147,12 @@ class _Walker:
                     self.assign(target, tags, env)
             elif isinstance(stmt, (ast.AnnAssign, ast.AugAssign)):
                 if stmt.value is not None:
-                    self.assign(stmt.target, self.expr(stmt.value, env, depth), env, isinstance(stmt, ast.AugAssign))
+                    self.assign(
+                        stmt.target,
+                        self.expr(stmt.value, env, depth),
+                        env,
+                        isinstance(stmt, ast.AugAssign),
+                    )
             elif isinstance(stmt, ast.Return):
                 returned |= self.expr(stmt.value, env, depth)
             elif isinstance(stmt, (ast.For, ast.While, ast.With, ast.Try)):
@@ -137,7 +172,11 @@ class _Walker:
 
 
 def _is_self_attr(node: ast.AST) -> bool:
-    return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+    return (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    )
 
 
 @lru_cache(maxsize=512)
@@ -167,27 +206,36 @@ def forward_facts(module: nn.Module) -> ForwardFacts | None:
     return walker.facts
 
 
-def nearest(found: frozenset[str], inputs: dict[str, frozenset[str]], among: set[str]) -> frozenset[str]:
-    """Of the children in `found` that are in `among`, those no other of them feeds (q_norm, not q_proj
-    under it): the outputs that arrive directly."""
+def nearest(
+    found: frozenset[str], inputs: dict[str, frozenset[str]], among: set[str]
+) -> frozenset[str]:
+    """Of the children in `found` that are in `among`, those no other of them feeds (q_norm, not
+    q_proj under it): the outputs that arrive directly."""
     hits = found & among
-    return frozenset(c for c in hits if not any(c in inputs.get(other, frozenset()) for other in hits if other != c))
+    return frozenset(
+        c
+        for c in hits
+        if not any(c in inputs.get(other, frozenset()) for other in hits if other != c)
+    )
 
 
 @dataclass(frozen=True)
 class BranchSources:
-    """For the leaves of one branch that share a parent: which earlier leaves each one's input comes from
-    (empty: the parent's own input), and which leaves the parent's result comes from."""
+    """For the leaves of one branch that share a parent: which earlier leaves each one's input comes
+    from (empty: the parent's own input), and which leaves the parent's result comes from."""
 
     parent: str
-    reads: tuple[tuple[str, tuple[str, ...]], ...]  # (leaf path, source leaf paths), in walking order
+    # (leaf path, source leaf paths), in walking order
+    reads: tuple[tuple[str, tuple[str, ...]], ...]
     result: tuple[str, ...]
 
 
-def branch_sources(modules: dict[str, nn.Module], leaves: list[str], skippable: tuple[type, ...]) -> BranchSources | None:
-    """The data flow between `leaves` (module paths, in walking order) when they are children of one module
-    whose forward calls each of them (modules of a `skippable` type, e.g. Dropout, may be reached otherwise);
-    None when the source cannot say (the caller keeps registration order)."""
+def branch_sources(
+    modules: dict[str, nn.Module], leaves: list[str], skippable: tuple[type, ...]
+) -> BranchSources | None:
+    """The data flow between `leaves` (module paths, in walking order) when they are children of one
+    module whose forward calls each of them (modules of a `skippable` type, e.g. Dropout, may be
+    reached otherwise); None when the source cannot say (the caller keeps registration order)."""
     parent = leaves[0].rpartition(".")[0] if leaves else ""
     if not parent or any(p.rpartition(".")[0] != parent for p in leaves) or parent not in modules:
         return None
@@ -199,8 +247,11 @@ def branch_sources(modules: dict[str, nn.Module], leaves: list[str], skippable: 
     if not walked or any(name[p] not in facts.inputs for p in walked):
         return None
     reads, seen, waiting = [], set(), list(walked)
-    while waiting:  # registration order, except that a leaf waits for the leaves it reads (Phi-3's o_proj)
-        path = next((p for p in waiting if facts.inputs[name[p]] & {name[q] for q in walked} <= seen), None)
+    # registration order, except that a leaf waits for the leaves it reads (Phi-3's o_proj)
+    while waiting:
+        path = next(
+            (p for p in waiting if facts.inputs[name[p]] & {name[q] for q in walked} <= seen), None
+        )
         if path is None:
             return None  # a circle: the source does not give an order
         waiting.remove(path)

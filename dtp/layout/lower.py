@@ -1,6 +1,7 @@
-"""Lowering: every claimed module's input and output layouts, the shared-input groups and the `set` values at a
-tp, decided with no process group, so that the checker's flow analysis, `explain`'s schedule and the compiler
-all read the same decisions."""
+"""Lowering: every claimed module's input and output layouts, the shared-input groups and the `set`
+values at a tp, decided with no process group, so that the checker's flow analysis, `explain`'s
+schedule and the compiler all read the same decisions."""
+
 from __future__ import annotations
 
 import copy
@@ -20,7 +21,8 @@ from dtp.layout.resolve import Resolution, set_target
 SEQUENCE = Shard(1)
 
 
-HEAD_SLICES = ("slice_input", "slice_params")  # styles that cut per-head tensors and leave activations alone
+# styles that cut per-head tensors and leave activations alone
+HEAD_SLICES = ("slice_input", "slice_params")
 
 
 def to_placement(layout: ir.Layout) -> Placement:
@@ -39,10 +41,12 @@ class ModuleLayout:
     input: Placement | None  # how its input arrives (None: not a tensor-parallel boundary)
     output: Placement | None  # what it hands on
     local: bool  # hand on a local tensor (True) or a DTensor
-    # Parameter placements for the layouts torch's styles lack (Conv1D, unequal or replicated parts):
+    # Parameter placements for the layouts torch's styles lack (Conv1D, unequal or replicated
+    # parts):
     placements: tuple[tuple[str, ParamPlacement], ...] = ()
     reduce_grad: bool = False  # replicate(reduce_grad=true)
-    slice_names: tuple[str, ...] = ()  # slice_input / slice_params(name=…): the inputs or parameters cut
+    # slice_input / slice_params(name=…): the inputs or parameters cut
+    slice_names: tuple[str, ...] = ()
     heads: int = 0  # the config's attention heads (slice_input)
     slice_dim: int = 0  # slice_input / slice_params(dim=…): the dimension holding the heads
 
@@ -54,16 +58,17 @@ class Lowered:
     modules: dict[str, ModuleLayout]
     shared_inputs: dict[str, tuple[str, ...]]  # parent → colwise children that share its input
     # (the parent receives the block's input layout and hands its children a Replicate DTensor)
-    rewrites: dict[str, dict[str, int]]  # module path ("" = the model) → attribute values at this tp
+    # module path ("" = the model) → attribute values at this tp
+    rewrites: dict[str, dict[str, int]]
     sequence_parallel: bool  # activations between blocks are sharded on the sequence
     loss_parallel: bool  # the output projection keeps logits sharded on the vocabulary
 
 
 def rewrite(module: nn.Module, values: dict[str, int]) -> None:
-    """Set `module`'s attributes to `values` (a `set`'s result at a tp). `HOLDER.ATTR` rewrites an attribute of a
-    plain object the module holds (Phi-3's `self.config`, shared by every module and the model) copy-on-write: the
-    module gets its own shallow copy with the new value, so no other module, the model's own config or a reference
-    copy of the model sees the change."""
+    """Set `module`'s attributes to `values` (a `set`'s result at a tp). `HOLDER.ATTR` rewrites an
+    attribute of a plain object the module holds (Phi-3's `self.config`, shared by every module and
+    the model) copy-on-write: the module gets its own shallow copy with the new value, so no other
+    module, the model's own config or a reference copy of the model sees the change."""
     copies: dict[str, object] = {}
     for attr, value in values.items():
         holder, _, name = attr.rpartition(".")
@@ -82,7 +87,8 @@ def _layout(style: ir.Style, key: str, default: Placement) -> Placement:
 
 
 def module_layout(style: ir.Style, module: nn.Module, sp: bool) -> ModuleLayout | None:
-    """What `style` does with `module`'s activations (None: replicate, nothing to do); `sp`: sequence parallel."""
+    """What `style` does with `module`'s activations (None: replicate, nothing to do); `sp`:
+    sequence parallel."""
     # With sequence parallelism the residual stream between blocks is a DTensor sharded on the
     # sequence: colwise layers all-gather their input, rowwise layers reduce-scatter their output
     # and hand the residual a DTensor (Megatron-SP's g and ḡ).
@@ -90,12 +96,29 @@ def module_layout(style: ir.Style, module: nn.Module, sp: bool) -> ModuleLayout 
     local = style.option("local", not sp)
     name = style.name
     if name == "colwise":
-        return ModuleLayout(name, False, _layout(style, "input", between), _layout(style, "output", Shard(-1)),
-                            style.option("local", True))
+        return ModuleLayout(
+            name,
+            False,
+            _layout(style, "input", between),
+            _layout(style, "output", Shard(-1)),
+            style.option("local", True),
+        )
     if name == "rowwise":
-        return ModuleLayout(name, False, _layout(style, "input", Shard(-1)), _layout(style, "output", between), local)
+        return ModuleLayout(
+            name,
+            False,
+            _layout(style, "input", Shard(-1)),
+            _layout(style, "output", between),
+            local,
+        )
     if name == "vocab_parallel" and isinstance(module, nn.Embedding):
-        return ModuleLayout(name, True, _layout(style, "input", Replicate()), _layout(style, "output", between), local)
+        return ModuleLayout(
+            name,
+            True,
+            _layout(style, "input", Replicate()),
+            _layout(style, "output", between),
+            local,
+        )
     if name == "vocab_parallel":
         return ModuleLayout(name, False, _layout(style, "input", between), Shard(-1), False)
     if name == "sequence_parallel":
@@ -104,7 +127,8 @@ def module_layout(style: ir.Style, module: nn.Module, sp: bool) -> ModuleLayout 
         return ModuleLayout(name, False, Replicate(), Replicate(), True)
     if name in HEAD_SLICES:
         return ModuleLayout(name, False, None, None, True)
-    if name == "sharded_norm":  # between a colwise layer and its consumer: local feature slices in and out
+    # between a colwise layer and its consumer: local feature slices in and out
+    if name == "sharded_norm":
         return ModuleLayout(name, False, Shard(-1), Shard(-1), True)
     if style.option("reduce_grad", False) is True:
         return ModuleLayout(name, False, None, None, True, reduce_grad=True)
@@ -112,20 +136,28 @@ def module_layout(style: ir.Style, module: nn.Module, sp: bool) -> ModuleLayout 
 
 
 def lower(res: Resolution, tp: int) -> Lowered:
-    """Layouts for every module the plan claims, the shared-input groups and the `set` values at `tp`."""
+    """Layouts for every module the plan claims, the shared-input groups and the `set` values at
+    `tp`."""
     sp = res.sequence_parallel
     modules: dict[str, ModuleLayout] = {}
     for path, rule in res.claims.items():
         layout = module_layout(rule.style, res.modules[path], sp)
         if layout is not None and layout.style in HEAD_SLICES:
             info = config_heads(res.modules[""])
-            layout = replace(layout, slice_names=slice_names(rule.style), heads=info.n_head if info else 0,
-                             slice_dim=int(rule.style.option("dim", 0)))
+            layout = replace(
+                layout,
+                slice_names=slice_names(rule.style),
+                heads=info.n_head if info else 0,
+                slice_dim=int(rule.style.option("dim", 0)),
+            )
         if layout is not None and layout.style == "sharded_norm":
             layout = replace(layout, placements=tuple(res.placements(path).items()))
         if layout is not None and layout.style == "colwise":
-            placed = res.placements(path)  # packed parts (equal or not) and Conv1D need dtp's own placements
-            special = is_conv1d(res.modules[path]) or any(p.parts or p.packed > 1 for p in placed.values())
+            # packed parts (equal or not) and Conv1D need dtp's own placements
+            placed = res.placements(path)
+            special = is_conv1d(res.modules[path]) or any(
+                p.parts or p.packed > 1 for p in placed.values()
+            )
             layout = replace(layout, placements=tuple(placed.items()) if special else ())
         if layout is not None:
             modules[path] = layout
@@ -136,17 +168,30 @@ def lower(res: Resolution, tp: int) -> Lowered:
     for path, layout in modules.items():
         if layout.style == "colwise" and "." in path:
             groups.setdefault(path.rpartition(".")[0], []).append(path)
-    # (A parent whose own style leaves its activations alone, slice_input or slice_params, may have one too.)
-    shared = {parent: tuple(c) for parent, c in groups.items()
-              if len(c) > 1 and (parent not in modules or modules[parent].style in HEAD_SLICES)
-              and all(modules[p].input == between for p in c)}
+    # (A parent whose own style leaves its activations alone, slice_input or slice_params, may have
+    # one too.)
+    shared = {
+        parent: tuple(c)
+        for parent, c in groups.items()
+        if len(c) > 1
+        and (parent not in modules or modules[parent].style in HEAD_SLICES)
+        and all(modules[p].input == between for p in c)
+    }
     for children in shared.values():  # they receive the parent's input already replicated
         for path in children:
             modules[path] = replace(modules[path], input=Replicate())
     rewrites: dict[str, dict[str, int]] = {}
     for (path, attr), stmt in res.sets.items():
         attrs = vars(set_target(res.modules[path], attr)[0])
-        rewrites.setdefault(path, {})[attr] = evaluate(stmt.expr, lambda v: tp if v.name == "tp" else conditions.config_int(
-            res.modules[""], v) if v.name.startswith("config.") else attrs[v.name])
+        rewrites.setdefault(path, {})[attr] = evaluate(
+            stmt.expr,
+            lambda v: (
+                tp
+                if v.name == "tp"
+                else conditions.config_int(res.modules[""], v)
+                if v.name.startswith("config.")
+                else attrs[v.name]
+            ),
+        )
     loss = any(m.style == "vocab_parallel" and not m.embedding for m in modules.values())
     return Lowered(modules, shared, rewrites, sp, loss)

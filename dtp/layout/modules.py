@@ -1,5 +1,6 @@
-"""Facts about one module, by structure: linear layers (nn.Linear or transformers' transposed Conv1D), their
-feature counts, expert modules, and the inputs a forward takes."""
+"""Facts about one module, by structure: linear layers (nn.Linear or transformers' transposed
+Conv1D), their feature counts, expert modules, and the inputs a forward takes."""
+
 from __future__ import annotations
 
 import inspect
@@ -10,8 +11,8 @@ from dtp.layout.experts import experts_layout
 
 
 def is_conv1d(module: nn.Module) -> bool:
-    """transformers' `Conv1D` (GPT-2): a linear layer whose weight is stored transposed, (in, out); also once a
-    dtp style made it its layer (ColumnParallelConv1D, a subclass)."""
+    """transformers' `Conv1D` (GPT-2): a linear layer whose weight is stored transposed, (in, out);
+    also once a dtp style made it its layer (ColumnParallelConv1D, a subclass)."""
     named = any(cls.__name__ == "Conv1D" for cls in type(module).__mro__)
     return named and isinstance(getattr(module, "nf", None), int)
 
@@ -34,7 +35,8 @@ def is_experts(module: nn.Module) -> bool:
 
 
 def forward_params(module: nn.Module) -> list[inspect.Parameter] | None:
-    """The parameters of `module.forward`; None when it has no Python signature (a builtin or C forward)."""
+    """The parameters of `module.forward`; None when it has no Python signature (a builtin or C
+    forward)."""
     try:
         return list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):

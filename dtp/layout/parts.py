@@ -1,8 +1,9 @@
-"""Packed parts of unequal sizes, some of them replicated: `colwise(packed=[q, replicate(kv), replicate(kv)])`.
+"""Packed parts of unequal sizes, some of them replicated: `colwise(packed=[q, replicate(kv),
+replicate(kv)])`.
 
-A fused projection whose output features are [q; k; v] with k and v narrower than q (grouped-query Phi-3:
-64/32/32) or a single head (multi-query GPT-BigCode, Falcon-7B: h + 2·head_dim). Each item of the list is
-one part, in order:
+A fused projection whose output features are [q; k; v] with k and v narrower than q (grouped-query
+Phi-3: 64/32/32) or a single head (multi-query GPT-BigCode, Falcon-7B: h + 2·head_dim). Each item of
+the list is one part, in order:
 
 | item            | size                                               | on each rank          |
 |-----------------|----------------------------------------------------|-----------------------|
@@ -14,16 +15,19 @@ one part, in order:
 | `repeat(kv)`    | config's key/value heads × head size               | its 1/tp slice when tp divides the heads; else the one head its query heads read |
 
 Sizes come from the model's config and must add up to the module's output features (`check` says so
-otherwise). A replicated part's rows are held by every rank; each rank's gradient for them covers only its
-own heads, so it is all-reduced in the backward pass (like HF's `replicated_with_grad_allreduce`). A list of
-only replicated parts replicates a projection inside the colwise region: grouped-query attention with
-fewer key/value heads than tp when there is one (`k_proj: colwise(packed=[replicate(kv)])`).
+otherwise). A replicated part's rows are held by every rank; each rank's gradient for them covers
+only its own heads, so it is all-reduced in the backward pass (like HF's
+`replicated_with_grad_allreduce`). A list of only replicated parts replicates a projection inside
+the colwise region: grouped-query attention with fewer key/value heads than tp when there is one
+(`k_proj: colwise(packed=[replicate(kv)])`).
 
-`repeat(kv)` adapts to tp: with H key/value heads, tp dividing H shards them as `kv` does; H dividing tp
-(2 heads at tp 4) gives rank r head r·H/tp, the one its query heads read (ranks r·tp/H … hold the same
-head), and the gradient of those rows is summed over the ranks that share it (one all-reduce). A part's
-kind is True (sharded), False (replicated) or the head count H of a repeated part.
+`repeat(kv)` adapts to tp: with H key/value heads, tp dividing H shards them as `kv` does; H
+dividing tp (2 heads at tp 4) gives rank r head r·H/tp, the one its query heads read (ranks r·tp/H …
+hold the same head), and the gradient of those rows is summed over the ranks that share it (one
+all-reduce). A part's kind is True (sharded), False (replicated) or the head count H of a repeated
+part.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -37,6 +41,7 @@ NAMES = ("q", "kv", "head")
 if TYPE_CHECKING:
     import torch.nn as nn
 
+
 class PartsError(ValueError):
     """A part list that cannot be laid out on this module; the message says why."""
 
@@ -48,7 +53,9 @@ def _size(item: str | int, root: nn.Module) -> int:
         return item
     info = config_heads(root)
     if item not in NAMES:
-        raise PartsError(f"unknown part '{item}'; a part is q, kv, head, an integer, or replicate(PART)")
+        raise PartsError(
+            f"unknown part '{item}'; a part is q, kv, head, an integer, or replicate(PART)"
+        )
     if info is None:
         raise PartsError(f"part '{item}' needs the model's config to give its head counts")
     return {"q": info.n_head, "kv": info.n_kv_head, "head": 1}[item] * info.head_dim
@@ -63,7 +70,8 @@ def local_rows(n: int, kind: bool | int, tp: int) -> int:
         return n // tp
     if kind is False:
         return n
-    return n // tp if kind % tp == 0 else n // kind  # repeat: a slice of the heads, or one whole head
+    # repeat: a slice of the heads, or one whole head
+    return n // tp if kind % tp == 0 else n // kind
 
 
 def reduced_rows(n: int, kind: bool | int, tp: int) -> int:
@@ -76,13 +84,14 @@ def reduced_rows(n: int, kind: bool | int, tp: int) -> int:
 
 
 def repeated(kind: bool | int, tp: int) -> bool:
-    """Whether a part is a repeat(kv) whose heads tp does not divide (each rank holds one whole head)."""
+    """Whether a part is a repeat(kv) whose heads tp does not divide (each rank holds one whole
+    head)."""
     return kind is not True and kind is not False and kind % tp != 0
 
 
 def _item(item: object, root: nn.Module) -> tuple[int, bool | int]:
     if isinstance(item, str) and item.startswith("replicate(") and item.endswith(")"):
-        inner = item[len("replicate("):-1]
+        inner = item[len("replicate(") : -1]
         return _size(int(inner) if inner.isdigit() else inner, root), False
     if item == "repeat(kv)":
         size = _size("kv", root)
@@ -92,15 +101,20 @@ def _item(item: object, root: nn.Module) -> tuple[int, bool | int]:
     return _size(item, root), True  # type: ignore[arg-type]
 
 
-def resolve_parts(value: ir.PartList, width: int, root: nn.Module) -> tuple[tuple[int, bool | int], ...]:
+def resolve_parts(
+    value: ir.PartList, width: int, root: nn.Module
+) -> tuple[tuple[int, bool | int], ...]:
     """(size, sharded) per part for a module whose packed dimension has `width` features."""
     parts = tuple(_item(item, root) for item in value.items)
     total = sum(n for n, _ in parts)
     if total != width:
         shown = " + ".join(f"{n}" if s is not False else f"{n} (replicated)" for n, s in parts)
-        raise PartsError(f"packed parts {value} add up to {shown} = {total}, not the {width} output features")
-    # Every part replicated is meaningful inside a colwise region: a single key/value head that every rank's
-    # query heads read (`k_proj: colwise(packed=[replicate(kv)])`): whole weights, gradients summed.
+        raise PartsError(
+            f"packed parts {value} add up to {shown} = {total}, not the {width} output features"
+        )
+    # Every part replicated is meaningful inside a colwise region: a single key/value head that
+    # every rank's query heads read (`k_proj: colwise(packed=[replicate(kv)])`): whole weights,
+    # gradients summed.
     return parts
 
 

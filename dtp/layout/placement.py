@@ -1,10 +1,11 @@
 """What each plan style does to a module's parameters: the static placement table shared by check,
 explain and compile.
 
-Megatron's layout: colwise shards a Linear's output features (weight dim 0), rowwise its input features
-(weight dim 1, bias replicated), vocab_parallel shards the vocabulary rows of an embedding or of the
-output projection.
+Megatron's layout: colwise shards a Linear's output features (weight dim 0), rowwise its input
+features (weight dim 1, bias replicated), vocab_parallel shards the vocabulary rows of an embedding
+or of the output projection.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,17 +23,19 @@ class ParamPlacement:
 
     shard_dim: int | None = None  # None: replicated
     packed: int = 1  # >1: the sharded dim holds `packed` equal parts, each sharded separately
-    # Unequal packed parts, in order: (size, sharded). A part that is not sharded is held whole by every
-    # rank (multi-query k/v), so its rows are duplicated across ranks and their gradient all-reduced.
-    # An int instead of a bool is repeat(kv) of that many heads (dtp/layout/parts.py).
+    # Unequal packed parts, in order: (size, sharded). A part that is not sharded is held whole by
+    # every rank (multi-query k/v), so its rows are duplicated across ranks and their gradient
+    # all-reduced. An int instead of a bool is repeat(kv) of that many heads (dtp/layout/parts.py).
     parts: tuple[tuple[int, bool | int], ...] = ()
 
     def __str__(self) -> str:
         if self.shard_dim is None:
             return "Replicate()"
         if self.parts:
-            shown = ",".join(f"{n}" if kind is True else f"{n}r" if kind is False else f"{n}h{kind}"
-                             for n, kind in self.parts)
+            shown = ",".join(
+                f"{n}" if kind is True else f"{n}r" if kind is False else f"{n}h{kind}"
+                for n, kind in self.parts
+            )
             return f"Shard({self.shard_dim}) parts[{shown}]"
         return f"Shard({self.shard_dim})" + (f" packed×{self.packed}" if self.packed > 1 else "")
 
@@ -41,8 +44,8 @@ class ParamPlacement:
         return sum(reduced_rows(n, kind, tp) for n, kind in self.parts)
 
     def local_shape(self, shape: tuple[int, ...], tp: int, rank: int = 0) -> tuple[int, ...]:
-        """The shape `rank` holds: torch.chunk's layout, so uneven sizes leave the last ranks shorter
-        (only vocabularies may be uneven; `check` demands even division elsewhere)."""
+        """The shape `rank` holds: torch.chunk's layout, so uneven sizes leave the last ranks
+        shorter (only vocabularies may be uneven; `check` demands even division elsewhere)."""
         if self.shard_dim is None:
             return shape
         out = list(shape)
@@ -62,25 +65,38 @@ class ParamPlacement:
 REPLICATE = ParamPlacement()
 
 
-def param_placements(style: str | None, module: nn.Module, packed: int = 1,
-                     parts: tuple[tuple[int, bool | int], ...] = (), sliced: tuple[str, ...] = (),
-                     dim: int = 0) -> dict[str, ParamPlacement]:
-    """ParamPlacement of each of `module`'s own parameters (not its children's) under `style` (`sliced`, `dim`:
-    slice_params' names and heads dimension)."""
+def param_placements(
+    style: str | None,
+    module: nn.Module,
+    packed: int = 1,
+    parts: tuple[tuple[int, bool | int], ...] = (),
+    sliced: tuple[str, ...] = (),
+    dim: int = 0,
+) -> dict[str, ParamPlacement]:
+    """ParamPlacement of each of `module`'s own parameters (not its children's) under `style`
+    (`sliced`, `dim`: slice_params' names and heads dimension)."""
     names = [n for n, _ in module.named_parameters(recurse=False)]
     table: dict[str, ParamPlacement] = {}
     conv = is_conv1d(module)  # weight (in, out): the output features are dim 1
     if style == "colwise":
-        table = {"weight": ParamPlacement(1 if conv else 0, packed, parts), "bias": ParamPlacement(0, packed, parts)}
+        table = {
+            "weight": ParamPlacement(1 if conv else 0, packed, parts),
+            "bias": ParamPlacement(0, packed, parts),
+        }
     elif style == "rowwise":
         table = {"weight": ParamPlacement(0 if conv else 1)}
-    elif style == "experts":  # each expert's FFN dimension (dtp/layout/experts.py); down_proj_bias: added once
-        layout = experts_layout(module)  # None on a module the style does not fit (check reports it)
+    # each expert's FFN dimension (dtp/layout/experts.py); down_proj_bias: added once
+    elif style == "experts":
+        # None on a module the style does not fit (check reports it)
+        layout = experts_layout(module)
         if layout is not None:
             halves = 2 if layout.concatenated else 1  # [gate; up]: two packed parts
-            table = {"gate_up_proj": ParamPlacement(2 if layout.transposed else 1, halves),
-                     "down_proj": ParamPlacement(1 if layout.transposed else 2),
-                     "gate_up_proj_bias": ParamPlacement(1, halves), "down_proj_bias": REPLICATE}
+            table = {
+                "gate_up_proj": ParamPlacement(2 if layout.transposed else 1, halves),
+                "down_proj": ParamPlacement(1 if layout.transposed else 2),
+                "gate_up_proj_bias": ParamPlacement(1, halves),
+                "down_proj_bias": REPLICATE,
+            }
     elif style == "vocab_parallel":
         table = {"weight": ParamPlacement(0), "bias": ParamPlacement(0)}
     elif style == "sharded_norm":  # laid out as the colwise output it normalises
@@ -98,19 +114,28 @@ def sharded_sizes(style: str, module: nn.Module, packed: int = 1) -> list[tuple[
             return []
         dims = "dim 2, down_proj dim 1" if layout.transposed else "dim 1, down_proj dim 2"
         per = " per part" if layout.concatenated else " in gate/up pairs"
-        return [(f"the expert FFN dimension of {layout.inter} (gate_up_proj {dims}{per})", layout.inter)]
+        return [
+            (f"the expert FFN dimension of {layout.inter} (gate_up_proj {dims}{per})", layout.inter)
+        ]
     conv = is_conv1d(module)
     fan_in, fan_out = features(module) if is_linear(module) else (0, 0)
     if style == "colwise":
         part = fan_out // packed
-        what = f"out_features={fan_out}" + (f" per packed part ({packed} parts of {part})" if packed > 1 else "")
+        what = f"out_features={fan_out}" + (
+            f" per packed part ({packed} parts of {part})" if packed > 1 else ""
+        )
         return [(f"{what} (weight dim {1 if conv else 0})", part)]
     if style == "rowwise":
         return [(f"in_features={fan_in} (weight dim {0 if conv else 1})", fan_in)]
     if style == "sharded_norm":
         width = module.weight.shape[0]
-        return [(f"its {width} features (weight dim 0)" + (f" per packed part ({packed} parts)" if packed > 1 else ""),
-                 width // packed)]
+        return [
+            (
+                f"its {width} features (weight dim 0)"
+                + (f" per packed part ({packed} parts)" if packed > 1 else ""),
+                width // packed,
+            )
+        ]
     if style == "vocab_parallel":
         rows = module.num_embeddings if isinstance(module, nn.Embedding) else module.out_features
         return [(f"the vocabulary of {rows} rows (weight dim 0)", rows)]

@@ -1,24 +1,28 @@
-"""What a model's forward really does, observed: one forward on fake tensors, every tensor tagged with the modules
-whose outputs it comes from.
+"""What a model's forward really does, observed: one forward on fake tensors, every tensor tagged
+with the modules whose outputs it comes from.
 
-Reading a forward's source (dtp/layout/forward_source.py) cannot follow a `match` on a config string, a lambda
-built in `__init__` (minGPT's `self.mlpf`), blocks held in a ModuleDict (torchtitan), a helper function, a
-`functools.partial`. Running the forward can: module hooks see every call however it is reached, and a
-TorchFunctionMode carries each tensor's origins through every op. It runs on a twin of the model whose tensors are
-fakes (torch's FakeTensorMode: shapes and dtypes, no memory, no data; transformers reads it as tracing and skips its
-data-dependent checks) and whose Python state is a copy, so a forward that counts its calls or fills a cache changes
-the twin only, never the model.
+Reading a forward's source (dtp/layout/forward_source.py) cannot follow a `match` on a config
+string, a lambda built in `__init__` (minGPT's `self.mlpf`), blocks held in a ModuleDict
+(torchtitan), a helper function, a `functools.partial`. Running the forward can: module hooks see
+every call however it is reached, and a TorchFunctionMode carries each tensor's origins through
+every op. It runs on a twin of the model whose tensors are fakes (torch's FakeTensorMode: shapes and
+dtypes, no memory, no data; transformers reads it as tracing and skips its data-dependent checks)
+and whose Python state is a copy, so a forward that counts its calls or fills a cache changes the
+twin only, never the model.
 
 What one forward shows (only the branches this config takes; a branch not taken is not seen):
 - `order`: modules in the order they were first called;
-- `edges[leaf]`: the leaf modules (no children) whose outputs reach a leaf's inputs without passing another leaf;
-  `inputs[path]`, `outputs[path]` the same for any module's inputs and outputs ("" is the model's input);
-- `views[linear]`: how the forward cut a linear layer's output into heads, per contiguous part of its features:
-  `View(offset, width, heads, head_dim)` (gpt-fast's `wqkv(x).split([dim, kv, kv])` then `view(…, n, head_dim)`).
+- `edges[leaf]`: the leaf modules (no children) whose outputs reach a leaf's inputs without passing
+  another leaf; `inputs[path]`, `outputs[path]` the same for any module's inputs and outputs ("" is
+  the model's input);
+- `views[linear]`: how the forward cut a linear layer's output into heads, per contiguous part of
+  its features: `View(offset, width, heads, head_dim)` (gpt-fast's `wqkv(x).split([dim, kv, kv])`
+  then `view(…, n, head_dim)`).
 
-A forward that cannot run on fake tensors (data-dependent Python, an op without a fake kernel) gives a Trace with
-`error` set and nothing else; callers fall back to the source, and say so.
+A forward that cannot run on fake tensors (data-dependent Python, an op without a fake kernel) gives
+a Trace with `error` set and nothing else; callers fall back to the source, and say so.
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,7 +52,8 @@ _MAX_NEST = 4  # containers searched for tensors in a module's inputs and output
 
 @dataclass(frozen=True)
 class View:
-    """A contiguous part of a linear layer's output features that the forward viewed as (heads, head_dim)."""
+    """A contiguous part of a linear layer's output features that the forward viewed as (heads,
+    head_dim)."""
 
     offset: int
     width: int
@@ -58,7 +63,8 @@ class View:
 
 @dataclass
 class Trace:
-    """One forward's data flow between modules (see the module docstring); `error` when it could not run."""
+    """One forward's data flow between modules (see the module docstring); `error` when it could not
+    run."""
 
     order: list[str] = field(default_factory=list)
     edges: dict[str, set[str]] = field(default_factory=dict)
@@ -79,8 +85,9 @@ class Trace:
         return path in self.inputs
 
     def nearest(self, tags: set[str], among: set[str], inside: str) -> tuple[frozenset[str], bool]:
-        """The modules of `among` whose outputs reach `tags` first (through leaves not in `among` that sit under
-        `inside`), and whether anything from outside `inside` (its input) reaches them too."""
+        """The modules of `among` whose outputs reach `tags` first (through leaves not in `among`
+        that sit under `inside`), and whether anything from outside `inside` (its input) reaches
+        them too."""
         hits: set[str] = set()
         outside = False
         seen: set[str] = set()
@@ -90,8 +97,13 @@ class Trace:
             if node in seen:
                 continue
             seen.add(node)
-            owner = node if node in among else next((a for a in among if node.startswith(a + ".")), None)
-            if owner is not None:  # a member's output (or, for a member with children, one of theirs)
+            owner = (
+                node
+                if node in among
+                else next((a for a in among if node.startswith(a + ".")), None)
+            )
+            # a member's output (or, for a member with children, one of theirs)
+            if owner is not None:
                 hits.add(owner)
             elif node != INPUT and (not inside or node.startswith(inside + ".")):
                 stack += list(self.edges.get(node, ()))
@@ -101,17 +113,22 @@ class Trace:
 
 
 class _Recorder(TorchFunctionMode):
-    """Carries tags through every torch function call and notes where linear outputs are cut into heads."""
+    """Carries tags through every torch function call and notes where linear outputs are cut into
+    heads."""
 
     def __init__(self, trace: Trace):
         super().__init__()
         self.trace = trace
         self.tags: dict[int, frozenset[str]] = {}
-        self.parts: dict[int, tuple[str, int, int]] = {}  # tensor id → (linear path, offset, width) of its features
-        self.keep: list[object] = []  # every tagged tensor stays alive, so no id is reused during the forward
+        # tensor id → (linear path, offset, width) of its features
+        self.parts: dict[int, tuple[str, int, int]] = {}
+        # every tagged tensor stays alive, so no id is reused during the forward
+        self.keep: list[object] = []
         self.clock = 0  # ops and module calls so far
-        self.last_read: dict[int, int] = {}  # tensor id → the clock when an op or module last read it
-        self.results: list[tuple[str, int, list[torch.Tensor]]] = []  # (module, clock, its tensors), non-leaves
+        # tensor id → the clock when an op or module last read it
+        self.last_read: dict[int, int] = {}
+        # (module, clock, its tensors), non-leaves
+        self.results: list[tuple[str, int, list[torch.Tensor]]] = []
 
     def read(self, value: object) -> None:
         """Note the tensors in `value` as read now."""
@@ -120,8 +137,8 @@ class _Recorder(TorchFunctionMode):
             self.last_read[id(t)] = self.clock
 
     def settle(self, final: object) -> None:
-        """A module's result is what was read of it afterwards (HF attention also returns its weights, which the
-        block drops); the model's own output counts as read."""
+        """A module's result is what was read of it afterwards (HF attention also returns its
+        weights, which the block drops); the model's own output counts as read."""
         self.read(final)
         for path, when, returned in self.results:
             read = [t for t in returned if self.last_read.get(id(t), 0) > when] or returned
@@ -155,21 +172,34 @@ class _Recorder(TorchFunctionMode):
         return out
 
     def _cut(self, name: str, args: tuple, kwargs: dict, out: object) -> None:
-        """Follow a linear output's features through splits and slices to the view that makes heads of them."""
+        """Follow a linear output's features through splits and slices to the view that makes heads
+        of them."""
         x = args[0]
         path, offset, width = self.parts[id(x)]
         lead = tuple(x.shape[:-1])
         if name in _SPLITS and isinstance(out, (tuple, list)):
             pieces = [t for t in out if isinstance(t, torch.Tensor)]
-            if len(pieces) == len(out) and all(tuple(t.shape[:-1]) == lead for t in pieces) and \
-                    sum(t.shape[-1] for t in pieces) == x.shape[-1]:
+            if (
+                len(pieces) == len(out)
+                and all(tuple(t.shape[:-1]) == lead for t in pieces)
+                and sum(t.shape[-1] for t in pieces) == x.shape[-1]
+            ):
                 for t in pieces:
                     self.parts[id(t)] = (path, offset, t.shape[-1])
                     offset += t.shape[-1]
         elif name in _VIEWS and isinstance(out, torch.Tensor) and out.dim() == x.dim() + 1:
-            if tuple(out.shape[:-2]) == lead and out.shape[-2] * out.shape[-1] == x.shape[-1] == width:
-                self.trace.views.setdefault(path, set()).add(View(offset, width, out.shape[-2], out.shape[-1]))
-        elif name in ("__getitem__", "narrow") and isinstance(out, torch.Tensor) and tuple(out.shape[:-1]) == lead:
+            if (
+                tuple(out.shape[:-2]) == lead
+                and out.shape[-2] * out.shape[-1] == x.shape[-1] == width
+            ):
+                self.trace.views.setdefault(path, set()).add(
+                    View(offset, width, out.shape[-2], out.shape[-1])
+                )
+        elif (
+            name in ("__getitem__", "narrow")
+            and isinstance(out, torch.Tensor)
+            and tuple(out.shape[:-1]) == lead
+        ):
             start = _last_dim_start(name, args, x.dim())
             if start is not None:
                 self.parts[id(out)] = (path, offset + start, out.shape[-1])
@@ -186,12 +216,17 @@ def _tensors(value: object, depth: int = 0) -> list[torch.Tensor]:
     if isinstance(value, Mapping):
         return [t for v in value.values() for t in _tensors(v, depth + 1)]
     if hasattr(value, "__dataclass_fields__"):
-        return [t for name in value.__dataclass_fields__ for t in _tensors(getattr(value, name, None), depth + 1)]
+        return [
+            t
+            for name in value.__dataclass_fields__
+            for t in _tensors(getattr(value, name, None), depth + 1)
+        ]
     return []
 
 
 def _last_dim_start(name: str, args: tuple, ndim: int) -> int | None:
-    """Where a slice of the last dimension starts (`x[..., a:b]`, `x[:, :, a:b]`, `x.narrow(-1, a, n)`)."""
+    """Where a slice of the last dimension starts (`x[..., a:b]`, `x[:, :, a:b]`, `x.narrow(-1, a,
+    n)`)."""
     if name == "narrow":
         dim, start = (args[1], args[2]) if len(args) >= 3 else (None, None)
         return start if dim in (-1, ndim - 1) and isinstance(start, int) else None
@@ -208,21 +243,29 @@ def _last_dim_start(name: str, args: tuple, ndim: int) -> int | None:
 
 
 def _fake_twin(model: nn.Module, mode) -> nn.Module:
-    """`model` with every tensor a fake of the same shape (dtp/models/clone.py copies the Python state, closures too)."""
+    """`model` with every tensor a fake of the same shape (dtp/models/clone.py copies the Python
+    state, closures too)."""
     return clone(model, lambda t: mode.from_tensor(t, static_shapes=True))
 
 
 Prepare = Callable[[nn.Module, Callable[[tuple[int, ...], torch.dtype], torch.Tensor]], None]
 
 
-def trace(model: nn.Module, forward: Forward = PLAIN, batch: int = 2, seq: int = 4,
-          prepare: Prepare | None = None) -> Trace:
-    """Run `model`'s forward once on fakes of its tensors, token ids (batch, seq) in; what it did (see Trace).
-    `prepare(twin, fake)`, when given, changes the twin first (`fake(shape, dtype)` makes a tensor of its kind)."""
+def trace(
+    model: nn.Module,
+    forward: Forward = PLAIN,
+    batch: int = 2,
+    seq: int = 4,
+    prepare: Prepare | None = None,
+) -> Trace:
+    """Run `model`'s forward once on fakes of its tensors, token ids (batch, seq) in; what it did
+    (see Trace). `prepare(twin, fake)`, when given, changes the twin first (`fake(shape, dtype)`
+    makes a tensor of its kind)."""
     out = Trace()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     quiet = logging.getLogger("torch._subclasses.fake_tensor")
-    level, quiet.level = quiet.level, logging.CRITICAL  # it logs every op without a fake kernel before raising
+    # it logs every op without a fake kernel before raising
+    level, quiet.level = quiet.level, logging.CRITICAL
     try:
         twin = _fake_twin(model, mode)
     except Exception as err:  # noqa: BLE001 - a model whose state cannot be copied: no trace, the source is read
@@ -231,16 +274,24 @@ def trace(model: nn.Module, forward: Forward = PLAIN, batch: int = 2, seq: int =
         return out
     device = next((t.device for t in model.parameters()), torch.device("cpu"))
     if prepare is not None:
+
         def fake(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             with mode:  # a fake tensor: no memory, whatever the shape
                 return torch.empty(shape, dtype=dtype, device=device)
+
         prepare(twin, fake)
     recorder = _Recorder(out)
     stack: list[str] = []
     handles = []
     for path, module in twin.named_modules():
-        handles.append(module.register_forward_pre_hook(_pre(path, recorder, stack), with_kwargs=True))
-        handles.append(module.register_forward_hook(_post(path, recorder, stack, not any(module.children()), module)))
+        handles.append(
+            module.register_forward_pre_hook(_pre(path, recorder, stack), with_kwargs=True)
+        )
+        handles.append(
+            module.register_forward_hook(
+                _post(path, recorder, stack, not any(module.children()), module)
+            )
+        )
     try:
         with mode, recorder:
             ids = torch.zeros((batch, seq), dtype=torch.long, device=device)
@@ -260,8 +311,13 @@ def trace(model: nn.Module, forward: Forward = PLAIN, batch: int = 2, seq: int =
 def model_frame(err: BaseException) -> str | None:
     """The innermost frame of `err`'s traceback in the model's own code (not torch's, not dtp's), as
     "file:line: source"."""
-    frames = [f for f in traceback.extract_tb(err.__traceback__)
-              if "/torch/" not in f.filename and "/dtp/" not in f.filename and not f.filename.startswith("<")]
+    frames = [
+        f
+        for f in traceback.extract_tb(err.__traceback__)
+        if "/torch/" not in f.filename
+        and "/dtp/" not in f.filename
+        and not f.filename.startswith("<")
+    ]
     if not frames:
         return None
     f = frames[-1]
@@ -276,6 +332,7 @@ def _pre(path: str, rec: _Recorder, stack: list[str]):
         rec.trace.inputs.setdefault(path, set()).update(rec.tag_of(args) | rec.tag_of(kwargs))
         rec.read((args, kwargs))
         return None
+
     return hook
 
 
@@ -291,27 +348,37 @@ def _post(path: str, rec: _Recorder, stack: list[str], leaf: bool, module: nn.Mo
         rec.trace.edges.setdefault(path, set()).update(produced)
         rec.trace.outputs.setdefault(path, set()).add(path)
         if isinstance(output, torch.Tensor) and any(output is a for a in args):
-            output = output.view_as(output)  # an identity (dropout in eval): tag a new tensor, not the input
+            # an identity (dropout in eval): tag a new tensor, not the input
+            output = output.view_as(output)
         rec.set_tag(output, frozenset({path}), merge=False)
         width = getattr(module, "out_features", None)
-        if isinstance(output, torch.Tensor) and isinstance(width, int) and output.dim() >= 2 \
-                and output.shape[-1] == width:
+        if (
+            isinstance(output, torch.Tensor)
+            and isinstance(width, int)
+            and output.dim() >= 2
+            and output.shape[-1] == width
+        ):
             rec.parts[id(output)] = (path, 0, width)
         return output
+
     return hook
 
 
 class Traces:
-    """Traces by model, held weakly: a model is traced once however often it is checked (check, `plan --auto`'s
-    rounds, apply's pre-flight), and a model that is gone takes its trace with it."""
+    """Traces by model, held weakly: a model is traced once however often it is checked (check,
+    `plan --auto`'s rounds, apply's pre-flight), and a model that is gone takes its trace with it."""
 
     def __init__(self) -> None:
-        self._by_model: weakref.WeakKeyDictionary[nn.Module, tuple[Forward, Trace]] = weakref.WeakKeyDictionary()
-        self._calls: weakref.WeakKeyDictionary[nn.Module, Forward | None] = weakref.WeakKeyDictionary()
+        self._by_model: weakref.WeakKeyDictionary[nn.Module, tuple[Forward, Trace]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._calls: weakref.WeakKeyDictionary[nn.Module, Forward | None] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def calling(self, model: nn.Module, name: str) -> Forward:
-        """How to call `model` for every position's logits (`dtp.models.calling.discover`, once per model); a
-        UsageError naming the model as `name` when no call gives them."""
+        """How to call `model` for every position's logits (`dtp.models.calling.discover`, once per
+        model); a UsageError naming the model as `name` when no call gives them."""
         if self._calls.get(model) is None:
             try:
                 self._calls[model] = discover(model, vocab_size(model), name)
@@ -325,7 +392,8 @@ class Traces:
         if hit is None:
             try:
                 forward = self.calling(model, "model")
-            except UsageError:  # a model dtp cannot call: traced plainly; apply says why before launch
+            # a model dtp cannot call: traced plainly; apply says why before launch
+            except UsageError:
                 forward = PLAIN
             hit = self._by_model[model] = (forward, trace(model, forward))
         return hit
@@ -343,22 +411,30 @@ class Traces:
         return self._get(model)[0]
 
 
-TRACES = Traces()  # facts about model objects, kept as long as the models live (as functools caches parsed sources)
+# facts about model objects, kept as long as the models live (as functools caches parsed sources)
+TRACES = Traces()
 
 
 def model_trace(model: nn.Module) -> Trace | None:
-    """The trace of `model` (TRACES), or None for a model already sharded (its DTensors are not the model's shapes)."""
+    """The trace of `model` (TRACES), or None for a model already sharded (its DTensors are not the
+    model's shapes)."""
     if not TRACES.has(model) and isinstance(next(iter(model.parameters()), None), DTensor):
         return None
     return TRACES.of(model)
 
 
 def branch_flow(tr: Trace, leaves: list[str]) -> BranchSources | None:
-    """`leaves` (the paths of one branch, children of one module) as the trace saw them run: each leaf's inputs
-    from the other leaves (none: the branch's own input), the leaves the parent's result comes from, in the order
-    they ran; leaves that never ran are left out. None when the trace did not run or the parent was not called."""
+    """`leaves` (the paths of one branch, children of one module) as the trace saw them run: each
+    leaf's inputs from the other leaves (none: the branch's own input), the leaves the parent's
+    result comes from, in the order they ran; leaves that never ran are left out. None when the
+    trace did not run or the parent was not called."""
     parent = leaves[0].rpartition(".")[0] if leaves else ""
-    if not tr.ok or not parent or any(p.rpartition(".")[0] != parent for p in leaves) or not tr.called(parent):
+    if (
+        not tr.ok
+        or not parent
+        or any(p.rpartition(".")[0] != parent for p in leaves)
+        or not tr.called(parent)
+    ):
         return None
     ran = sorted((p for p in leaves if tr.called(p)), key=tr.order.index)
     if not ran:

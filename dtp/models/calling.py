@@ -10,14 +10,16 @@ Models written the way the field writes them do not all take token ids and retur
 | gpt-fast | `forward(idx, input_pos)` | logits; `input_pos` (the tokens' positions) is required in practice |
 | torchtitan | `forward(tokens, …)` | logits |
 
-`discover` calls the model once on a meta twin (no memory, no data; its Python state is a copy) and finds the
-logits by what they are: a floating tensor whose last dimension is the vocabulary, over every position of the
-input (a `logits` key or attribute first; then tuples, lists, dicts, dataclasses, depth-first). A model that gives
-every position's logits only when it is handed targets (nanoGPT) is called with them; the loss it computes itself is
-not used (dtp computes the one it compares). A parameter named `input_pos` (gpt-fast's and torchchat's positions
-of the tokens given, shape (T,)) gets 0 … T-1. Where no rule decides, the run stops before launch with one line
-saying what the model returns.
+`discover` calls the model once on a meta twin (no memory, no data; its Python state is a copy) and
+finds the logits by what they are: a floating tensor whose last dimension is the vocabulary, over
+every position of the input (a `logits` key or attribute first; then tuples, lists, dicts,
+dataclasses, depth-first). A model that gives every position's logits only when it is handed targets
+(nanoGPT) is called with them; the loss it computes itself is not used (dtp computes the one it
+compares). A parameter named `input_pos` (gpt-fast's and torchchat's positions of the tokens given,
+shape (T,)) gets 0 … T-1. Where no rule decides, the run stops before launch with one line saying
+what the model returns.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,36 +33,47 @@ import torch.nn as nn
 from dtp.errors import UsageError, clip
 from dtp.models.clone import meta_twin
 
-POSITIONS = ("input_pos",)  # gpt-fast, torchchat: a forward that indexes its caches and masks by these, (T,)
-TARGETS = ("targets", "labels", "target", "label")  # nanoGPT, minGPT: forward(idx, targets=None); HF: labels
+# gpt-fast, torchchat: a forward that indexes its caches and masks by these, (T,)
+POSITIONS = ("input_pos",)
+# nanoGPT, minGPT: forward(idx, targets=None); HF: labels
+TARGETS = ("targets", "labels", "target", "label")
 _MAX_DEPTH = 4  # nesting searched for the logits (a tuple in a dict in a dataclass …)
 Path = tuple  # keys, attribute names and indices from the output to the logits
 
 
 @dataclass(frozen=True)
 class Forward:
-    """How to call a model (extra inputs by name) and where its logits are; plain data, so it pickles to ranks."""
+    """How to call a model (extra inputs by name) and where its logits are; plain data, so it
+    pickles to ranks."""
 
     positions: str | None = None  # a parameter given torch.arange(T)
-    targets: str | None = None  # a parameter given the targets: the model returns every position's logits only then
-    path: Path = ()  # from the output to the logits: () the output itself, (0,) a tuple's first, ("logits",) …
-    read: bool = True  # False: the model could not be run on meta; the output's `.logits` or the output itself
-    stop: str | None = None  # the module whose output is the logits: the forward ends there (its own loss unrun)
+    # a parameter given the targets: the model returns every position's logits only then
+    targets: str | None = None
+    # from the output to the logits: () the output itself, (0,) a tuple's first, ("logits",) …
+    path: Path = ()
+    # False: the model could not be run on meta; the output's `.logits` or the output itself
+    read: bool = True
+    # the module whose output is the logits: the forward ends there (its own loss unrun)
+    stop: str | None = None
 
-    def run(self, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor | None = None) -> object:
-        """`model`'s output for token ids (B, T) (and the targets, where the model needs them for full logits);
-        with `stop`, the output of that module, the rest of the forward not run."""
+    def run(
+        self, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> object:
+        """`model`'s output for token ids (B, T) (and the targets, where the model needs them for
+        full logits); with `stop`, the output of that module, the rest of the forward not run."""
         kwargs: dict[str, torch.Tensor] = {}
         if self.positions:
             kwargs[self.positions] = torch.arange(ids.shape[-1], device=ids.device)
         if self.targets:
-            if targets is None:  # a forward without targets (an eval probe): ids stand in, the logits are the same
+            # a forward without targets (an eval probe): ids stand in, the logits are the same
+            if targets is None:
                 targets = ids
             kwargs[self.targets] = targets
         if self.stop is None:
             return model(ids, **kwargs)
-        # The model's own loss after its head would run on the sharded logits (nanoGPT views them whole) and add
-        # collectives dtp's comparison does not use: the forward ends at the head instead.
+        # The model's own loss after its head would run on the sharded logits (nanoGPT views them
+        # whole) and add collectives dtp's comparison does not use: the forward ends at the head
+        # instead.
         handle = model.get_submodule(self.stop).register_forward_hook(_stop_here)
         try:
             model(ids, **kwargs)
@@ -68,7 +81,9 @@ class Forward:
             return stopped.output
         finally:
             handle.remove()
-        raise RuntimeError(f"the model's forward did not run {self.stop}, whose output is its logits")
+        raise RuntimeError(
+            f"the model's forward did not run {self.stop}, whose output is its logits"
+        )
 
     def logits(self, output: object) -> torch.Tensor:
         """The logits in `output`."""
@@ -78,10 +93,14 @@ class Forward:
             return output.logits if hasattr(output, "logits") else output  # type: ignore[return-value]
         found = follow(output, self.path)
         if not isinstance(found, torch.Tensor):
-            raise TypeError(f"the model's output at {show(self.path)} is {type(found).__name__}, not the logits")
+            raise TypeError(
+                f"the model's output at {show(self.path)} is {type(found).__name__}, not the logits"
+            )
         return found
 
-    def __call__(self, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The logits of `model` on `ids`."""
         return self.logits(self.run(model, ids, targets))
 
@@ -98,8 +117,11 @@ def _stop_here(module: nn.Module, args: object, output: object) -> None:
     raise _Stopped(output)
 
 
-def producer(model: nn.Module, run: Callable[[], object], found: Callable[[object], torch.Tensor]) -> str | None:
-    """The path of the last module whose output is the very tensor `found` picks from `run()`'s output."""
+def producer(
+    model: nn.Module, run: Callable[[], object], found: Callable[[object], torch.Tensor]
+) -> str | None:
+    """The path of the last module whose output is the very tensor `found` picks from `run()`'s
+    output."""
     made: dict[int, str] = {}
     hook = lambda name: lambda m, a, out: made.__setitem__(id(out), name)
     handles = [m.register_forward_hook(hook(name)) for name, m in model.named_modules() if name]
@@ -130,13 +152,19 @@ def show(path: Path) -> str:
     """`path` as Python would index the output: `output[0]`, `output.logits`."""
     text = "output"
     for step in path:
-        text += f"[{step}]" if isinstance(step, int) else f"[{step!r}]" if isinstance(step, str) and not \
-            step.isidentifier() else f".{step}"
+        text += (
+            f"[{step}]"
+            if isinstance(step, int)
+            else f"[{step!r}]"
+            if isinstance(step, str) and not step.isidentifier()
+            else f".{step}"
+        )
     return text
 
 
 def _children(value: object) -> list[tuple[object, object]]:
-    """(step, child) pairs of a container output: mappings, sequences, dataclasses, objects with `logits`."""
+    """(step, child) pairs of a container output: mappings, sequences, dataclasses, objects with
+    `logits`."""
     if isinstance(value, Mapping):
         return [(k, v) for k, v in value.items() if isinstance(k, (str, int))]
     if isinstance(value, (tuple, list)):
@@ -146,16 +174,24 @@ def _children(value: object) -> list[tuple[object, object]]:
     return []
 
 
-def candidates(output: object, vocab: int | None, depth: int = 0) -> list[tuple[Path, torch.Tensor]]:
-    """Every floating tensor in `output` (depth-first, a `logits` entry first) whose last dimension is `vocab`
-    (any with two or more dimensions when the vocabulary is unknown), with its path."""
+def candidates(
+    output: object, vocab: int | None, depth: int = 0
+) -> list[tuple[Path, torch.Tensor]]:
+    """Every floating tensor in `output` (depth-first, a `logits` entry first) whose last dimension
+    is `vocab` (any with two or more dimensions when the vocabulary is unknown), with its path."""
     if isinstance(output, torch.Tensor):
-        fits = output.is_floating_point() and output.dim() >= 2 and (vocab is None or output.shape[-1] == vocab)
+        fits = (
+            output.is_floating_point()
+            and output.dim() >= 2
+            and (vocab is None or output.shape[-1] == vocab)
+        )
         return [((), output)] if fits else []
     if depth >= _MAX_DEPTH:
         return []
     kids = _children(output)
-    named = getattr(output, "logits", None) if not isinstance(output, Mapping) else output.get("logits")
+    named = (
+        getattr(output, "logits", None) if not isinstance(output, Mapping) else output.get("logits")
+    )
     if named is not None and not any(k == "logits" for k, _ in kids):
         kids.insert(0, ("logits", named))
     kids.sort(key=lambda kv: kv[0] != "logits")  # stable: a `logits` entry first, the rest in order
@@ -173,22 +209,30 @@ def _describe(output: object) -> str:
     if isinstance(output, torch.Tensor):
         return f"a tensor of shape {tuple(output.shape)}"
     kids = _children(output)
-    inner = ", ".join(f"{k}: {tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}" for k, v in kids[:6])
+    inner = ", ".join(
+        f"{k}: {tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}"
+        for k, v in kids[:6]
+    )
     return f"{type(output).__name__} ({inner})" if kids else type(output).__name__
 
 
 def forward_names(model: nn.Module) -> tuple[str | None, str | None]:
-    """The forward's positions and targets parameters (by the names the field gives them), if it takes them."""
+    """The forward's positions and targets parameters (by the names the field gives them), if it
+    takes them."""
     try:
         names = list(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError):
         return None, None
-    return next((n for n in POSITIONS if n in names), None), next((n for n in TARGETS if n in names), None)
+    return next((n for n in POSITIONS if n in names), None), next(
+        (n for n in TARGETS if n in names), None
+    )
 
 
-def discover(model: nn.Module, vocab: int | None, name: str, seq: int = 4, batch: int = 2) -> Forward:
-    """How to call `model` (any device: it runs on a meta twin) so that its output holds the logits of every
-    position; a UsageError saying what it returns when no call does."""
+def discover(
+    model: nn.Module, vocab: int | None, name: str, seq: int = 4, batch: int = 2
+) -> Forward:
+    """How to call `model` (any device: it runs on a meta twin) so that its output holds the logits
+    of every position; a UsageError saying what it returns when no call does."""
     positions, targets = forward_names(model)
     twin = meta_twin(model)
     ids = torch.zeros((batch, seq), dtype=torch.long, device="meta")
@@ -208,17 +252,27 @@ def discover(model: nn.Module, vocab: int | None, name: str, seq: int = 4, batch
         except Exception:  # noqa: BLE001 - as above
             path = None
         if path is not None:
-            stop = producer(twin, lambda: with_targets.run(twin, ids, ids), lambda out: follow(out, path))
+            stop = producer(
+                twin, lambda: with_targets.run(twin, ids, ids), lambda out: follow(out, path)
+            )
             return Forward(positions=positions, targets=targets, path=path, stop=stop)
     what = _describe(output)
     if found:
         shape = tuple(found[0][1].shape)
-        hint = (f"; called with `{targets}` it gives none either" if targets else
-                "; dtp compares the logits of every position, so make the forward return them (nanoGPT returns them "
-                "when it is given targets)")
-        raise UsageError(f"model {name} returns logits for only some positions ({show(found[0][0])} has shape "
-                         f"{shape} for {batch}×{seq} token ids){hint}")
-    raise UsageError(f"model {name}: its forward returns {clip(what, 200)}, with no tensor of logits over the "
-                     f"{vocab if vocab is not None else 'vocabulary'} tokens for every position "
-                     f"({batch}×{seq} token ids in); dtp needs the logits (a tensor, or a `logits` entry, or the "
-                     "first such tensor of a tuple, dict or dataclass)")
+        hint = (
+            f"; called with `{targets}` it gives none either"
+            if targets
+            else "; dtp compares the logits of every position, so make the forward return them (nanoGPT returns them "
+            "when it is given targets)"
+        )
+        raise UsageError(
+            f"model {name} returns logits for only some positions ({show(found[0][0])} has shape "
+            f"{shape} for {batch}×{seq} token ids){hint}"
+        )
+    raise UsageError(
+        f"model {name}: its forward returns {clip(what, 200)}, with no tensor of logits over the "
+        f"{vocab if vocab is not None else 'vocabulary'} tokens for every position "
+        f"({batch}×{seq} token ids in); dtp needs the logits (a tensor, or a `logits` entry, or the "
+        ""
+        "first such tensor of a tuple, dict or dataclass)"
+    )

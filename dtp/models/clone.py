@@ -1,15 +1,17 @@
 """A copy of a model that computes what the model computes: `copy.deepcopy`, closures included.
 
-`copy.deepcopy` copies a function by reference. A model that calls a submodule through a closure built in
-`__init__` (minGPT's `self.mlpf = lambda x: m.dropout(m.c_proj(m.act(m.c_fc(x))))`, a hook closing over its
-module, a helper made by a factory function) keeps, in its copy, a function whose cells still hold the *original*
-submodules: the copy would run the original's weights. Here every function with a closure that the model reaches
-(module attributes, hooks, lists, dicts, `functools.partial`, bound methods, plain objects a module holds) gets a
-copy of its own whose cells hold the copies of what the original's cells held. Bound methods and partials are
-already copied through their `__self__`/`func` by deepcopy; with their functions registered here, they follow.
+`copy.deepcopy` copies a function by reference. A model that calls a submodule through a closure
+built in `__init__` (minGPT's `self.mlpf = lambda x: m.dropout(m.c_proj(m.act(m.c_fc(x))))`, a hook
+closing over its module, a helper made by a factory function) keeps, in its copy, a function whose
+cells still hold the *original* submodules: the copy would run the original's weights. Here every
+function with a closure that the model reaches (module attributes, hooks, lists, dicts,
+`functools.partial`, bound methods, plain objects a module holds) gets a copy of its own whose cells
+hold the copies of what the original's cells held. Bound methods and partials are already copied
+through their `__self__`/`func` by deepcopy; with their functions registered here, they follow.
 
 `tensors` lets a caller replace every tensor on the way (a meta twin: same shapes, no data).
 """
+
 from __future__ import annotations
 
 import copy
@@ -20,18 +22,24 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-MAX_OBJECTS = 200_000  # objects visited looking for closures: far above any model, a bound on a hostile graph
+# objects visited looking for closures: far above any model, a bound on a hostile graph
+MAX_OBJECTS = 200_000
 
 
 def _reachable(root: object) -> tuple[list[types.FunctionType], list[torch.Tensor]]:
-    """Functions with closures and tensors reachable from `root` the way deepcopy walks it (bounded)."""
+    """Functions with closures and tensors reachable from `root` the way deepcopy walks it
+    (bounded)."""
     seen: set[int] = set()
     functions: list[types.FunctionType] = []
     tensors: list[torch.Tensor] = []
     stack: list[object] = [root]
     while stack and len(seen) < MAX_OBJECTS:
         obj = stack.pop()
-        if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool, type, types.ModuleType)):
+        if (
+            id(obj) in seen
+            or obj is None
+            or isinstance(obj, (str, bytes, int, float, bool, type, types.ModuleType))
+        ):
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
@@ -61,9 +69,11 @@ def _filled(cell: types.CellType) -> bool:
     return True
 
 
-def clone(model: nn.Module, tensors: Callable[[torch.Tensor], torch.Tensor] | None = None) -> nn.Module:
-    """A deep copy of `model` whose closures read the copy's objects; `tensors(t)`, when given, is what each
-    tensor the model reaches becomes in the copy (parameters stay parameters)."""
+def clone(
+    model: nn.Module, tensors: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> nn.Module:
+    """A deep copy of `model` whose closures read the copy's objects; `tensors(t)`, when given, is
+    what each tensor the model reaches becomes in the copy (parameters stay parameters)."""
     functions, found = _reachable(model)
     memo: dict[int, object] = {}
     if tensors is not None:
@@ -73,7 +83,8 @@ def clone(model: nn.Module, tensors: Callable[[torch.Tensor], torch.Tensor] | No
                 new = nn.Parameter(new, requires_grad=t.requires_grad)
             memo[id(t)] = new
     copies = []
-    for fn in functions:  # a new function with empty cells now; the cells are filled once their contents are copied
+    # a new function with empty cells now; the cells are filled once their contents are copied
+    for fn in functions:
         cells = tuple(types.CellType() for _ in fn.__closure__)
         new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
         new.__kwdefaults__, new.__dict__ = fn.__kwdefaults__, dict(fn.__dict__)
@@ -89,11 +100,17 @@ def clone(model: nn.Module, tensors: Callable[[torch.Tensor], torch.Tensor] | No
 
 
 def meta_twin(model: nn.Module) -> nn.Module:
-    """`model` with every tensor it reaches on the meta device (same shape, dtype, requires_grad; no data) and its
-    Python state copied: a forward run on it changes nothing of `model`'s."""
+    """`model` with every tensor it reaches on the meta device (same shape, dtype, requires_grad; no
+    data) and its Python state copied: a forward run on it changes nothing of `model`'s."""
+
     def to_meta(t: torch.Tensor) -> torch.Tensor:
-        new = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta") \
-            if t.layout == torch.strided else torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
-        return new.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else new
+        new = (
+            torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
+            if t.layout == torch.strided
+            else torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+        )
+        return (
+            new.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else new
+        )
 
     return clone(model, to_meta)

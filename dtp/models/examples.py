@@ -1,9 +1,10 @@
 """Factories for `dtp apply PLAN package.module:factory`: models that are not in the zoo.
 
-`tiny_lm` is a small Transformer of our own in the style of PyTorch's test Transformer: its attention
-reads the head count from an attribute (`n_heads`), so a plan must rewrite it per rank with `set`.
-`tiny_llama` is a Hugging Face Llama built from a tiny config (needs `transformers`).
+`tiny_lm` is a small Transformer of our own in the style of PyTorch's test Transformer: its
+attention reads the head count from an attribute (`n_heads`), so a plan must rewrite it per rank
+with `set`. `tiny_llama` is a Hugging Face Llama built from a tiny config (needs `transformers`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,7 +25,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Causal self-attention over (B, T, C), the local head count read from the tensor."""
         B, T, _ = x.shape
-        q, k, v = (w(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k, v = (
+            w(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+            for w in (self.wq, self.wk, self.wv)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, n_heads, T, head_dim)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
@@ -61,7 +65,14 @@ class Layer(nn.Module):
 class TinyLM(nn.Module):
     """tok_embeddings → layers → norm → output; untied, learned positions."""
 
-    def __init__(self, vocab: int = 128, dim: int = 48, n_heads: int = 4, n_layers: int = 2, max_seq: int = 64):
+    def __init__(
+        self,
+        vocab: int = 128,
+        dim: int = 48,
+        n_heads: int = 4,
+        n_layers: int = 2,
+        max_seq: int = 64,
+    ):
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
         self.pos_embeddings = nn.Embedding(max_seq, dim)
@@ -88,8 +99,19 @@ def tiny_llama() -> nn.Module:
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError as err:
-        raise RuntimeError("tiny_llama needs Hugging Face transformers: pip install transformers") from err
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa")
+        raise RuntimeError(
+            "tiny_llama needs Hugging Face transformers: pip install transformers"
+        ) from err
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(config)

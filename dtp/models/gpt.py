@@ -1,8 +1,10 @@
 """A GPT-2 written for one device, with GPT-2's module names, that stays correct when sharded.
 
 The only concession to tensor parallelism: attention takes its local head count from the tensor it
-receives (`view(B, T, -1, head_dim)`), so a column-sharded `c_attn` simply yields fewer heads per rank.
+receives (`view(B, T, -1, head_dim)`), so a column-sharded `c_attn` simply yields fewer heads per
+rank.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,7 +54,8 @@ class CausalSelfAttention(nn.Module):
         """Causal self-attention over (B, T, C); heads per rank from the tensor, not the config."""
         B, T, _ = x.shape
         q, k, v = self.c_attn(x).chunk(3, dim=-1)  # each (B, T, local width)
-        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        # (B, nh, T, hs)
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, local width)
@@ -96,13 +99,15 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.config = cfg
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
-            drop=nn.Dropout(cfg.dropout),
-            h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
-            ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+                drop=nn.Dropout(cfg.dropout),
+                h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
+                ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+            )
+        )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight

@@ -1,11 +1,14 @@
-"""A Llama written for one device, with Hugging Face's module names, that stays correct when sharded.
+"""A Llama written for one device, with Hugging Face's module names, that stays correct when
+sharded.
 
 As in gpt.py, attention takes its local head counts from the tensors it receives (`view(B, T, -1,
-head_dim)` for q, k and v), so column-sharded projections simply yield fewer heads per rank. Grouped-query
-attention repeats each key/value head n_head // n_kv_head times; sharding shrinks q and kv heads together,
-so that group size, and which q heads share which kv head, is the same on every rank. RoPE is computed
-in forward from positions (Hugging Face's rotate_half convention): no buffers, so meta builds stay cheap.
+head_dim)` for q, k and v), so column-sharded projections simply yield fewer heads per rank.
+Grouped-query attention repeats each key/value head n_head // n_kv_head times; sharding shrinks q
+and kv heads together, so that group size, and which q heads share which kv head, is the same on
+every rank. RoPE is computed in forward from positions (Hugging Face's rotate_half convention): no
+buffers, so meta builds stay cheap.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,11 +34,20 @@ class LlamaConfig:
     rope_theta: float = 10000.0  # RoPE base; Llama 3 uses 500000
     norm_eps: float = 1e-5  # RMSNorm epsilon
     tie_embeddings: bool = False  # lm_head.weight is embed_tokens.weight (Llama does not tie)
-    packed_gate_up: bool = False  # one mlp.gate_up_proj instead of gate_proj and up_proj (plans use packed=2)
+    # one mlp.gate_up_proj instead of gate_proj and up_proj (plans use packed=2)
+    packed_gate_up: bool = False
     dropout: float = 0.0  # for symmetry with GPTConfig; Llama has no dropout, so it must stay 0
 
     def __post_init__(self) -> None:
-        for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size", "vocab_size", "block_size"):
+        for name in (
+            "n_layer",
+            "n_head",
+            "n_kv_head",
+            "n_embd",
+            "intermediate_size",
+            "vocab_size",
+            "block_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -50,15 +62,20 @@ class LlamaConfig:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not a multiple of n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
-            raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
+            raise ValueError(
+                f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}"
+            )
         if (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"head size n_embd / n_head = {self.n_embd // self.n_head} must be even for RoPE")
+            raise ValueError(
+                f"head size n_embd / n_head = {self.n_embd // self.n_head} must be even for RoPE"
+            )
         if self.dropout != 0:
             raise ValueError(f"dropout must be 0 (Llama has no dropout), got {self.dropout!r}")
 
 
 class RotaryEmbedding(nn.Module):
-    """cos and sin of RoPE for positions, computed on the fly as Hugging Face's LlamaRotaryEmbedding."""
+    """cos and sin of RoPE for positions, computed on the fly as Hugging Face's
+    LlamaRotaryEmbedding."""
 
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
@@ -67,8 +84,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) of the rotary angles at positions `pos`, in `x`'s dtype."""
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float, device=pos.device) / self.head_dim
-        inv_freq = 1.0 / (self.theta ** exponents)  # (head_dim / 2,)
+        exponents = (
+            torch.arange(0, self.head_dim, 2, dtype=torch.float, device=pos.device) / self.head_dim
+        )
+        inv_freq = 1.0 / (self.theta**exponents)  # (head_dim / 2,)
         freqs = pos[..., None].float() * inv_freq  # (T, head_dim / 2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, head_dim)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
@@ -106,7 +125,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)); gate and up optionally packed in one Linear."""
+    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)); gate and up optionally packed in one
+    Linear."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -150,12 +170,14 @@ class Llama(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.config = cfg
-        self.model = nn.ModuleDict(dict(
-            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-            layers=nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layer)),
-            norm=nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps),
-            rotary_emb=RotaryEmbedding(cfg.n_embd // cfg.n_head, cfg.rope_theta),
-        ))
+        self.model = nn.ModuleDict(
+            dict(
+                embed_tokens=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+                layers=nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layer)),
+                norm=nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps),
+                rotary_emb=RotaryEmbedding(cfg.n_embd // cfg.n_head, cfg.rope_theta),
+            )
+        )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

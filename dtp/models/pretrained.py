@@ -1,12 +1,15 @@
-"""A local Hugging Face model directory as a MODEL: `config.json` plus safetensors shard(s), as `save_pretrained`
-writes them (one `model.safetensors`, or several listed by `model.safetensors.index.json`).
+"""A local Hugging Face model directory as a MODEL: `config.json` plus safetensors shard(s), as
+`save_pretrained` writes them (one `model.safetensors`, or several listed by
+`model.safetensors.index.json`).
 
-Safe by default: config.json and the index go through dtp.files' bounded JSON loader, every file read is a regular
-file named inside the directory, a model that asks for its own code (`auto_map`, `trust_remote_code`) is refused
-and pickled weights (`pytorch_model.bin`) are never read. The architecture comes from transformers' own classes
-(`AutoModelForCausalLM.from_config`); the weights are read tensor by tensor, or slice by slice (`Weights.read`),
-so that a sharded run never holds the whole model on one rank (dtp.runtime.pretrained).
+Safe by default: config.json and the index go through dtp.files' bounded JSON loader, every file
+read is a regular file named inside the directory, a model that asks for its own code (`auto_map`,
+`trust_remote_code`) is refused and pickled weights (`pytorch_model.bin`) are never read. The
+architecture comes from transformers' own classes (`AutoModelForCausalLM.from_config`); the weights
+are read tensor by tensor, or slice by slice (`Weights.read`), so that a sharded run never holds the
+whole model on one rank (dtp.runtime.pretrained).
 """
+
 from __future__ import annotations
 
 import os
@@ -24,7 +27,8 @@ from dtp.errors import UsageError, clip, shorten
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-MAX_CONFIG_BYTES = 1024 * 1024  # a config.json is a few KiB (with a tokenizer's vocabulary inlined, rarely more)
+# a config.json is a few KiB (with a tokenizer's vocabulary inlined, rarely more)
+MAX_CONFIG_BYTES = 1024 * 1024
 MAX_INDEX_BYTES = 16 * 1024 * 1024  # one line per tensor: a 1000-layer MoE stays far below
 
 
@@ -34,21 +38,28 @@ def is_pretrained_dir(spec: str) -> bool:
 
 
 def read_config(directory: str) -> dict:
-    """config.json as a dict, checked: a mapping, a model_type transformers knows, no code of its own."""
+    """config.json as a dict, checked: a mapping, a model_type transformers knows, no code of its
+    own."""
     data = files.load_json(Path(directory, CONFIG), "Hugging Face config", MAX_CONFIG_BYTES)
     if not isinstance(data, dict):
-        raise UsageError(f"{directory}/{CONFIG} must hold a JSON object (a Hugging Face model config)")
+        raise UsageError(
+            f"{directory}/{CONFIG} must hold a JSON object (a Hugging Face model config)"
+        )
     remote = [k for k in ("auto_map", "trust_remote_code") if data.get(k)]
     if remote:
-        raise UsageError(f"{directory}/{CONFIG} sets {remote[0]}: the model's classes are code shipped in its "
-                         "directory, which dtp never runs; use a model type transformers implements itself, or "
-                         "wrap your own class in a factory (MODEL = package.module:factory)")
+        raise UsageError(
+            f"{directory}/{CONFIG} sets {remote[0]}: the model's classes are code shipped in its "
+            "directory, which dtp never runs; use a model type transformers implements itself, or "
+            "wrap your own class in a factory (MODEL = package.module:factory)"
+        )
     model_type = data.get("model_type")
     from transformers import CONFIG_MAPPING
 
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
-        raise UsageError(f"{directory}/{CONFIG}: model_type {shorten(model_type)} is not one transformers "
-                         "implements (a config.json written by save_pretrained names one)")
+        raise UsageError(
+            f"{directory}/{CONFIG}: model_type {shorten(model_type)} is not one transformers "
+            "implements (a config.json written by save_pretrained names one)"
+        )
     return data
 
 
@@ -60,21 +71,26 @@ def hf_config(directory: str, data: dict | None = None):
     try:
         return CONFIG_MAPPING[data["model_type"]].from_dict(dict(data))
     except (TypeError, ValueError, KeyError) as err:
-        raise UsageError(f"{directory}/{CONFIG} is not a valid {data['model_type']} config: "
-                         f"{clip(str(err), 300)}") from None
+        raise UsageError(
+            f"{directory}/{CONFIG} is not a valid {data['model_type']} config: "
+            f"{clip(str(err), 300)}"
+        ) from None
 
 
 def build_model(directory: str, weights: bool) -> nn.Module:
-    """`AutoModelForCausalLM` of the directory's config on torch's current device, float32; with `weights`, every
-    parameter then holds the file's tensor (read whole: the unsharded model, for references)."""
+    """`AutoModelForCausalLM` of the directory's config on torch's current device, float32; with
+    `weights`, every parameter then holds the file's tensor (read whole: the unsharded model, for
+    references)."""
     from transformers import AutoModelForCausalLM
 
     config = hf_config(directory)
     try:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except ValueError as err:  # a config class without a causal LM (BERT, T5…)
-        raise UsageError(f"{directory}: transformers has no causal language model for model_type "
-                         f"{config.model_type} ({clip(str(err), 200)})") from None
+        raise UsageError(
+            f"{directory}: transformers has no causal language model for model_type "
+            f"{config.model_type} ({clip(str(err), 200)})"
+        ) from None
     if weights:
         load_whole(model, directory)
     return model
@@ -82,15 +98,19 @@ def build_model(directory: str, weights: bool) -> nn.Module:
 
 def _regular(directory: str, name: str, what: str) -> Path:
     if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
-        raise UsageError(f"{directory}/{INDEX} names {shorten(name)} as a {what}: only file names inside the "
-                         "model directory are read")
+        raise UsageError(
+            f"{directory}/{INDEX} names {shorten(name)} as a {what}: only file names inside the "
+            "model directory are read"
+        )
     path = Path(directory, name)
     try:
         mode = os.lstat(path).st_mode
     except OSError as err:
         raise UsageError(f"{what} {path} cannot be read: {err.strerror}") from None
     if not stat.S_ISREG(mode):
-        raise UsageError(f"{what} {path} is not a regular file (links, FIFOs and devices are not read)")
+        raise UsageError(
+            f"{what} {path} is not a regular file (links, FIFOs and devices are not read)"
+        )
     return path
 
 
@@ -106,21 +126,34 @@ def weight_map(directory: str) -> dict[str, Path]:
         paths = {f: _regular(directory, f, "safetensors shard") for f in set(mapping.values())}
         return {str(k): paths[f] for k, f in mapping.items()}
     if not os.path.lexists(os.path.join(directory, SINGLE)):
-        pickled = [n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json") if Path(directory, n).exists()]
-        raise UsageError(f"{directory} has no {SINGLE} (nor {INDEX})"
-                         + (f"; its {pickled[0]} is a pickle, which dtp never loads (it can run code): convert "
-                            "it with save_pretrained(..., safe_serialization=True)" if pickled else "")
-                         + "; dtp reads the weights from safetensors only")
+        pickled = [
+            n
+            for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")
+            if Path(directory, n).exists()
+        ]
+        raise UsageError(
+            f"{directory} has no {SINGLE} (nor {INDEX})"
+            + (
+                f"; its {pickled[0]} is a pickle, which dtp never loads (it can run code): convert "
+                "it with save_pretrained(..., safe_serialization=True)"
+                if pickled
+                else ""
+            )
+            + "; dtp reads the weights from safetensors only"
+        )
     path = _regular(directory, SINGLE, "safetensors file")
     try:
         with safe_open(str(path), framework="pt") as f:
             return {name: path for name in f.keys()}
     except Exception as err:  # noqa: BLE001 - a corrupt header: safetensors raises its own error types
-        raise UsageError(f"{path} is not a readable safetensors file: {clip(str(err), 200)}") from None
+        raise UsageError(
+            f"{path} is not a readable safetensors file: {clip(str(err), 200)}"
+        ) from None
 
 
 class Weights:
-    """The directory's tensors, opened lazily per file; reads whole tensors or rows of one dimension."""
+    """The directory's tensors, opened lazily per file; reads whole tensors or rows of one
+    dimension."""
 
     def __init__(self, directory: str):
         self.directory = directory
@@ -141,26 +174,36 @@ class Weights:
             try:
                 self._open[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
             except Exception as err:  # noqa: BLE001 - a corrupt shard: one paragraph
-                raise UsageError(f"{path} is not a readable safetensors file: {clip(str(err), 200)}") from None
+                raise UsageError(
+                    f"{path} is not a readable safetensors file: {clip(str(err), 200)}"
+                ) from None
         return self._open[path]
 
     def find(self, names: list[str], shape: tuple[int, ...]) -> str:
-        """The first of a parameter's names (tied weights have several) the files hold, checked against the
-        model's `shape`; a missing or mis-shaped tensor is a UsageError."""
+        """The first of a parameter's names (tied weights have several) the files hold, checked
+        against the model's `shape`; a missing or mis-shaped tensor is a UsageError."""
         name = next((n for n in names if n in self.where), None)
         if name is None:
-            raise UsageError(f"{self.directory} holds no tensor {' or '.join(names)} that the model built from its "
-                             f"config.json has (shape {list(shape)}); the safetensors files must hold every "
-                             "parameter under its module path, as save_pretrained writes them")
+            raise UsageError(
+                f"{self.directory} holds no tensor {' or '.join(names)} that the model built from "
+                "its "
+                f"config.json has (shape {list(shape)}); the safetensors files must hold every "
+                "parameter under its module path, as save_pretrained writes them"
+            )
         stored = tuple(self._file(self.where[name]).get_slice(name).get_shape())
         if stored != tuple(shape):
-            raise UsageError(f"{self.directory}: tensor {name} has shape {list(stored)} in "
-                             f"{self.where[name].name}, but the model built from config.json expects "
-                             f"{list(shape)}; the config and the weights do not belong together")
+            raise UsageError(
+                f"{self.directory}: tensor {name} has shape {list(stored)} in "
+                f"{self.where[name].name}, but the model built from config.json expects "
+                f"{list(shape)}; the config and the weights do not belong together"
+            )
         return name
 
-    def read(self, name: str, dim: int | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Tensor `name` whole, or only `rows` of dimension `dim` (read one contiguous run at a time)."""
+    def read(
+        self, name: str, dim: int | None = None, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Tensor `name` whole, or only `rows` of dimension `dim` (read one contiguous run at a
+        time)."""
         f = self._file(self.where[name])
         if dim is None or rows is None:
             return f.get_tensor(name)
@@ -184,9 +227,10 @@ def runs(rows: list[int]) -> Iterator[tuple[int, int]]:
 
 
 def aliases(model: nn.Module) -> dict[str, list[str]]:
-    """A parameter's first name (as `named_parameters()` gives it) → every name it has (tied weights: the
-    embedding and lm_head), first name first."""
-    names: dict[nn.Parameter, list[str]] = {}  # keyed by the object, as named_parameters' own memo is
+    """A parameter's first name (as `named_parameters()` gives it) → every name it has (tied
+    weights: the embedding and lm_head), first name first."""
+    # keyed by the object, as named_parameters' own memo is
+    names: dict[nn.Parameter, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(p, []).append(name)
     return {group[0]: group for group in names.values()}
@@ -194,7 +238,8 @@ def aliases(model: nn.Module) -> dict[str, list[str]]:
 
 @torch.no_grad()
 def load_whole(model: nn.Module, directory: str) -> None:
-    """Copy every parameter of `model` (unsharded) from the directory's files, converted to its dtype."""
+    """Copy every parameter of `model` (unsharded) from the directory's files, converted to its
+    dtype."""
     names = aliases(model)
     with Weights(directory) as w:
         for name, p in model.named_parameters():
@@ -202,8 +247,8 @@ def load_whole(model: nn.Module, directory: str) -> None:
 
 
 def check_weights(model: nn.Module, directory: str) -> None:
-    """Every parameter of `model` (on meta is enough) is in the directory's files with its shape: read from the
-    safetensors headers only, so a bad directory is exit 2 before any rank starts."""
+    """Every parameter of `model` (on meta is enough) is in the directory's files with its shape:
+    read from the safetensors headers only, so a bad directory is exit 2 before any rank starts."""
     names = aliases(model)
     with Weights(directory) as w:
         for name, p in model.named_parameters():

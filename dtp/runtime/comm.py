@@ -1,11 +1,12 @@
 """Counting collectives at the dispatcher, plus the bytes each one moves.
 
-A TorchDispatchMode sees every collective DTensor, FSDP2 and user code issue (the functional c10d ops
-and the in-place c10d ops) and registers no module hooks: torch's CommDebugMode also tracks modules
-with forward and full backward hooks, which changes autograd (an in-place `+=` on a hooked module's
-output fails) and crashes on some Hugging Face models. The phase (forward or backward) is the counter's
-own: `dtp apply` uses one counter per phase.
+A TorchDispatchMode sees every collective DTensor, FSDP2 and user code issue (the functional c10d
+ops and the in-place c10d ops) and registers no module hooks: torch's CommDebugMode also tracks
+modules with forward and full backward hooks, which changes autograd (an in-place `+=` on a hooked
+module's output fails) and crashes on some Hugging Face models. The phase (forward or backward) is
+the counter's own: `dtp apply` uses one counter per phase.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -18,27 +19,73 @@ from torch.utils._pytree import tree_flatten
 
 from dtp.cost.schedule import sent_bytes
 
-_C10D_NAMES = {"allreduce_": "all_reduce", "allgather_": "all_gather", "_allgather_base_": "all_gather",
-               "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
-               "allgather_into_tensor_coalesced_": "all_gather", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-               "alltoall_base_": "all_to_all", "broadcast_": "broadcast"}
+_C10D_NAMES = {
+    "allreduce_": "all_reduce",
+    "allgather_": "all_gather",
+    "_allgather_base_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "alltoall_base_": "all_to_all",
+    "broadcast_": "broadcast",
+}
 
 
 def _collective_ops() -> set:
     """The op packets that are collectives (what CommDebugMode counts)."""
     ops: set = set()
     for namespace, names in (
-        ("_c10d_functional", ("all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_reduce",
-                              "all_reduce_coalesced", "all_to_all_single", "broadcast", "reduce_scatter_tensor",
-                              "reduce_scatter_tensor_coalesced")),
-        ("c10d_functional", ("all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_reduce",
-                             "all_reduce_coalesced", "all_to_all_single", "broadcast", "reduce_scatter_tensor",
-                             "reduce_scatter_tensor_coalesced")),
-        ("_c10d_functional_autograd", ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor")),
-        ("c10d", ("_allgather_base_", "_reduce_scatter_base_", "allgather_", "allgather_coalesced_",
-                  "allgather_into_tensor_coalesced_", "allreduce_", "allreduce_coalesced_", "alltoall_",
-                  "alltoall_base_", "broadcast_", "gather_", "scatter_", "reduce_", "reduce_scatter_",
-                  "reduce_scatter_tensor_coalesced_")),
+        (
+            "_c10d_functional",
+            (
+                "all_gather_into_tensor",
+                "all_gather_into_tensor_coalesced",
+                "all_reduce",
+                "all_reduce_coalesced",
+                "all_to_all_single",
+                "broadcast",
+                "reduce_scatter_tensor",
+                "reduce_scatter_tensor_coalesced",
+            ),
+        ),
+        (
+            "c10d_functional",
+            (
+                "all_gather_into_tensor",
+                "all_gather_into_tensor_coalesced",
+                "all_reduce",
+                "all_reduce_coalesced",
+                "all_to_all_single",
+                "broadcast",
+                "reduce_scatter_tensor",
+                "reduce_scatter_tensor_coalesced",
+            ),
+        ),
+        (
+            "_c10d_functional_autograd",
+            ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor"),
+        ),
+        (
+            "c10d",
+            (
+                "_allgather_base_",
+                "_reduce_scatter_base_",
+                "allgather_",
+                "allgather_coalesced_",
+                "allgather_into_tensor_coalesced_",
+                "allreduce_",
+                "allreduce_coalesced_",
+                "alltoall_",
+                "alltoall_base_",
+                "broadcast_",
+                "gather_",
+                "scatter_",
+                "reduce_",
+                "reduce_scatter_",
+                "reduce_scatter_tensor_coalesced_",
+            ),
+        ),
         ("_dtensor", ("shard_dim_alltoall",)),
     ):
         space = getattr(torch.ops, namespace)
@@ -56,7 +103,9 @@ _COLLECTIVES = _collective_ops()
 def op_name(op: object) -> str:
     """`c10d_functional.all_reduce` → `all_reduce`; FSDP2's `c10d._allgather_base_` → `all_gather`."""
     name = str(op).rsplit(".", 1)[-1]
-    return _C10D_NAMES.get(name, name.removesuffix("_into_tensor").removesuffix("_tensor").removesuffix("_single"))
+    return _C10D_NAMES.get(
+        name, name.removesuffix("_into_tensor").removesuffix("_tensor").removesuffix("_single")
+    )
 
 
 def _group_size(tree: object) -> int:
@@ -79,7 +128,9 @@ def _group_size(tree: object) -> int:
 
 def _bytes(tree: object) -> int:
     leaves, _ = tree_flatten(tree)
-    return max((t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)), default=0)
+    return max(
+        (t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)), default=0
+    )
 
 
 class CommCounter(TorchDispatchMode):
@@ -91,11 +142,13 @@ class CommCounter(TorchDispatchMode):
         self.supports_higher_order_operators = True
         self.counts: dict[str, int] = defaultdict(int)
         self.comm_bytes: dict[str, int] = defaultdict(int)
-        self.comm_sizes: dict[str, list[tuple[int, int]]] = defaultdict(list)  # (buffer bytes, group size)
+        # (buffer bytes, group size)
+        self.comm_sizes: dict[str, list[tuple[int, int]]] = defaultdict(list)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):  # e.g. DTensor's RNG op: not a collective
+        # e.g. DTensor's RNG op: not a collective
+        if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **kwargs)
 
         if any(issubclass(t, DTensor) for t in types):
@@ -118,9 +171,16 @@ class CommCounter(TorchDispatchMode):
 
 
 def merge(phases: dict[str, CommCounter]) -> dict:
-    """{"total", "by_op", "forward", "backward", "bytes", "sent_bytes"} over counters keyed by phase; the
-    optimizer's collectives (none under tensor parallelism) count as backward."""
-    out: dict = {"total": 0, "by_op": {}, "forward": {}, "backward": {}, "bytes": {}, "sent_bytes": {}}
+    """{"total", "by_op", "forward", "backward", "bytes", "sent_bytes"} over counters keyed by
+    phase; the optimizer's collectives (none under tensor parallelism) count as backward."""
+    out: dict = {
+        "total": 0,
+        "by_op": {},
+        "forward": {},
+        "backward": {},
+        "bytes": {},
+        "sent_bytes": {},
+    }
     for phase, c in phases.items():
         key = "forward" if phase == "forward" else "backward"
         out["total"] += c.get_total_counts()
@@ -130,5 +190,7 @@ def merge(phases: dict[str, CommCounter]) -> dict:
         for name, nbytes in c.comm_bytes.items():
             out["bytes"][name] = out["bytes"].get(name, 0) + nbytes
         for name, sizes in c.comm_sizes.items():
-            out["sent_bytes"][name] = out["sent_bytes"].get(name, 0) + sum(sent_bytes(name, b, n) for b, n in sizes)
+            out["sent_bytes"][name] = out["sent_bytes"].get(name, 0) + sum(
+                sent_bytes(name, b, n) for b, n in sizes
+            )
     return out

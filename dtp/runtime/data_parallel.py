@@ -1,8 +1,10 @@
-"""Model + data parallelism: FSDP2 (`fully_shard`) over the mesh's dp dimension, on top of the tp plan.
+"""Model + data parallelism: FSDP2 (`fully_shard`) over the mesh's dp dimension, on top of the tp
+plan.
 
 The paper's largest runs were 8-way model × 64-way data parallel. Here each block of the model's
 top-level ModuleLists is one FSDP unit and the model itself is the root unit.
 """
+
 from __future__ import annotations
 
 import torch.nn as nn
@@ -16,5 +18,3 @@ def data_parallel(model: nn.Module, dp_mesh) -> None:
     for path in units(model):
         fully_shard(model.get_submodule(path), mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
-
-

@@ -1,10 +1,13 @@
-"""A job: what every command that starts ranks runs (`dtp apply`, `dtp train`, the fuzz pools), as one value.
+"""A job: what every command that starts ranks runs (`dtp apply`, `dtp train`, the fuzz pools), as
+one value.
 
-The plan travels as its text, read once where the job is made: the pre-flight (dtp.runtime.preflight.prepare)
-checks that text and the ranks parse that same text, so what runs is what was checked even if the file changes.
-Every field is validated here, once, with one message per condition (UsageError: exit 2 before any rank starts).
-No torch: the command line's argument types share these limits (dtp/cli/args.py).
+The plan travels as its text, read once where the job is made: the pre-flight
+(dtp.runtime.preflight.prepare) checks that text and the ranks parse that same text, so what runs is
+what was checked even if the file changes. Every field is validated here, once, with one message per
+condition (UsageError: exit 2 before any rank starts). No torch: the command line's argument types
+share these limits (dtp/cli/args.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -13,8 +16,10 @@ from dataclasses import asdict, dataclass
 from dtp.errors import UsageError, shorten
 from dtp.lang.parse import read_plan_text
 
-DTYPES = ("float32", "bfloat16", "float64")  # what a rank runs in (dtp.verify.rank.DTYPES maps them to torch's)
-DEVICES = ("auto", "cpu", "cuda")  # auto: CUDA when there is a GPU for every local rank (dtp.runtime.launcher)
+# what a rank runs in (dtp.verify.rank.DTYPES maps them to torch's)
+DTYPES = ("float32", "bfloat16", "float64")
+# auto: CUDA when there is a GPU for every local rank (dtp.runtime.launcher)
+DEVICES = ("auto", "cpu", "cuda")
 MAX_SEED = 2**63 - 2**16  # torch seeds are 64-bit; ranks add their index
 MAX_TIMEOUT = 7 * 24 * 3600.0  # seconds: a week; a larger wait overflows the timers it is handed to
 
@@ -27,9 +32,11 @@ def positive(flag: str, value: object) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class Job:
-    """One run of a plan on a model over tp × dp ranks; plain data, so that it pickles to spawned ranks."""
+    """One run of a plan on a model over tp × dp ranks; plain data, so that it pickles to spawned
+    ranks."""
 
-    plan: str  # the plan as the user named it (a file or a shipped plan): FILE in FILE:LINE:COL, never re-read
+    # the plan as the user named it (a file or a shipped plan): FILE in FILE:LINE:COL, never re-read
+    plan: str
     plan_text: str | None = None  # the plan's source; None: read from `plan` once, here
     model: str  # zoo name, model YAML, package.module:factory or a save_pretrained directory
     tp: int = 2
@@ -42,38 +49,71 @@ class Job:
     timeout: float = 120.0  # seconds before every rank is stopped (exit 1)
 
     def __post_init__(self) -> None:
-        for flag, value in (("--tp", self.tp), ("--dp", self.dp), ("--batch", self.batch), ("--seq", self.seq)):
+        for flag, value in (
+            ("--tp", self.tp),
+            ("--dp", self.dp),
+            ("--batch", self.batch),
+            ("--seq", self.seq),
+        ):
             positive(flag, value)
         if self.batch % self.dp:
-            raise UsageError(f"--batch {self.batch} (the global batch) must divide by --dp {self.dp}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
-            raise UsageError(f"--seed must be an integer between 0 and {MAX_SEED}, got {shorten(self.seed)}")
+            raise UsageError(
+                f"--batch {self.batch} (the global batch) must divide by --dp {self.dp}"
+            )
+        if (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not 0 <= self.seed <= MAX_SEED
+        ):
+            raise UsageError(
+                f"--seed must be an integer between 0 and {MAX_SEED}, got {shorten(self.seed)}"
+            )
         if self.dtype not in DTYPES:
-            raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {shorten(self.dtype)}")
+            raise UsageError(
+                f"--dtype must be one of {', '.join(DTYPES)}, got {shorten(self.dtype)}"
+            )
         if self.device not in DEVICES:
-            raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {shorten(self.device)}")
-        if (isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float))
-                or not 0 < self.timeout <= MAX_TIMEOUT):  # nan fails both comparisons
-            raise UsageError(f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT:.0f}], "
-                             f"got {shorten(self.timeout)}")
+            raise UsageError(
+                f"--device must be one of {', '.join(DEVICES)}, got {shorten(self.device)}"
+            )
+        if (
+            isinstance(self.timeout, bool)
+            or not isinstance(self.timeout, (int, float))
+            or not 0 < self.timeout <= MAX_TIMEOUT
+        ):  # nan fails both comparisons
+            raise UsageError(
+                f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT:.0f}], "
+                f"got {shorten(self.timeout)}"
+            )
         if not isinstance(self.model, str) or not self.model.strip():
-            raise UsageError(f"MODEL must name a model (a zoo name, a model YAML, package.module:factory or a "
-                             f"save_pretrained directory), got {shorten(self.model)}")
+            raise UsageError(
+                f"MODEL must name a model (a zoo name, a model YAML, package.module:factory or a "
+                f"save_pretrained directory), got {shorten(self.model)}"
+            )
         if self.plan_text is None:
             object.__setattr__(self, "plan_text", read_plan_text(self.plan))
         elif not isinstance(self.plan_text, str):
-            raise UsageError(f"the plan's text must be a string, got {type(self.plan_text).__name__}")
+            raise UsageError(
+                f"the plan's text must be a string, got {type(self.plan_text).__name__}"
+            )
 
     def to_json(self) -> dict:
-        """The fields as a report records them: the plan by name (its text is in the plan the report names)."""
+        """The fields as a report records them: the plan by name (its text is in the plan the report
+        names)."""
         fields = asdict(self)
         del fields["plan_text"]
         return fields
 
 
 def finite(flag: str, value: float, *, low: float = 0.0, strict: bool = False) -> None:
-    """Refuse a number that is not finite, or below `low` (at or below it when `strict`): one paragraph."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < low or (strict and value <= low):
+    """Refuse a number that is not finite, or below `low` (at or below it when `strict`): one
+    paragraph."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < low
+        or (strict and value <= low)
+    ):
         what = f"a finite number > {low:g}" if strict else f"a finite number ≥ {low:g}"
         raise UsageError(f"{flag} must be {what}, got {shorten(value)}")

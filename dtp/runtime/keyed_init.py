@@ -1,11 +1,14 @@
-"""Keyed initialisation for the one build path (dtp.runtime.build): each rank draws only its own shards.
+"""Keyed initialisation for the one build path (dtp.runtime.build): each rank draws only its own
+shards.
 
 Every element of the *full* model's parameters is a pure function of (seed, parameter name, element
-index in the model's own layout): a counter-based generator (splitmix64 of the index, then the inverse
-normal CDF). A rank computes the global indices of the elements it holds (torch.chunk's layout, packed
-parts put back in the model's row order) and draws only those, so the full weights are identical at any
-tp and dp, and no rank ever holds more than its shards (plus one parameter's index block at a time).
+index in the model's own layout): a counter-based generator (splitmix64 of the index, then the
+inverse normal CDF). A rank computes the global indices of the elements it holds (torch.chunk's
+layout, packed parts put back in the model's row order) and draws only those, so the full weights
+are identical at any tp and dp, and no rank ever holds more than its shards (plus one parameter's
+index block at a time).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,16 +41,20 @@ def _key(seed: int, name: str) -> np.uint64:
 
 
 def normal_at(seed: int, name: str, index: np.ndarray, std: float) -> np.ndarray:
-    """N(0, std²) draws keyed on (seed, name, element index): the same value for an index on any rank."""
+    """N(0, std²) draws keyed on (seed, name, element index): the same value for an index on any
+    rank."""
     with np.errstate(over="ignore"):
         bits = _mix(index.astype(np.uint64) * _GOLDEN + _key(seed, name))
-    u = ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53  # (0, 1), never 0 or 1
+    u = ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53  # (0, 1), never 0 or 1
     return torch.special.ndtri(torch.from_numpy(u)).numpy() * std
 
 
-def init_rule(model: nn.Module, module: nn.Module, pname: str, full_name: str, ndim: int) -> tuple[str, float]:
-    """('normal', std) | ('zeros', 0) | ('ones', 0): the field's initialisation of one parameter (GPT-2's:
-    normal(0, initializer_range) matrices, scaled residual projections, zero biases, unit norms)."""
+def init_rule(
+    model: nn.Module, module: nn.Module, pname: str, full_name: str, ndim: int
+) -> tuple[str, float]:
+    """('normal', std) | ('zeros', 0) | ('ones', 0): the field's initialisation of one parameter
+    (GPT-2's: normal(0, initializer_range) matrices, scaled residual projections, zero biases, unit
+    norms)."""
     config = getattr(model, "config", None)
     std = float(getattr(config, "initializer_range", 0.02))
     if is_norm(module):
@@ -58,18 +65,22 @@ def init_rule(model: nn.Module, module: nn.Module, pname: str, full_name: str, n
         return "normal", std / math.sqrt(2 * config.n_layer)  # GPT-2's scaled residual projections
     if ndim >= 2:  # Linear, Embedding, Conv1D, 3-D expert weights
         return "normal", std
-    raise UsageError(f"dtp train's keyed initialisation knows matrices, biases and norms; {full_name} is a "
-                     f"{ndim}-D parameter of a {type(module).__name__}; train from the model's own initialisation "
-                     "(--init model, the default)")
+    raise UsageError(
+        f"dtp train's keyed initialisation knows matrices, biases and norms; {full_name} is a "
+        f"{ndim}-D parameter of a {type(module).__name__}; train from the model's own "
+        "initialisation "
+        "(--init model, the default)"
+    )
 
 
 def _fill(lay: ParamLayout, seed: int, std: float) -> None:
-    """Draw this rank's elements of one parameter, `_BLOCK` at a time, at their model-layout indices."""
+    """Draw this rank's elements of one parameter, `_BLOCK` at a time, at their model-layout
+    indices."""
     shape, local = lay.shape, lay.local
     dims = [np.arange(n, dtype=np.int64) for n in shape]
     if lay.dim is not None:
         dims[lay.dim] = lay.rows(lay.param.device_mesh.get_local_rank()).numpy()
-    strides = [int(np.prod(shape[k + 1:], dtype=np.int64)) for k in range(len(shape))]
+    strides = [int(np.prod(shape[k + 1 :], dtype=np.int64)) for k in range(len(shape))]
     rows = dims[0] if dims else np.zeros(1, dtype=np.int64)
     per_row = max(1, int(np.prod([len(d) for d in dims[1:]], dtype=np.int64)))
     step = max(1, _BLOCK // per_row)
@@ -78,9 +89,9 @@ def _fill(lay: ParamLayout, seed: int, std: float) -> None:
         rest = (rest[..., None] + dims[k] * strides[k]).reshape(-1)
     flat_local = local.view(-1) if local.dim() else local.view(1)
     for i in range(0, len(rows), step):
-        idx = (rows[i:i + step, None] * (strides[0] if dims else 1) + rest[None, :]).reshape(-1)
+        idx = (rows[i : i + step, None] * (strides[0] if dims else 1) + rest[None, :]).reshape(-1)
         values = torch.from_numpy(normal_at(seed, lay.name, idx, std)).to(local.dtype)
-        flat_local[i * per_row:i * per_row + len(idx)].copy_(values)
+        flat_local[i * per_row : i * per_row + len(idx)].copy_(values)
 
 
 @torch.no_grad()

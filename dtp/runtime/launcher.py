@@ -1,11 +1,14 @@
-"""Local ranks: start `world` processes on this machine, rendezvous on loopback only, collect what each returns.
+"""Local ranks: start `world` processes on this machine, rendezvous on loopback only, collect what
+each returns.
 
-The one launcher: every command that starts ranks on this machine goes through it (a prepared job through
-dtp.runtime.preflight.launch, which joins torchrun's world instead when torchrun started this process).
-torch's TCPStore listens on every interface (`::`) whatever host it is given, so the parent binds a loopback
-socket itself and hands it to the store (`master_listen_fd`); gloo's and NCCL's own sockets are pinned to the
-loopback interface. Under torchrun none of this runs: the launcher's settings stand.
+The one launcher: every command that starts ranks on this machine goes through it (a prepared job
+through dtp.runtime.preflight.launch, which joins torchrun's world instead when torchrun started
+this process). torch's TCPStore listens on every interface (`::`) whatever host it is given, so the
+parent binds a loopback socket itself and hands it to the store (`master_listen_fd`); gloo's and
+NCCL's own sockets are pinned to the loopback interface. Under torchrun none of this runs: the
+launcher's settings stand.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,11 +30,13 @@ from dtp.errors import RunError, Terminated
 from dtp.runtime.threads import threads_per_rank
 from dtp.runtime.torchrun import RENDEZVOUS
 
-GRACE_S = 3.0  # after a first failure, how long the other ranks get to report theirs before they are stopped
+# after a first failure, how long the other ranks get to report theirs before they are stopped
+GRACE_S = 3.0
 
 
 def die_with_parent() -> None:
-    """Make this process receive SIGKILL when its parent dies (Linux), so no rank outlives its launcher."""
+    """Make this process receive SIGKILL when its parent dies (Linux), so no rank outlives its
+    launcher."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -39,7 +44,8 @@ def die_with_parent() -> None:
 
 
 def loopback_listener(world: int) -> socket.socket:
-    """A socket listening on 127.0.0.1 only (an ephemeral port), for `serve_store` once every rank is started."""
+    """A socket listening on 127.0.0.1 only (an ephemeral port), for `serve_store` once every rank
+    is started."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     sock.listen(max(128, world))
@@ -49,49 +55,87 @@ def loopback_listener(world: int) -> socket.socket:
 def serve_store(sock: socket.socket, world: int, timeout: float):
     """The TCPStore server on `sock` (the store owns the descriptor from here on).
 
-    Call it only after the ranks are forked: the server runs a thread, and a rank forked while that thread
-    held a lock (it accepts and names the ranks already started) can block forever in its own store client.
-    Ranks that connect before the server runs wait in the socket's backlog."""
+    Call it only after the ranks are forked: the server runs a thread, and a rank forked while that
+    thread held a lock (it accepts and names the ranks already started) can block forever in its own
+    store client. Ranks that connect before the server runs wait in the socket's backlog."""
     from torch.distributed import TCPStore
 
     # detach: Python must not close the descriptor a second time.
-    return TCPStore("127.0.0.1", sock.getsockname()[1], world, is_master=True, wait_for_workers=False,
-                    timeout=timedelta(seconds=timeout), master_listen_fd=sock.detach())
+    return TCPStore(
+        "127.0.0.1",
+        sock.getsockname()[1],
+        world,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout),
+        master_listen_fd=sock.detach(),
+    )
 
 
-def init_rank(rank: int, world: int, port: int, device: str, timeout: float, threads: int = 1) -> None:
-    """In a started rank: die with the parent, leave signals to it, use `threads` intra-op threads, join the
-    process group over loopback."""
+def init_rank(
+    rank: int, world: int, port: int, device: str, timeout: float, threads: int = 1
+) -> None:
+    """In a started rank: die with the parent, leave signals to it, use `threads` intra-op threads,
+    join the process group over loopback."""
     import torch
     import torch.distributed as dist
 
     die_with_parent()  # a rank must not outlive its launcher, even one killed with SIGKILL
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops every rank, once
+    # Ctrl-C is the parent's: it stops every rank, once
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS=str(threads), GLOO_SOCKET_IFNAME="lo",
-                      NCCL_SOCKET_IFNAME="lo")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS=str(threads),
+        GLOO_SOCKET_IFNAME="lo",
+        NCCL_SOCKET_IFNAME="lo",
+    )
     torch.set_num_threads(threads)
     if device == "cuda":
         torch.cuda.set_device(rank)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout))
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout))
+    store = dist.TCPStore(
+        "127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout)
+    )
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo",
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout),
+    )
 
 
 def error_summary(err: BaseException, rank: int) -> dict:
-    """What a rank's exception becomes on the parent: rank, where (module or phase), error, source line."""
+    """What a rank's exception becomes on the parent: rank, where (module or phase), error, source
+    line."""
     frames = traceback.extract_tb(err.__traceback__)
     message = " ".join(str(err).split())
     if len(message) > 400:
         message = message[:400] + " …"
-    return {"rank": rank, "where": getattr(err, "__dtp_where__", None) or "start-up",
-            "error": f"{type(err).__name__}: {message}", "time": time.time(),
-            "at": f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""}
+    return {
+        "rank": rank,
+        "where": getattr(err, "__dtp_where__", None) or "start-up",
+        "error": f"{type(err).__name__}: {message}",
+        "time": time.time(),
+        "at": f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "",
+    }
 
 
-def _child(rank: int, world: int, port: int, device: str, timeout: float, out: str, fn, args: tuple,
-           threads: int = 1) -> None:
+def _child(
+    rank: int,
+    world: int,
+    port: int,
+    device: str,
+    timeout: float,
+    out: str,
+    fn,
+    args: tuple,
+    threads: int = 1,
+) -> None:
     code = 1
     try:
         import faulthandler
@@ -138,22 +182,33 @@ def _death(exitcode: int | None) -> str:
 
 
 def _failure(out: Path, rank: int, exitcode: int | None) -> RunError:
-    """A RunError for a rank that failed; `.time` is when it raised (0 for a rank that died silently)."""
+    """A RunError for a rank that failed; `.time` is when it raised (0 for a rank that died
+    silently)."""
     path = out / f"error-{rank}.json"
     with contextlib.suppress(ValueError, OSError, KeyError):
         e = json.loads(path.read_text())
-        err = RunError(f"the run failed on rank {rank} in {e['where']}: {e['error']}", rank=rank,
-                       where=e["where"], error=e["error"])
+        err = RunError(
+            f"the run failed on rank {rank} in {e['where']}: {e['error']}",
+            rank=rank,
+            where=e["where"],
+            error=e["error"],
+        )
         err.time = e["time"]
         return err
-    err = RunError(f"the run failed: rank {rank} {_death(exitcode)}", rank=rank, where=None, error=_death(exitcode))
+    err = RunError(
+        f"the run failed: rank {rank} {_death(exitcode)}",
+        rank=rank,
+        where=None,
+        error=_death(exitcode),
+    )
     err.time = 0.0
     return err
 
 
 @contextlib.contextmanager
 def terminate_as_interrupt():
-    """SIGTERM raises Terminated (a KeyboardInterrupt) in the main thread, so cleanup runs as for Ctrl-C."""
+    """SIGTERM raises Terminated (a KeyboardInterrupt) in the main thread, so cleanup runs as for
+    Ctrl-C."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
@@ -171,8 +226,8 @@ def terminate_as_interrupt():
 
 
 def start_ranks(target, world: int, args: tuple, device: str = "cpu") -> list:
-    """Start `world` processes running target(rank, *args): forked on CPU (no re-import of torch), spawned
-    on CUDA (CUDA cannot be forked)."""
+    """Start `world` processes running target(rank, *args): forked on CPU (no re-import of torch),
+    spawned on CUDA (CUDA cannot be forked)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn" if device == "cuda" else "fork")
@@ -188,11 +243,13 @@ def stop_ranks(procs: list) -> None:
         if p.is_alive():
             p.kill()
     for p in procs:
-        p.join(timeout=30)  # SIGKILL cannot be ignored; on a loaded machine it can take a moment to land
+        # SIGKILL cannot be ignored; on a loaded machine it can take a moment to land
+        p.join(timeout=30)
 
 
 def _stuck_at(procs: list, out: Path, done: set[int]) -> str:
-    """Where each live rank is (its innermost frames, from faulthandler), as a sentence; '' if none could tell."""
+    """Where each live rank is (its innermost frames, from faulthandler), as a sentence; '' if none
+    could tell."""
     live = [r for r, p in enumerate(procs) if r not in done and p.is_alive()]
     for r in live:
         with contextlib.suppress(ProcessLookupError):
@@ -202,7 +259,8 @@ def _stuck_at(procs: list, out: Path, done: set[int]) -> str:
     for r in live:
         with contextlib.suppress(OSError):
             text = Path(out, f"stack-{r}.txt").read_text()
-            # The rank's main thread is the block that runs _child (others are torch's or gloo's own).
+            # The rank's main thread is the block that runs _child (others are torch's or gloo's
+            # own).
             block = next((b for b in text.split("\n\n") if " in _child" in b), text)
             frames = [f.strip() for f in block.splitlines() if f.strip().startswith("File ")]
             if frames:
@@ -213,7 +271,7 @@ def _stuck_at(procs: list, out: Path, done: set[int]) -> str:
 def _frame(line: str) -> str:
     """'File "/x/y.py", line 3 in f' → 'y.py:3 f'."""
     try:
-        path, rest = line[len('File "'):].split('", line ', 1)
+        path, rest = line[len('File "') :].split('", line ', 1)
         number, _, func = rest.partition(" in ")
         return f"{Path(path).name}:{number} {func}"
     except ValueError:
@@ -221,8 +279,8 @@ def _frame(line: str) -> str:
 
 
 def _wait(procs: list, out: Path, left: float, timeout: float) -> list[RunError]:
-    """Wait for every rank, at most `left` seconds; the failures, first one first ([] when all returned a
-    result). `timeout` is the user's, for the message."""
+    """Wait for every rank, at most `left` seconds; the failures, first one first ([] when all
+    returned a result). `timeout` is the user's, for the message."""
     deadline = time.monotonic() + left
     failures: list[tuple[int, float, int, RunError]] = []  # (round seen, time raised, rank, error)
     seen: set[int] = set()
@@ -231,8 +289,10 @@ def _wait(procs: list, out: Path, left: float, timeout: float) -> list[RunError]
         now = time.monotonic()
         if now >= deadline:
             where = _stuck_at(procs, out, seen)
-            raise RunError(f"the run did not finish within --timeout {timeout:g} s; every rank was stopped "
-                           "(a rank may be stuck in a collective that another rank never joined)" + where)
+            raise RunError(
+                f"the run did not finish within --timeout {timeout:g} s; every rank was stopped "
+                "(a rank may be stuck in a collective that another rank never joined)" + where
+            )
         if grace_end is not None and now >= grace_end:
             break
         live = [p.sentinel for r, p in enumerate(procs) if r not in seen]
@@ -243,30 +303,39 @@ def _wait(procs: list, out: Path, left: float, timeout: float) -> list[RunError]
                 continue
             seen.add(r)
             if p.exitcode != 0 or not (out / f"{r}.pkl").exists():
-                # A rank that died silently (time 0) caused its peers' connection errors, not the reverse.
+                # A rank that died silently (time 0) caused its peers' connection errors, not the
+                # reverse.
                 err = _failure(out, r, p.exitcode)
                 failures.append((rounds, err.time, r, err))
                 grace_end = grace_end or time.monotonic() + GRACE_S
     return [err for _, _, _, err in sorted(failures, key=lambda f: f[:3])]
 
 
-def launch_local(fn, world: int, *args, timeout: float, device: str = "cpu", prefix: str = "dtp-",
-                 threads: int | None = None) -> list:
-    """Start `world` local ranks (fork+gloo on CPU, spawn+NCCL on CUDA), rendezvous on loopback only,
-    init the process group on each, call fn(rank, world, *args), return the results in rank order.
-    Raises RunError (one paragraph naming the failing rank and what it raised, or the timeout) and
-    leaves no process, temp dir or port behind, also on Ctrl-C/SIGTERM.
+def launch_local(
+    fn,
+    world: int,
+    *args,
+    timeout: float,
+    device: str = "cpu",
+    prefix: str = "dtp-",
+    threads: int | None = None,
+) -> list:
+    """Start `world` local ranks (fork+gloo on CPU, spawn+NCCL on CUDA), rendezvous on loopback
+    only, init the process group on each, call fn(rank, world, *args), return the results in rank
+    order. Raises RunError (one paragraph naming the failing rank and what it raised, or the
+    timeout) and leaves no process, temp dir or port behind, also on Ctrl-C/SIGTERM.
 
-    A launch whose first failure is a rank that could not join the process group is started once more,
-    within what is left of `timeout`: gloo's loopback connect fails now and then (about once in a few
-    thousand starts here). The failed rank never ran `fn`; ranks that had begun it are stopped first.
-    Each rank runs `threads_per_rank(world, threads)` intra-op threads."""
+    A launch whose first failure is a rank that could not join the process group is started once
+    more, within what is left of `timeout`: gloo's loopback connect fails now and then (about once
+    in a few thousand starts here). The failed rank never ran `fn`; ranks that had begun it are
+    stopped first. Each rank runs `threads_per_rank(world, threads)` intra-op threads."""
     threads = threads_per_rank(world, threads)
     deadline = time.monotonic() + timeout
     with terminate_as_interrupt():
         for attempt in (1, 2):
-            failures, results = _launch_once(fn, world, args, timeout, deadline - time.monotonic(), device, prefix,
-                                             threads)
+            failures, results = _launch_once(
+                fn, world, args, timeout, deadline - time.monotonic(), device, prefix, threads
+            )
             if not failures:
                 return results
             first = failures[0]
@@ -279,16 +348,30 @@ def launch_local(fn, world: int, *args, timeout: float, device: str = "cpu", pre
     raise AssertionError("unreachable")
 
 
-def _launch_once(fn, world: int, args: tuple, timeout: float, left: float, device: str,
-                 prefix: str, threads: int = 1) -> tuple[list[RunError], list]:
-    """One start of the ranks: (failures, results in rank order); `left` is the time this start may take."""
+def _launch_once(
+    fn,
+    world: int,
+    args: tuple,
+    timeout: float,
+    left: float,
+    device: str,
+    prefix: str,
+    threads: int = 1,
+) -> tuple[list[RunError], list]:
+    """One start of the ranks: (failures, results in rank order); `left` is the time this start may
+    take."""
     procs: list = []
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         sock, store = loopback_listener(world), None
         try:
-            # Ranks' own process-group timeout is longer than ours: the parent always decides, with one message.
-            procs = start_ranks(_child, world, (world, sock.getsockname()[1], device, timeout + 30, tmp, fn, args,
-                                                threads), device)
+            # Ranks' own process-group timeout is longer than ours: the parent always decides, with
+            # one message.
+            procs = start_ranks(
+                _child,
+                world,
+                (world, sock.getsockname()[1], device, timeout + 30, tmp, fn, args, threads),
+                device,
+            )
             store = serve_store(sock, world, timeout + 30)
             failures = _wait(procs, Path(tmp), left, timeout)
         finally:
@@ -298,4 +381,3 @@ def _launch_once(fn, world: int, args: tuple, timeout: float, left: float, devic
         if failures:
             return failures, []
         return [], [pickle.loads(Path(tmp, f"{r}.pkl").read_bytes()) for r in range(world)]
-

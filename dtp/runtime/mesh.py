@@ -1,4 +1,6 @@
-"""The device mesh every command builds over an initialised world: (tp,) alone, or (dp, tp) with FSDP2 over dp."""
+"""The device mesh every command builds over an initialised world: (tp,) alone, or (dp, tp) with
+FSDP2 over dp."""
+
 from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh

@@ -1,20 +1,22 @@
-"""Before any rank starts: the one pre-flight of every command that starts ranks (`prepare`), the one launch of
-what it prepared (`launch`: local ranks or torchrun's), what the ranks take from it (`trusted`), and the estimates
-of whether the world fits this machine and its memory.
+"""Before any rank starts: the one pre-flight of every command that starts ranks (`prepare`), the
+one launch of what it prepared (`launch`: local ranks or torchrun's), what the ranks take from it
+(`trusted`), and the estimates of whether the world fits this machine and its memory.
 
-`prepare(job)` refuses, with one paragraph each (exit 2), whatever can be known before a process starts: the
-world (torchrun's or this machine's), the device, the plan (its text parsed and checked against the model at the
-job's tp), the model's vocabulary, how it is called and its pretrained weights. The ranks receive the job, plan
-text included, and `trusted` parses that text and matches it to the rank's model without checking it again.
+`prepare(job)` refuses, with one paragraph each (exit 2), whatever can be known before a process
+starts: the world (torchrun's or this machine's), the device, the plan (its text parsed and checked
+against the model at the job's tp), the model's vocabulary, how it is called and its pretrained
+weights. The ranks receive the job, plan text included, and `trusted` parses that text and matches
+it to the rank's model without checking it again.
 
-The estimate is deliberately simple and stated in the message: rank 0 builds the whole model (P bytes) and
-scatters the shards (dtp.runtime.build), every rank holds its shards, their gradients and momentum; rank 0 also keeps the unsharded
-references — one in float64, the truth, and one in the run's dtype — each with parameters, gradients and
-momentum, and runs both on the whole batch; a bfloat16 run adds float32 master weights and momentum
-across the ranks; activations follow the
-Megatron-SP paper's per-layer count (Korthikanti et al., 2022: 34·s·b·h + 5·a·s²·b bytes at 16 bits, i.e.
-17·s·b·h + 2.5·a·s²·b elements) plus the logits and their gradient.
+The estimate is deliberately simple and stated in the message: rank 0 builds the whole model (P
+bytes) and scatters the shards (dtp.runtime.build), every rank holds its shards, their gradients and
+momentum; rank 0 also keeps the unsharded references — one in float64, the truth, and one in the
+run's dtype — each with parameters, gradients and momentum, and runs both on the whole batch; a
+bfloat16 run adds float32 master weights and momentum across the ranks; activations follow the
+Megatron-SP paper's per-layer count (Korthikanti et al., 2022: 34·s·b·h + 5·a·s²·b bytes at 16 bits,
+i.e. 17·s·b·h + 2.5·a·s²·b elements) plus the logits and their gradient.
 """
+
 from __future__ import annotations
 
 import os
@@ -62,20 +64,27 @@ class Prepared:
 
 
 def prepare(job: Job, *, weights: bool = True) -> Prepared:
-    """Everything that can refuse `job` before any rank starts, one paragraph each (exit 2): the world, the device,
-    the plan's text parsed and checked against the model at job.tp, the sequence, the vocabulary, how the model is
-    called, and its pretrained weights (`weights`: the ranks will read them). Plan warnings go to stderr. The
-    memory estimates are the command's own: what a rank holds differs between commands."""
-    world = torchrun_world()  # None: not launched by torchrun (a stray variable is ignored, with a warning)
+    """Everything that can refuse `job` before any rank starts, one paragraph each (exit 2): the
+    world, the device, the plan's text parsed and checked against the model at job.tp, the sequence,
+    the vocabulary, how the model is called, and its pretrained weights (`weights`: the ranks will
+    read them). Plan warnings go to stderr. The memory estimates are the command's own: what a rank
+    holds differs between commands."""
+    # None: not launched by torchrun (a stray variable is ignored, with a warning)
+    world = torchrun_world()
     ranks = job.tp * job.dp
     if world is not None and ranks != world:
-        raise UsageError(f"--tp {job.tp} × --dp {job.dp} = {ranks} ranks, but torchrun started WORLD_SIZE={world}")
+        raise UsageError(
+            f"--tp {job.tp} × --dp {job.dp} = {ranks} ranks, but torchrun started "
+            f"WORLD_SIZE={world}"
+        )
     device = pick_device(job.device, 1 if world else ranks)
     if world is None:
         check_world(ranks, device)
         if device == "cuda" and ranks > cuda_device_count():
-            raise UsageError(f"tp={job.tp} × dp={job.dp} needs {ranks} GPUs; this machine has "
-                             f"{cuda_device_count()}. Use --device cpu, or torchrun across machines")
+            raise UsageError(
+                f"tp={job.tp} × dp={job.dp} needs {ranks} GPUs; this machine has "
+                f"{cuda_device_count()}. Use --device cpu, or torchrun across machines"
+            )
     plan = parse(job.plan_text, job.plan)  # messages name the plan as the user named it
     cwd = os.getcwd()
     try:
@@ -98,43 +107,63 @@ def prepare(job: Job, *, weights: bool = True) -> Prepared:
     return Prepared(replace(job, device=device), checked, source, meta, vocab, forward, world)
 
 
-def launch(prepared: Prepared, rank_fn, *args, prefix: str = "dtp-", threads: int | None = None) -> list:
-    """Run `rank_fn(rank, world, prepared.job, *args)` on every rank of a prepared job; what each returned, in rank
-    order. Not under torchrun: tp × dp local ranks (`launch_local`). Under torchrun: this process as its rank of
-    torchrun's world (torchrun's rendezvous), the results gathered to every rank. A failing rank is a RunError
-    either way (one paragraph: the rank, where, what it raised). The ranks receive the job's plan as text, the
-    text `prepare` checked: what runs is what was checked, whatever happens to the file."""
+def launch(
+    prepared: Prepared, rank_fn, *args, prefix: str = "dtp-", threads: int | None = None
+) -> list:
+    """Run `rank_fn(rank, world, prepared.job, *args)` on every rank of a prepared job; what each
+    returned, in rank order. Not under torchrun: tp × dp local ranks (`launch_local`). Under
+    torchrun: this process as its rank of torchrun's world (torchrun's rendezvous), the results
+    gathered to every rank. A failing rank is a RunError either way (one paragraph: the rank, where,
+    what it raised). The ranks receive the job's plan as text, the text `prepare` checked: what runs
+    is what was checked, whatever happens to the file."""
     job = prepared.job
     if job.plan_text != prepared.checked.plan.source or job.tp != prepared.checked.tp:
         raise AssertionError("launch: the job's plan or tp is not the one its pre-flight checked")
     if prepared.world is None:
-        return launch_local(rank_fn, job.tp * job.dp, job, *args, timeout=job.timeout, device=job.device,
-                            prefix=prefix, threads=threads)
+        return launch_local(
+            rank_fn,
+            job.tp * job.dp,
+            job,
+            *args,
+            timeout=job.timeout,
+            device=job.device,
+            prefix=prefix,
+            threads=threads,
+        )
     with torchrun_group(job.device, job.timeout) as rank:
         try:
             mine = rank_fn(rank, prepared.world, job, *args)
         except Exception as err:  # noqa: BLE001 - one paragraph per failing rank, as for local ranks
             e = error_summary(err, rank)
-            raise RunError(f"the run failed on rank {rank} in {e['where']}: {e['error']}", rank, e["where"],
-                           e["error"]) from None
+            raise RunError(
+                f"the run failed on rank {rank} in {e['where']}: {e['error']}",
+                rank,
+                e["where"],
+                e["error"],
+            ) from None
         gathered: list = [None] * prepared.world
         dist.all_gather_object(gathered, mine)
     return gathered
 
 
 def model_vocab(model: nn.Module, name: str) -> int:
-    """The vocabulary size of `model` (named `name` in the message), which every command feeds token ids."""
+    """The vocabulary size of `model` (named `name` in the message), which every command feeds token
+    ids."""
     vocab = models.vocab_size(model)
     if vocab is None:
-        raise UsageError(f"model {name} has no nn.Embedding and no config.vocab_size: dtp feeds it token ids, so "
-                         "it must know the vocabulary size")
+        raise UsageError(
+            f"model {name} has no nn.Embedding and no config.vocab_size: dtp feeds it token ids, so "
+            ""
+            "it must know the vocabulary size"
+        )
     return vocab
 
 
 def trusted(plan: ir.Plan, model: nn.Module, tp: int) -> Checked:
-    """On a rank: `plan` (the job's text, parsed) matched against this rank's `model` and taken as checked. The
-    parent's `prepare` checked the same text against the same model at the same tp, so the rules do not run
-    again; only the matching the compiler reads (`resolve`) is redone, for this rank's model."""
+    """On a rank: `plan` (the job's text, parsed) matched against this rank's `model` and taken as
+    checked. The parent's `prepare` checked the same text against the same model at the same tp, so
+    the rules do not run again; only the matching the compiler reads (`resolve`) is redone, for this
+    rank's model."""
     res = resolve(plan, model, tp)
     if res.diagnostics:  # only a plan that never went through `prepare` gets here
         raise PlanError(res.diagnostics, plan.source)
@@ -154,13 +183,17 @@ def max_cpu_world() -> int:
 def check_world(world: int, device: str) -> None:
     """Refuse a local world this machine cannot host (each rank is a process with its own torch)."""
     if device == "cpu" and world > max_cpu_world():
-        raise UsageError(f"tp × dp = {world} ranks is far more than this machine's {os.cpu_count()} cores can host "
-                         f"(at most {max_cpu_world()} local CPU ranks); use a smaller --tp/--dp, or torchrun on "
-                         "more machines")
+        raise UsageError(
+            f"tp × dp = {world} ranks is far more than this machine's {os.cpu_count()} cores can "
+            "host "
+            f"(at most {max_cpu_world()} local CPU ranks); use a smaller --tp/--dp, or torchrun on "
+            "more machines"
+        )
 
 
 def available_bytes() -> int | None:
-    """Memory this process may still use: MemAvailable, bounded by a cgroup (v2) limit if there is one."""
+    """Memory this process may still use: MemAvailable, bounded by a cgroup (v2) limit if there is
+    one."""
     avail = None
     try:
         for line in open("/proc/meminfo", encoding="ascii"):
@@ -181,18 +214,23 @@ def available_bytes() -> int | None:
 
 def _config_int(model, keys: tuple[str, ...]) -> int | None:
     config = getattr(model, "config", None)
-    return next((getattr(config, k) for k in keys if isinstance(getattr(config, k, None), int)), None)
+    return next(
+        (getattr(config, k) for k in keys if isinstance(getattr(config, k, None), int)), None
+    )
 
 
 def activation_elements(model, batch: int, seq: int, vocab: int | None, tp: int = 1) -> int:
-    """Elements one forward+backward saves for `batch` × `seq` tokens on a rank of a tp group: per layer
-    5·s·b·h replicated and 12·s·b·h + 2.5·a·s²·b split over tp (Korthikanti et al.; tp 1: 17·s·b·h + 2.5·a·s²·b),
-    plus the logits and their gradient (3·b·s·V, split over tp)."""
+    """Elements one forward+backward saves for `batch` × `seq` tokens on a rank of a tp group: per
+    layer 5·s·b·h replicated and 12·s·b·h + 2.5·a·s²·b split over tp (Korthikanti et al.; tp 1:
+    17·s·b·h + 2.5·a·s²·b), plus the logits and their gradient (3·b·s·V, split over tp)."""
     layers, hidden = _config_int(model, _LAYER_KEYS), _config_int(model, _HIDDEN_KEYS)
     heads = _config_int(model, _HEAD_KEYS) or 1
     acts = 0
     if layers and hidden:
-        acts = layers * (5 * seq * batch * hidden + (12 * seq * batch * hidden + (5 * heads * seq * seq * batch) // 2) // tp)
+        acts = layers * (
+            5 * seq * batch * hidden
+            + (12 * seq * batch * hidden + (5 * heads * seq * seq * batch) // 2) // tp
+        )
     return acts + 3 * batch * seq * (vocab or 0) // tp
 
 
@@ -205,14 +243,18 @@ class Estimate:
     total: int
 
 
-def estimate(model, tp: int, dp: int, batch: int, seq: int, elem: int, vocab: int | None) -> Estimate:
-    """Memory for `dtp apply` on one machine, all ranks together (`model` may live on the meta device)."""
+def estimate(
+    model, tp: int, dp: int, batch: int, seq: int, elem: int, vocab: int | None
+) -> Estimate:
+    """Memory for `dtp apply` on one machine, all ranks together (`model` may live on the meta
+    device)."""
     params = sum(p.numel() for p in model.parameters()) * elem
     acts = activation_elements(model, batch, seq, vocab) * elem
     world = tp * dp
-    # Rank 0: the whole model it scatters from; every rank: its shards + their gradients and momentum
-    # (≈ 3·P/tp/dp) and its share of the activations; rank 0: the float64 and same-dtype references (3 copies
-    # each) and their activations on the whole batch; bfloat16: float32 master weights and momentum, split.
+    # Rank 0: the whole model it scatters from; every rank: its shards + their gradients and
+    # momentum (≈ 3·P/tp/dp) and its share of the activations; rank 0: the float64 and same-dtype
+    # references (3 copies each) and their activations on the whole batch; bfloat16: float32 master
+    # weights and momentum, split.
     elements = params // elem
     references = 3 * elements * 8 + 3 * params + acts * 8 // elem + acts
     masters = 2 * elements * 4 if elem < 4 else 0
@@ -221,13 +263,17 @@ def estimate(model, tp: int, dp: int, batch: int, seq: int, elem: int, vocab: in
 
 
 def check_memory(est: Estimate, device: str) -> None:
-    """Refuse a CPU run whose estimate exceeds the memory available (a CUDA run is bounded by its GPUs)."""
+    """Refuse a CPU run whose estimate exceeds the memory available (a CUDA run is bounded by its
+    GPUs)."""
     avail = available_bytes() if device == "cpu" else None
     if avail is not None and est.total > avail:
-        raise UsageError(f"this run needs about {_gib(est.total)} of memory (parameters {_gib(est.params)}, "
-                         f"activations {_gib(est.activations)}, for every rank plus the unsharded references) but "
-                         f"{_gib(avail)} is available; use a smaller model, --batch or --seq, or run on more "
-                         "machines with torchrun")
+        raise UsageError(
+            f"this run needs about {_gib(est.total)} of memory (parameters {_gib(est.params)}, "
+            f"activations {_gib(est.activations)}, for every rank plus the unsharded references) "
+            "but "
+            f"{_gib(avail)} is available; use a smaller model, --batch or --seq, or run on more "
+            "machines with torchrun"
+        )
 
 
 def _gib(n: int) -> str:

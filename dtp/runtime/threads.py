@@ -1,4 +1,5 @@
 """How many intra-op threads each local rank runs: the machine's cores shared out among the ranks."""
+
 from __future__ import annotations
 
 import os
@@ -13,9 +14,9 @@ def cores() -> int:
 
 
 def threads_per_rank(world: int, requested: int | None = None) -> int:
-    """Intra-op threads for each of `world` local ranks: `requested` (--threads), else an explicit OMP_NUM_THREADS
-    (the test harness sets 1), else the cores shared out: ranks × threads = cores, so tp 1 uses the whole machine
-    as plain PyTorch would, and ranks never oversubscribe it."""
+    """Intra-op threads for each of `world` local ranks: `requested` (--threads), else an explicit
+    OMP_NUM_THREADS (the test harness sets 1), else the cores shared out: ranks × threads = cores,
+    so tp 1 uses the whole machine as plain PyTorch would, and ranks never oversubscribe it."""
     if requested is not None:
         return requested
     env = os.environ.get("OMP_NUM_THREADS", "")

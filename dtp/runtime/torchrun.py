@@ -1,6 +1,7 @@
-"""torchrun: whether torchrun launched this process (a coherent set of its variables, never a stray one), joining
-its world, and leaving a rank. Under torchrun its rendezvous settings stand; otherwise dtp.runtime.launcher starts
-the ranks on loopback."""
+"""torchrun: whether torchrun launched this process (a coherent set of its variables, never a stray
+one), joining its world, and leaving a rank. Under torchrun its rendezvous settings stand; otherwise
+dtp.runtime.launcher starts the ranks on loopback."""
+
 from __future__ import annotations
 
 import contextlib
@@ -34,12 +35,13 @@ def _torchrun_problem(env) -> str | None:
 
 
 def torchrun_world() -> int | None:
-    """WORLD_SIZE when torchrun launched this process, None for a local run; exit 2 (UsageError) for a full set
-    of torchrun's variables that cannot be a launch, and one warning (then a local run) for a partial set.
+    """WORLD_SIZE when torchrun launched this process, None for a local run; exit 2 (UsageError) for
+    a full set of torchrun's variables that cannot be a launch, and one warning (then a local run)
+    for a partial set.
 
-    Only a coherent set counts (TORCHELASTIC_RUN_ID, which torchrun sets, or all of TORCHRUN_VARS): a stray
-    WORLD_SIZE from a shell or job script must not make dtp join a rendezvous that never comes, or rendezvous
-    beyond loopback."""
+    Only a coherent set counts (TORCHELASTIC_RUN_ID, which torchrun sets, or all of TORCHRUN_VARS):
+    a stray WORLD_SIZE from a shell or job script must not make dtp join a rendezvous that never
+    comes, or rendezvous beyond loopback."""
     global _warned_partial
     env = os.environ
     present = [k for k in TORCHRUN_VARS if k in env]
@@ -47,20 +49,29 @@ def torchrun_world() -> int | None:
         if present and not _warned_partial:
             _warned_partial = True
             missing = ", ".join(k for k in TORCHRUN_VARS if k not in env)
-            print(f"warning: {', '.join(present)} set but {missing} not: not a torchrun launch, so these are "
-                  "ignored and the ranks start here on loopback", file=sys.stderr)
+            print(
+                f"warning: {', '.join(present)} set but {missing} not: not a torchrun launch, so "
+                "these are "
+                "ignored and the ranks start here on loopback",
+                file=sys.stderr,
+            )
         return None
     missing = [k for k in TORCHRUN_VARS if k not in env]
     if missing:
-        raise UsageError(f"TORCHELASTIC_RUN_ID is set but {', '.join(missing)} not: not a launch dtp can join")
+        raise UsageError(
+            f"TORCHELASTIC_RUN_ID is set but {', '.join(missing)} not: not a launch dtp can join"
+        )
     problem = _torchrun_problem(env)
     if problem:
-        raise UsageError(f"{problem}: not a launch dtp can join; unset these variables to run on this machine")
+        raise UsageError(
+            f"{problem}: not a launch dtp can join; unset these variables to run on this machine"
+        )
     return int(env["WORLD_SIZE"])
 
 
 def under_torchrun() -> bool:
-    """Whether this process is one rank of a torchrun-launched world (a coherent set; never raises or warns)."""
+    """Whether this process is one rank of a torchrun-launched world (a coherent set; never raises
+    or warns)."""
     env = os.environ
     if not all(k in env for k in TORCHRUN_VARS):
         return False
@@ -69,8 +80,9 @@ def under_torchrun() -> bool:
 
 @contextlib.contextmanager
 def torchrun_group(device: str, timeout: float | None = None) -> Iterator[int]:
-    """This process as one rank of torchrun's world, torchrun's rendezvous settings standing: the process group
-    joined (NCCL on CUDA, each rank on its LOCAL_RANK's GPU; gloo on CPU) and left again; yields the rank."""
+    """This process as one rank of torchrun's world, torchrun's rendezvous settings standing: the
+    process group joined (NCCL on CUDA, each rank on its LOCAL_RANK's GPU; gloo on CPU) and left
+    again; yields the rank."""
     import torch
     import torch.distributed as dist
 
@@ -79,11 +91,20 @@ def torchrun_group(device: str, timeout: float | None = None) -> Iterator[int]:
     kwargs = {"timeout": timedelta(seconds=timeout)} if timeout else {}
     try:
         dist.init_process_group("nccl" if device == "cuda" else "gloo", **kwargs)
-    except (RuntimeError, ValueError) as err:  # DistNetworkError, DistStoreError: no peer at MASTER_ADDR:PORT
-        rank, addr = int(os.environ["RANK"]), f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    # DistNetworkError, DistStoreError: no peer at MASTER_ADDR:PORT
+    except (RuntimeError, ValueError) as err:
+        rank, addr = (
+            int(os.environ["RANK"]),
+            f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+        )
         message = " ".join(str(err).split())[:300]
-        raise RunError(f"rank {rank} could not join torchrun's world at {addr} "
-                       f"({type(err).__name__}: {message})", rank, RENDEZVOUS, message) from None
+        raise RunError(
+            f"rank {rank} could not join torchrun's world at {addr} "
+            f"({type(err).__name__}: {message})",
+            rank,
+            RENDEZVOUS,
+            message,
+        ) from None
     try:
         yield dist.get_rank()
     finally:
@@ -93,11 +114,12 @@ def torchrun_group(device: str, timeout: float | None = None) -> Iterator[int]:
 def leave_rank(code: int) -> NoReturn:
     """End a torchrun rank without finalising the interpreter (as local ranks end, with `os._exit`).
 
-    When a gloo collective completes, the waiting thread moves on while gloo's worker thread still holds the
-    work and its tensors. If the main thread reaches interpreter finalisation first, that worker cannot take
-    the GIL to release them and the rank aborts (SIGABRT, "terminate called without an active exception")
-    after a run that succeeded (6 times in 325 `torchrun … dtp apply` runs here). Every rank has flushed and
-    closed what it wrote by now; nothing is left for finalisation to do.
+    When a gloo collective completes, the waiting thread moves on while gloo's worker thread still
+    holds the work and its tensors. If the main thread reaches interpreter finalisation first, that
+    worker cannot take the GIL to release them and the rank aborts (SIGABRT, "terminate called
+    without an active exception") after a run that succeeded (6 times in 325 `torchrun … dtp apply`
+    runs here). Every rank has flushed and closed what it wrote by now; nothing is left for
+    finalisation to do.
     """
     with contextlib.suppress(Exception):
         sys.stdout.flush()

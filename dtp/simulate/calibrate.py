@@ -1,8 +1,10 @@
-"""Measure this machine and write a profile: the kernels one rank runs (`calibrate_ops.py`: GEMM rate by size
-and layout, attention, each memory-bound op, the optimizer step, per-op dispatch; one thread, as each `dtp apply`
-rank runs here), and gloo all-reduce time at several sizes on 2 and 4 loopback ranks, fitted to the α-β ring
-model 2(n−1)α + 2(n−1)/n · S/β. Nothing is fitted to a training step.
+"""Measure this machine and write a profile: the kernels one rank runs (`calibrate_ops.py`: GEMM
+rate by size and layout, attention, each memory-bound op, the optimizer step, per-op dispatch; one
+thread, as each `dtp apply` rank runs here), and gloo all-reduce time at several sizes on 2 and 4
+loopback ranks, fitted to the α-β ring model 2(n−1)α + 2(n−1)/n · S/β. Nothing is fitted to a
+training step.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +22,8 @@ SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # all-reduce buffers, b
 
 
 def elementwise_bandwidth(n: int = 1 << 22, reps: int = 20) -> float:
-    """Bytes per second of an elementwise add (two reads and one write per element), best of runs (run it
-    through `calibrate_ops.single_thread`, as a rank runs)."""
+    """Bytes per second of an elementwise add (two reads and one write per element), best of runs
+    (run it through `calibrate_ops.single_thread`, as a rank runs)."""
     a, b, out = torch.ones(n), torch.ones(n), torch.empty(n)
     torch.add(a, b, out=out)
     times = []
@@ -33,11 +35,12 @@ def elementwise_bandwidth(n: int = 1 << 22, reps: int = 20) -> float:
 
 
 def _allreduce_times(rank: int, world: int, sizes: tuple[int, ...], reps: int) -> list[float]:
-    """Seconds one all-reduce adds to a loop of compute segments, per size: as dtp's f and g call it (the process
-    group's own, in place on a just-computed tensor, and its wait: dtp.compiler.mappings.all_reduce) and where (between a layer's matmuls, with no barrier: the ranks'
-    drift between collectives, and the gloo threads waking on a core the other rank's compute holds, are
-    part of its cost, as in a training step). Each segment is one ~3 ms Linear GEMM; the loop's time less the
-    same loop without collectives, over its collectives."""
+    """Seconds one all-reduce adds to a loop of compute segments, per size: as dtp's f and g call it
+    (the process group's own, in place on a just-computed tensor, and its wait:
+    dtp.compiler.mappings.all_reduce) and where (between a layer's matmuls, with no barrier: the
+    ranks' drift between collectives, and the gloo threads waking on a core the other rank's compute
+    holds, are part of its cost, as in a training step). Each segment is one ~3 ms Linear GEMM; the
+    loop's time less the same loop without collectives, over its collectives."""
     x, w = torch.randn(1024, 512), torch.randn(512, 512)
     segments = 10
 
@@ -46,7 +49,8 @@ def _allreduce_times(rank: int, world: int, sizes: tuple[int, ...], reps: int) -
         t0 = time.perf_counter()
         for _ in range(segments):
             x @ w
-            fresh = base * 1.0  # a just-computed tensor, as a layer's output is (the loop without collectives too)
+            # a just-computed tensor, as a layer's output is (the loop without collectives too)
+            fresh = base * 1.0
             if collective:
                 all_reduce(fresh, dist.group.WORLD)
         return time.perf_counter() - t0
@@ -62,8 +66,8 @@ def _allreduce_times(rank: int, world: int, sizes: tuple[int, ...], reps: int) -
 
 
 def _busy(rank: int, world: int, seconds: float) -> float:
-    """Work units per second of one rank running a training-like mix (a Linear GEMM and an add over 1M floats)
-    while `world` ranks run it at once."""
+    """Work units per second of one rank running a training-like mix (a Linear GEMM and an add over
+    1M floats) while `world` ranks run it at once."""
     x, w, a = torch.randn(1024, 512), torch.randn(512, 512), torch.randn(1 << 20)
     dist.barrier()
     done, t0 = 0, time.perf_counter()
@@ -75,14 +79,18 @@ def _busy(rank: int, world: int, seconds: float) -> float:
 
 
 def rank_shares(worlds: tuple[int, ...], seconds: float = 1.5) -> dict[int, float]:
-    """n → the rate each of n concurrent one-thread ranks gets, as a fraction of one rank alone: more ranks than
-    cores share them (and two vCPUs may share less than two cores' worth). Measured, not assumed."""
+    """n → the rate each of n concurrent one-thread ranks gets, as a fraction of one rank alone:
+    more ranks than cores share them (and two vCPUs may share less than two cores' worth). Measured,
+    not assumed."""
     alone = on_ranks(_busy, 1, seconds)[0]
     return {n: min(1.0, statistics.fmean(on_ranks(_busy, n, seconds)) / alone) for n in worlds}
 
 
-def allreduce_fit(world: int = 2, sizes: tuple[int, ...] = SIZES, reps: int = 15) -> tuple[float, float, list]:
-    """(α seconds per ring step, β bus bytes per second, [(size, seconds)]) of gloo on `world` local ranks."""
+def allreduce_fit(
+    world: int = 2, sizes: tuple[int, ...] = SIZES, reps: int = 15
+) -> tuple[float, float, list]:
+    """(α seconds per ring step, β bus bytes per second, [(size, seconds)]) of gloo on `world` local
+    ranks."""
     per_rank = on_ranks(_allreduce_times, world, sizes, reps)
     times = [max(ts) for ts in zip(*per_rank)]
     steps = 2 * (world - 1)
@@ -95,7 +103,8 @@ def allreduce_fit(world: int = 2, sizes: tuple[int, ...] = SIZES, reps: int = 15
 
 
 def _num(x: float) -> str:
-    """A number as YAML reads it back as one (YAML 1.1 takes '1e+06' for a string): 4 significant digits."""
+    """A number as YAML reads it back as one (YAML 1.1 takes '1e+06' for a string): 4 significant
+    digits."""
     text = f"{x:.4g}"
     return f"{x:.1f}" if "e" in text else text
 
@@ -106,8 +115,9 @@ def profile_yaml(name: str, worlds: tuple[int, ...] = (2, 4)) -> tuple[str, dict
     attention, attention_back = ops.single_thread(lambda: ops.attention(flops))
     op_bw, op_back = ops.single_thread(ops.memory_ops)
     for world in worlds:  # the vocabulary-parallel loss at each tp (a fake group in this process)
-        op_bw[f"loss.parallel{world}"], op_back[f"loss.parallel{world}"], loss_impl = ops.single_thread(
-            lambda w=world: ops.parallel_loss(w))
+        op_bw[f"loss.parallel{world}"], op_back[f"loss.parallel{world}"], loss_impl = (
+            ops.single_thread(lambda w=world: ops.parallel_loss(w))
+        )
     op_bw["optimizer"], per_tensor = ops.single_thread(ops.sgd_step)
     per_dtensor = max(on_ranks(ops.sgd_dtensor_tensor, worlds[0]))
     bandwidth = ops.single_thread(elementwise_bandwidth)
@@ -116,12 +126,16 @@ def profile_yaml(name: str, worlds: tuple[int, ...] = (2, 4)) -> tuple[str, dict
     alpha, beta = fits[worlds[0]][:2]
     shares = rank_shares(worlds)
     cores = os.cpu_count() or 1
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    points_text = "\n".join(f"#   world {n}: " + ", ".join(f"{s // 1024} KiB: {t * 1e3:.3f} ms" for s, t in f[2])
-                            for n, f in fits.items())
-    per_world = ", ".join(f"{n}: {{busbw_GBps: {_num(f[1] / 1e9)}, latency_us: {_num(f[0] * 1e6)}}}"
-                          for n, f in fits.items())
+    points_text = "\n".join(
+        f"#   world {n}: " + ", ".join(f"{s // 1024} KiB: {t * 1e3:.3f} ms" for s, t in f[2])
+        for n, f in fits.items()
+    )
+    per_world = ", ".join(
+        f"{n}: {{busbw_GBps: {_num(f[1] / 1e9)}, latency_us: {_num(f[0] * 1e6)}}}"
+        for n, f in fits.items()
+    )
 
     def flat(d: dict) -> str:
         return "{" + ", ".join(f"{k}: {_num(v)}" for k, v in sorted(d.items())) + "}"
@@ -167,9 +181,22 @@ node:
   worlds: {{{per_world}}}
 dp_overlap: false
 """
-    return text, {"gemm_flops": flops, "gemm_efficiency": table, "gemm_backward_efficiency": backward,
-                  "attention": [attention, attention_back], "op_GBps": op_bw, "op_backward": op_back,
-                  "elementwise_bytes_per_s": bandwidth, "op_overhead_s": overhead,
-                  "backward_overhead_s": back_overhead, "optimizer_tensor_s": per_tensor, "optimizer_dtensor_s": per_dtensor, "alpha_s": alpha, "beta_bytes_per_s": beta,
-                  "allreduce": {n: f[2] for n, f in fits.items()},
-                  "allreduce_fit": {n: f[:2] for n, f in fits.items()}, "rank_share": shares, "cores": cores}
+    return text, {
+        "gemm_flops": flops,
+        "gemm_efficiency": table,
+        "gemm_backward_efficiency": backward,
+        "attention": [attention, attention_back],
+        "op_GBps": op_bw,
+        "op_backward": op_back,
+        "elementwise_bytes_per_s": bandwidth,
+        "op_overhead_s": overhead,
+        "backward_overhead_s": back_overhead,
+        "optimizer_tensor_s": per_tensor,
+        "optimizer_dtensor_s": per_dtensor,
+        "alpha_s": alpha,
+        "beta_bytes_per_s": beta,
+        "allreduce": {n: f[2] for n, f in fits.items()},
+        "allreduce_fit": {n: f[:2] for n, f in fits.items()},
+        "rank_share": shares,
+        "cores": cores,
+    }

@@ -1,9 +1,11 @@
-"""FLOPs of one training iteration, counted on the actual model (meta device, torch's FlopCounterMode),
-and the closed forms they are checked against (Narayanan et al. 2021, eqs. 2–3).
+"""FLOPs of one training iteration, counted on the actual model (meta device, torch's
+FlopCounterMode), and the closed forms they are checked against (Narayanan et al. 2021, eqs. 2–3).
 
-Counting is per module and per sequence: a forward pass over one sequence of `seq` tokens is timed by
-nothing and allocates nothing (meta tensors carry shapes only); a batch of B sequences costs B times that.
+Counting is per module and per sequence: a forward pass over one sequence of `seq` tokens is timed
+by nothing and allocates nothing (meta tensors carry shapes only); a batch of B sequences costs B
+times that.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,8 +28,10 @@ class ModuleFlops:
 
     path: str
     gemm: int  # matrix multiplies with a weight (linear layers, the output head)
-    attention: int  # activation × activation products (QKᵀ, attention × V): what selective recompute redoes
-    sharded: bool  # the plan splits this work over tp (the module or a child is colwise/rowwise/vocab)
+    # activation × activation products (QKᵀ, attention × V): what selective recompute redoes
+    attention: int
+    # the plan splits this work over tp (the module or a child is colwise/rowwise/vocab)
+    sharded: bool
     in_block: bool  # inside a repeated block: activation checkpointing recomputes it
 
 
@@ -47,8 +51,11 @@ class Flops:
         """Forward FLOPs of one sequence that activation checkpointing runs again in backward."""
         if recompute == "none":
             return 0.0
-        pick = {"full": lambda m: m.gemm + m.attention, "selective": lambda m: m.attention,
-                "op": lambda m: m.gemm / 2}[recompute]  # op: every other matrix multiply runs again
+        pick = {
+            "full": lambda m: m.gemm + m.attention,
+            "selective": lambda m: m.attention,
+            "op": lambda m: m.gemm / 2,
+        }[recompute]  # op: every other matrix multiply runs again
         return sum(pick(m) / (tp if m.sharded else 1) for m in self.modules if m.in_block)
 
     def iteration(self, batch: int, recompute: str, tp: int = 1) -> float:
@@ -72,17 +79,22 @@ def count(model: nn.Module, seq: int, resolution: Resolution | None = None) -> F
     with counter, recorder, torch.no_grad():
         out = model(ids)
         logits = out.logits if hasattr(out, "logits") else out
-        if isinstance(logits, torch.Tensor) and logits.dim() == 3:  # the training loss: priced as the other ops
+        # the training loss: priced as the other ops
+        if isinstance(logits, torch.Tensor) and logits.dim() == 3:
             recorder.scope = LOSS
             F.cross_entropy(logits.flatten(0, 1), ids.flatten())
             recorder.scope = None
     totals = {_strip(k): v for k, v in counter.get_flop_counts().items() if k != "Global"}
     blocks = block_paths(model)
-    styles = {p: rule.style.name for p, rule in (resolution.claims.items() if resolution else ())
-              if rule.style.name in SHARDING_STYLES}
+    styles = {
+        p: rule.style.name
+        for p, rule in (resolution.claims.items() if resolution else ())
+        if rule.style.name in SHARDING_STYLES
+    }
     sharded = set(styles)
     own = {path: dict(ops) for path, ops in totals.items()}
-    for path, ops in totals.items():  # FlopCounterMode counts a module's children in it: take them out
+    # FlopCounterMode counts a module's children in it: take them out
+    for path, ops in totals.items():
         parent = _tracked_parent(path, totals)
         if parent is not None:
             for op, n in ops.items():
@@ -109,7 +121,8 @@ def _attention_op(op: object) -> bool:
 
 
 def _tracked_parent(path: str, tracked: dict) -> str | None:
-    """The nearest enclosing module that FlopCounterMode saw (containers without forward are skipped)."""
+    """The nearest enclosing module that FlopCounterMode saw (containers without forward are
+    skipped)."""
     if path == "":
         return None
     parts = path.split(".")
@@ -121,15 +134,31 @@ def _tracked_parent(path: str, tracked: dict) -> str | None:
 
 def block_paths(model: nn.Module) -> list[str]:
     """The repeated blocks: children of every ModuleList (what Megatron checkpoints, one per layer)."""
-    return [f"{path}.{name}" if path else name for path, m in model.named_modules() if isinstance(m, nn.ModuleList)
-            for name, _ in m.named_children()]
+    return [
+        f"{path}.{name}" if path else name
+        for path, m in model.named_modules()
+        if isinstance(m, nn.ModuleList)
+        for name, _ in m.named_children()
+    ]
 
 
 def narayanan_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
     """Narayanan et al. 2021 eq. 3: FLOPs of one iteration with full recompute (GEMMs only)."""
-    return 96.0 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+    return (
+        96.0
+        * batch
+        * seq
+        * layers
+        * hidden**2
+        * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+    )
 
 
 def narayanan_params(layers: int, hidden: int, vocab: int, seq: int) -> float:
     """Narayanan et al. 2021 eq. 2: parameters of a GPT (tied embeddings, learned positions)."""
-    return 12.0 * layers * hidden ** 2 * (1 + 13 / (12 * hidden) + (vocab + seq) / (12 * layers * hidden))
+    return (
+        12.0
+        * layers
+        * hidden**2
+        * (1 + 13 / (12 * hidden) + (vocab + seq) / (12 * layers * hidden))
+    )

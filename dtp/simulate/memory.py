@@ -1,8 +1,10 @@
-"""Memory per GPU: parameters, gradients and optimizer state from the plan's placements (sharded again over
-dp with FSDP), activations from Korthikanti et al. 2022 (Table 2), generalised to any element size, dropout
-on or off, grouped-query attention, a gated (SwiGLU) MLP, attention that does or does not keep its s × s
-scores (a fused/flash kernel keeps only its output and a row statistic), and four recompute policies.
+"""Memory per GPU: parameters, gradients and optimizer state from the plan's placements (sharded
+again over dp with FSDP), activations from Korthikanti et al. 2022 (Table 2), generalised to any
+element size, dropout on or off, grouped-query attention, a gated (SwiGLU) MLP, attention that does
+or does not keep its s × s scores (a fused/flash kernel keeps only its output and a row statistic),
+and four recompute policies.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,7 +13,7 @@ import torch.nn as nn
 
 from dtp.layout.resolve import Resolution
 
-GiB = 1024 ** 3
+GiB = 1024**3
 OPTIMIZER_BYTES = {"adam": 8, "sgd": 4}  # fp32 state per parameter: Adam's m and v; SGD's momentum
 
 
@@ -44,8 +46,8 @@ class Shape:
     dropout: bool = True  # the model runs dropout (its masks are kept for backward)
 
     def mm_outputs(self, tp: int) -> list[float]:
-        """Elements per token of each matrix multiply's output in one layer, in forward order (per rank:
-        a rowwise layer's output is a full-width partial sum on every rank)."""
+        """Elements per token of each matrix multiply's output in one layer, in forward order (per
+        rank: a rowwise layer's output is a full-width partial sum on every rank)."""
         h = self.hidden
         kv = h * (self.kv_heads or self.heads) // self.heads
         f = self.ffn or 4 * h
@@ -54,15 +56,26 @@ class Shape:
         return [*attn, float(h), *mlp, float(h)]
 
 
-def activation_bytes(shape: Shape, batch: int, seq: int, tp: int, *, elem: int, recompute: str,
-                     sequence_parallel: bool = False, dropout: bool = True, flash: bool = False) -> float:
+def activation_bytes(
+    shape: Shape,
+    batch: int,
+    seq: int,
+    tp: int,
+    *,
+    elem: int,
+    recompute: str,
+    sequence_parallel: bool = False,
+    dropout: bool = True,
+    flash: bool = False,
+) -> float:
     """Bytes of activations one rank keeps for backward (Korthikanti et al. 2022, Table 2 and §4.3).
 
-    With elem=2, dropout, stored scores and a GPT's MLP this is K22's sbh(10 + 24/t + 5as/(ht)) per layer
-    (TP), sbh(34/t + 5as/(ht)) with sequence parallelism, the score terms dropped with selective
-    recompute, and 2sbh per layer with full recompute plus one layer's working set while it is recomputed.
-    `op` is per-op selective checkpointing (torchtitan's): each layer keeps its input, every other matrix
-    multiply's output and the attention output (with its row statistic); the rest is recomputed."""
+    With elem=2, dropout, stored scores and a GPT's MLP this is K22's sbh(10 + 24/t + 5as/(ht)) per
+    layer (TP), sbh(34/t + 5as/(ht)) with sequence parallelism, the score terms dropped with
+    selective recompute, and 2sbh per layer with full recompute plus one layer's working set while
+    it is recomputed. `op` is per-op selective checkpointing (torchtitan's): each layer keeps its
+    input, every other matrix multiply's output and the attention output (with its row statistic);
+    the rest is recomputed."""
     sb = seq * batch
     h = shape.hidden
     mask = 1 if dropout else 0
@@ -71,8 +84,8 @@ def activation_bytes(shape: Shape, batch: int, seq: int, tp: int, *, elem: int, 
     f = shape.ffn or 4 * h
     # replicated: 2 norm inputs, the attention and MLP inputs (4 elements), 2 dropout masks
     replicated = (4 * elem + 2 * mask) * sb * h / rep_div
-    # split over tp: q, k, v, the attention output (= projection input), the MLP's saved inner tensors
-    # (a GPT: GeLU input and output; SwiGLU: gate, up, silu(gate) and the product)
+    # split over tp: q, k, v, the attention output (= projection input), the MLP's saved inner
+    # tensors (a GPT: GeLU input and output; SwiGLU: gate, up, silu(gate) and the product)
     split = elem * sb * (2 * h + 2 * kv + (4 if shape.gated else 2) * f) / tp
     lse = 4 * shape.heads * sb / tp  # flash attention's log-sum-exp row statistic, fp32
     if flash:
@@ -82,10 +95,12 @@ def activation_bytes(shape: Shape, batch: int, seq: int, tp: int, *, elem: int, 
     layer = replicated + split + scores
     if recompute == "selective":
         layer -= scores
-    outside = (2 * elem + mask) * sb * h / rep_div + 4 * sb * shape.vocab / tp  # final LN, head input, fp32 logits
+    # final LN, head input, fp32 logits
+    outside = (2 * elem + mask) * sb * h / rep_div + 4 * sb * shape.vocab / tp
     if recompute == "full":
         return shape.layers * elem * sb * h / rep_div + layer + outside
-    if recompute == "op":  # and while one layer's backward runs, its recomputed tensors are all back
+    # and while one layer's backward runs, its recomputed tensors are all back
+    if recompute == "op":
         saved = shape.mm_outputs(tp)[0::2]  # the 1st, 3rd, … matrix multiply of the layer
         kept = elem * sb * (h / rep_div + sum(saved) + h / tp) + lse
         return shape.layers * kept + (layer - kept) + outside
@@ -93,8 +108,9 @@ def activation_bytes(shape: Shape, batch: int, seq: int, tp: int, *, elem: int, 
 
 
 def loss_bytes(shape: Shape, batch: int, seq: int, tp: int, elem: int) -> float:
-    """The cross-entropy's transient peak beyond the fp32 logits counted in the activations: the logits in
-    the training precision and the fp32 log-softmax next to them (the vocabulary split over tp)."""
+    """The cross-entropy's transient peak beyond the fp32 logits counted in the activations: the
+    logits in the training precision and the fp32 log-softmax next to them (the vocabulary split
+    over tp)."""
     return (elem + 4) * seq * batch * shape.vocab / tp
 
 
@@ -121,17 +137,37 @@ class Memory:
         return self.total <= self.capacity
 
 
-def memory(params: float, elem: int, optimizer: str, activations: float, capacity_GiB: float, *,
-           fsdp_dp: int = 1, unit_params: float = 0.0, transient: float = 0.0) -> Memory:
-    """Weights and gradients in the training precision, fp32 optimizer state (and a master copy when the
-    precision is below fp32: mixed precision, 16 bytes per parameter with Adam). With FSDP over `fsdp_dp`
-    ranks (FSDP2's mixed precision): fp32 sharded weights, fp32 sharded gradients and the optimizer state,
-    all divided by dp, plus the all-gathered low-precision copies of two units at once (the one computing
-    and the one prefetched) and one unit's unsharded gradient before its reduce-scatter."""
+def memory(
+    params: float,
+    elem: int,
+    optimizer: str,
+    activations: float,
+    capacity_GiB: float,
+    *,
+    fsdp_dp: int = 1,
+    unit_params: float = 0.0,
+    transient: float = 0.0,
+) -> Memory:
+    """Weights and gradients in the training precision, fp32 optimizer state (and a master copy when
+    the precision is below fp32: mixed precision, 16 bytes per parameter with Adam). With FSDP over
+    `fsdp_dp` ranks (FSDP2's mixed precision): fp32 sharded weights, fp32 sharded gradients and the
+    optimizer state, all divided by dp, plus the all-gathered low-precision copies of two units at
+    once (the one computing and the one prefetched) and one unit's unsharded gradient before its
+    reduce-scatter."""
     state = OPTIMIZER_BYTES[optimizer]
     if fsdp_dp > 1:
         shard = params / fsdp_dp
         buffers = unit_params * (2 * elem + 4) + transient
-        return Memory(params, shard * 4, shard * 4, shard * state, activations, capacity_GiB * GiB, buffers)
+        return Memory(
+            params, shard * 4, shard * 4, shard * state, activations, capacity_GiB * GiB, buffers
+        )
     state += 4 if elem < 4 else 0  # below fp32: an fp32 master copy too
-    return Memory(params, params * elem, params * elem, params * state, activations, capacity_GiB * GiB, transient)
+    return Memory(
+        params,
+        params * elem,
+        params * elem,
+        params * state,
+        activations,
+        capacity_GiB * GiB,
+        transient,
+    )

@@ -2,8 +2,10 @@
 
 A profile describes one node type: its accelerators' peak and achieved GEMM rate, memory, and the
 links collectives run over (α-β: latency per ring step, bus bandwidth × an efficiency). Shipped
-profiles live in `profiles/` (inside the wheel as `dtp/profiles/`); any other path is read as a file.
+profiles live in `profiles/` (inside the wheel as `dtp/profiles/`); any other path is read as a
+file.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,8 +21,8 @@ PRECISIONS = ("fp16", "bf16", "fp32")
 
 @dataclass(frozen=True)
 class Link:
-    """A network that collectives run over: bus bandwidth (GB/s, nccl-tests' busBW) × efficiency, and a
-    latency per ring step (µs)."""
+    """A network that collectives run over: bus bandwidth (GB/s, nccl-tests' busBW) × efficiency,
+    and a latency per ring step (µs)."""
 
     busbw_GBps: float
     latency_us: float
@@ -35,8 +37,8 @@ class Link:
 @dataclass(frozen=True)
 class Profile:
     """One node type. `inter.busbw_GBps` is the node's total inter-node bandwidth (all NICs, one
-    direction); `intra` is per GPU. `compute_slots`: how many ranks compute at full rate at once (GPUs:
-    all of them; a CPU: its cores)."""
+    direction); `intra` is per GPU. `compute_slots`: how many ranks compute at full rate at once
+    (GPUs: all of them; a CPU: its cores)."""
 
     name: str
     description: str
@@ -51,31 +53,42 @@ class Profile:
     inter: Link
     dp_overlap: bool
     calibrated: str
-    gemm_efficiency: tuple[tuple[float, float], ...] = ()  # (GFLOP of one op, fraction of the rate), sorted
+    # (GFLOP of one op, fraction of the rate), sorted
+    gemm_efficiency: tuple[tuple[float, float], ...] = ()
     op_overhead_us: float = 0.0  # fixed cost of every op: dispatch + kernel launch
-    async_ops: bool = True  # GPUs queue kernels: an op costs max(overhead, work); a CPU rank adds them
+    # GPUs queue kernels: an op costs max(overhead, work); a CPU rank adds them
+    async_ops: bool = True
     # Measured per machine by `--calibrate` (a CPU rank); a GPU profile leaves them at the defaults:
-    gemm_backward_efficiency: tuple[tuple[float, float], ...] = ()  # dx = dy·W and dW = dyᵀ·x (else the forward's)
+    # dx = dy·W and dW = dyᵀ·x (else the forward's)
+    gemm_backward_efficiency: tuple[tuple[float, float], ...] = ()
     attention_efficiency: float = 1.0  # the fused attention kernel's FLOP rate ÷ the GEMM rate
     attention_backward: float = 0.0  # its backward ÷ its forward (0: 2.5 for flash, 2 otherwise)
-    backward_overhead_us: float = -1.0  # fixed cost of one op's backward (negative: twice op_overhead_us)
-    optimizer_tensor_us: float = 0.0  # the optimizer step's fixed cost per parameter tensor (torch's per-tensor loop)
-    optimizer_dtensor_us: float = 0.0  # the same for a sharded (DTensor) parameter: DTensor dispatches each op
-    op_GBps: tuple[tuple[str, float], ...] = ()  # aten op → its forward bandwidth over the traffic ops.py counts
+    # fixed cost of one op's backward (negative: twice op_overhead_us)
+    backward_overhead_us: float = -1.0
+    # the optimizer step's fixed cost per parameter tensor (torch's per-tensor loop)
+    optimizer_tensor_us: float = 0.0
+    # the same for a sharded (DTensor) parameter: DTensor dispatches each op
+    optimizer_dtensor_us: float = 0.0
+    # aten op → its forward bandwidth over the traffic ops.py counts
+    op_GBps: tuple[tuple[str, float], ...] = ()
     op_backward: tuple[tuple[str, float], ...] = ()  # aten op → its backward ÷ its forward (else 2)
-    rank_share: tuple[tuple[float, float], ...] = ()  # n concurrent ranks → each one's rate over one alone
-    worlds: tuple[tuple[int, Link], ...] = ()  # group size → its own α-β (gloo ranks time-sharing cores)
+    # n concurrent ranks → each one's rate over one alone
+    rank_share: tuple[tuple[float, float], ...] = ()
+    # group size → its own α-β (gloo ranks time-sharing cores)
+    worlds: tuple[tuple[int, Link], ...] = ()
 
     def flops_per_s(self, precision: str) -> float:
         """Achieved dense GEMM FLOP/s of one accelerator at `precision`."""
         if precision not in self.peak_tflops:
-            raise UsageError(f"profile {self.name} has no peak_tflops for {precision} "
-                             f"(it has: {', '.join(self.peak_tflops)})")
+            raise UsageError(
+                f"profile {self.name} has no peak_tflops for {precision} "
+                f"(it has: {', '.join(self.peak_tflops)})"
+            )
         return self.peak_tflops[precision] * 1e12 * self.achieved_fraction
 
     def gemm_fraction(self, flops: float) -> float:
-        """Fraction of `flops_per_s` one GEMM of `flops` reaches: the table, log-linear between its points,
-        flat beyond its ends (1.0 without a table)."""
+        """Fraction of `flops_per_s` one GEMM of `flops` reaches: the table, log-linear between its
+        points, flat beyond its ends (1.0 without a table)."""
         table = self.gemm_efficiency
         if not table:
             return 1.0
@@ -89,21 +102,23 @@ class Profile:
         return points[-1][1]
 
     def gemm_backward_fraction(self, flops: float) -> float:
-        """As `gemm_fraction`, for the two backward GEMMs of a forward one (the forward's table if none)."""
+        """As `gemm_fraction`, for the two backward GEMMs of a forward one (the forward's table if
+        none)."""
         if not self.gemm_backward_efficiency:
             return self.gemm_fraction(flops)
         return replace(self, gemm_efficiency=self.gemm_backward_efficiency).gemm_fraction(flops)
 
     def share(self, ranks: int) -> float:
-        """The fraction of its rate each of `ranks` concurrent ranks on one node gets: measured (rank_share,
-        nearest measured count at or above), else compute_slots ÷ ranks, at most 1."""
+        """The fraction of its rate each of `ranks` concurrent ranks on one node gets: measured
+        (rank_share, nearest measured count at or above), else compute_slots ÷ ranks, at most 1."""
         measured = [f for n, f in self.rank_share if n >= ranks]
         if measured:
             return measured[0]
         return min(1.0, self.compute_slots / max(ranks, 1))
 
     def link_for(self, ranks: int, default: Link) -> Link:
-        """The link a group of `ranks` runs its collectives over: its own measured fit, else `default`."""
+        """The link a group of `ranks` runs its collectives over: its own measured fit, else
+        `default`."""
         return dict(self.worlds).get(ranks, default)
 
     def bandwidth(self, op: str) -> float:
@@ -115,36 +130,73 @@ class Profile:
         return op in dict(self.op_GBps)
 
     def backward_ratio(self, op: str) -> float:
-        """The backward of memory-bound op `op` ÷ its forward: calibrated, else 2 (read and write twice)."""
+        """The backward of memory-bound op `op` ÷ its forward: calibrated, else 2 (read and write
+        twice)."""
         return dict(self.op_backward).get(op, 2.0)
 
 
 # key → (type, lower bound, upper bound); nested dicts are sections.
-_LINK = {"busbw_GBps": (float, 1e-6, 1e6), "latency_us": (float, 0.0, 1e7), "efficiency": (float, 1e-3, 1.0)}
+_LINK = {
+    "busbw_GBps": (float, 1e-6, 1e6),
+    "latency_us": (float, 0.0, 1e7),
+    "efficiency": (float, 1e-3, 1.0),
+}
 _SCHEMA = {
     "name": (str, 1, 100),
     "description": (str, 0, 2000),
     "calibrated": (str, 0, 2000),
-    "gpu": {"name": (str, 1, 100), "peak_tflops": {p: (float, 1e-6, 1e5) for p in PRECISIONS},
-            "achieved_fraction": (float, 1e-3, 1.0), "memory_GiB": (float, 1e-3, 1e5),
-            "hbm_GBps": (float, 1e-3, 1e6), "gemm_efficiency": "table", "op_overhead_us": (float, 0.0, 1e6),
-            "async_ops": (bool, None, None), "gemm_backward_efficiency": "table",
-            "attention_efficiency": (float, 1e-3, 1.0), "attention_backward": (float, 0.5, 20.0),
-            "backward_overhead_us": (float, 0.0, 1e6), "optimizer_tensor_us": (float, 0.0, 1e6),
-            "optimizer_dtensor_us": (float, 0.0, 1e6),
-            "op_GBps": "named", "op_backward": "named"},
-    "node": {"gpus": (int, 1, 4096), "compute_slots": (int, 1, 4096), "intra": _LINK, "inter": _LINK,
-             "rank_share": "table", "worlds": "links"},
+    "gpu": {
+        "name": (str, 1, 100),
+        "peak_tflops": {p: (float, 1e-6, 1e5) for p in PRECISIONS},
+        "achieved_fraction": (float, 1e-3, 1.0),
+        "memory_GiB": (float, 1e-3, 1e5),
+        "hbm_GBps": (float, 1e-3, 1e6),
+        "gemm_efficiency": "table",
+        "op_overhead_us": (float, 0.0, 1e6),
+        "async_ops": (bool, None, None),
+        "gemm_backward_efficiency": "table",
+        "attention_efficiency": (float, 1e-3, 1.0),
+        "attention_backward": (float, 0.5, 20.0),
+        "backward_overhead_us": (float, 0.0, 1e6),
+        "optimizer_tensor_us": (float, 0.0, 1e6),
+        "optimizer_dtensor_us": (float, 0.0, 1e6),
+        "op_GBps": "named",
+        "op_backward": "named",
+    },
+    "node": {
+        "gpus": (int, 1, 4096),
+        "compute_slots": (int, 1, 4096),
+        "intra": _LINK,
+        "inter": _LINK,
+        "rank_share": "table",
+        "worlds": "links",
+    },
     "dp_overlap": (bool, None, None),
 }
-_REQUIRED = {"name", "gpu", "gpu.name", "gpu.peak_tflops", "gpu.achieved_fraction", "gpu.memory_GiB",
-             "gpu.hbm_GBps", "node", "node.gpus", "node.intra", "node.inter", "node.intra.busbw_GBps",
-             "node.intra.latency_us", "node.inter.busbw_GBps", "node.inter.latency_us"}
+_REQUIRED = {
+    "name",
+    "gpu",
+    "gpu.name",
+    "gpu.peak_tflops",
+    "gpu.achieved_fraction",
+    "gpu.memory_GiB",
+    "gpu.hbm_GBps",
+    "node",
+    "node.gpus",
+    "node.intra",
+    "node.inter",
+    "node.intra.busbw_GBps",
+    "node.intra.latency_us",
+    "node.inter.busbw_GBps",
+    "node.inter.latency_us",
+}
 
 
 def profile_names() -> list[str]:
     """Names of the profiles that ship with dtp (dtp/profiles in a wheel, profiles/ in a checkout)."""
-    return sorted(p.name[:-5] for p in files.shipped("profiles").iterdir() if p.name.endswith(".yaml"))
+    return sorted(
+        p.name[:-5] for p in files.shipped("profiles").iterdir() if p.name.endswith(".yaml")
+    )
 
 
 def load(spec: str) -> Profile:
@@ -155,16 +207,21 @@ def load(spec: str) -> Profile:
         return parse(candidate.read_text(encoding="utf-8"), spec)
     path = Path(spec)
     if not path.exists():
-        raise UsageError(f"profile '{clip(spec, 200)}' is neither a file nor a shipped profile "
-                         f"(shipped: {', '.join(profile_names())})")
+        raise UsageError(
+            f"profile '{clip(spec, 200)}' is neither a file nor a shipped profile "
+            f"(shipped: {', '.join(profile_names())})"
+        )
     return _parsed(files.load_yaml(path, "profile", MAX_BYTES), spec)
 
 
 def parse(text: str, where: str) -> Profile:
-    """Validate profile YAML text (the bounded loader of dtp/files.py; unknown keys, wrong types, out-of-range
-    values are errors)."""
+    """Validate profile YAML text (the bounded loader of dtp/files.py; unknown keys, wrong types,
+    out-of-range values are errors)."""
     if len(text) > MAX_BYTES:
-        raise UsageError(f"profile {where} is {len(text)} characters; a profile is at most {MAX_BYTES // 1024} KiB")
+        raise UsageError(
+            f"profile {where} is {len(text)} characters; a profile is at most {MAX_BYTES // 1024} "
+            "KiB"
+        )
     return _parsed(files.parse_yaml(text, "profile", where), where)
 
 
@@ -176,23 +233,34 @@ def _parsed(data: object, where: str) -> Profile:
     _validate(data, _SCHEMA, "", where)
     missing = sorted(k for k in _REQUIRED if _get(data, k) is None)
     if missing:
-        raise UsageError(f"{where}: missing key{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
+        raise UsageError(
+            f"{where}: missing key{'s' if len(missing) > 1 else ''} {', '.join(missing)}"
+        )
     gpu, node = data["gpu"], data["node"]
     if not gpu["peak_tflops"]:
         raise UsageError(f"{where}: gpu.peak_tflops needs at least one of {', '.join(PRECISIONS)}")
     return Profile(
-        name=data["name"], description=data.get("description", ""), gpu_name=gpu["name"],
+        name=data["name"],
+        description=data.get("description", ""),
+        gpu_name=gpu["name"],
         peak_tflops={k: float(v) for k, v in gpu["peak_tflops"].items()},
-        achieved_fraction=float(gpu["achieved_fraction"]), memory_GiB=float(gpu["memory_GiB"]),
-        hbm_GBps=float(gpu["hbm_GBps"]), gpus_per_node=node["gpus"],
+        achieved_fraction=float(gpu["achieved_fraction"]),
+        memory_GiB=float(gpu["memory_GiB"]),
+        hbm_GBps=float(gpu["hbm_GBps"]),
+        gpus_per_node=node["gpus"],
         compute_slots=node.get("compute_slots", node["gpus"]),
         intra=Link(**{k: float(v) for k, v in node["intra"].items()}),
         inter=Link(**{k: float(v) for k, v in node["inter"].items()}),
-        dp_overlap=bool(data.get("dp_overlap", False)), calibrated=data.get("calibrated", ""),
-        gemm_efficiency=tuple(sorted((float(g), float(f)) for g, f in gpu.get("gemm_efficiency", {}).items())),
-        op_overhead_us=float(gpu.get("op_overhead_us", 0.0)), async_ops=bool(gpu.get("async_ops", True)),
-        gemm_backward_efficiency=tuple(sorted((float(g), float(f))
-                                              for g, f in gpu.get("gemm_backward_efficiency", {}).items())),
+        dp_overlap=bool(data.get("dp_overlap", False)),
+        calibrated=data.get("calibrated", ""),
+        gemm_efficiency=tuple(
+            sorted((float(g), float(f)) for g, f in gpu.get("gemm_efficiency", {}).items())
+        ),
+        op_overhead_us=float(gpu.get("op_overhead_us", 0.0)),
+        async_ops=bool(gpu.get("async_ops", True)),
+        gemm_backward_efficiency=tuple(
+            sorted((float(g), float(f)) for g, f in gpu.get("gemm_backward_efficiency", {}).items())
+        ),
         attention_efficiency=float(gpu.get("attention_efficiency", 1.0)),
         attention_backward=float(gpu.get("attention_backward", 0.0)),
         backward_overhead_us=float(gpu.get("backward_overhead_us", -1.0)),
@@ -200,9 +268,16 @@ def _parsed(data: object, where: str) -> Profile:
         optimizer_dtensor_us=float(gpu.get("optimizer_dtensor_us", 0.0)),
         op_GBps=tuple(sorted((k, float(v)) for k, v in gpu.get("op_GBps", {}).items())),
         op_backward=tuple(sorted((k, float(v)) for k, v in gpu.get("op_backward", {}).items())),
-        rank_share=tuple(sorted((float(n), float(f)) for n, f in node.get("rank_share", {}).items())),
-        worlds=tuple(sorted((int(n), Link(**{k: float(v) for k, v in link.items()}))
-                            for n, link in node.get("worlds", {}).items())))
+        rank_share=tuple(
+            sorted((float(n), float(f)) for n, f in node.get("rank_share", {}).items())
+        ),
+        worlds=tuple(
+            sorted(
+                (int(n), Link(**{k: float(v) for k, v in link.items()}))
+                for n, link in node.get("worlds", {}).items()
+            )
+        ),
+    )
 
 
 def _get(data: dict, dotted: str):
@@ -241,7 +316,9 @@ def _validate(data: dict, schema: dict, prefix: str, where: str) -> None:
 def _check_table(value, name: str, where: str) -> None:
     # GFLOP of one GEMM → the fraction of the achieved rate it reaches
     if not isinstance(value, dict) or not 1 <= len(value) <= 32:
-        raise UsageError(f"{where}: '{name}' must be a mapping of 1–32 entries, GFLOP per op: fraction")
+        raise UsageError(
+            f"{where}: '{name}' must be a mapping of 1–32 entries, GFLOP per op: fraction"
+        )
     for gflop, frac in value.items():
         _check_value(gflop, float, 1e-9, 1e9, f"{name} key", where)
         _check_value(frac, float, 1e-3, 1.0, f"{name}[{gflop}]", where)
@@ -254,7 +331,9 @@ def _check_links(value, name: str, where: str) -> None:
     for size, link in value.items():
         _check_value(size, int, 2, 4096, f"{name} key", where)
         if not isinstance(link, dict):
-            raise UsageError(f"{where}: '{name}[{size}]' must be a mapping (busbw_GBps, latency_us)")
+            raise UsageError(
+                f"{where}: '{name}[{size}]' must be a mapping (busbw_GBps, latency_us)"
+            )
         _validate(link, _LINK, f"{name}[{size}].", where)
         if "busbw_GBps" not in link or "latency_us" not in link:
             raise UsageError(f"{where}: '{name}[{size}]' needs busbw_GBps and latency_us")
@@ -263,7 +342,9 @@ def _check_links(value, name: str, where: str) -> None:
 def _check_named(value, name: str, where: str) -> None:
     # aten op name → a positive figure (a bandwidth in GB/s, or a backward ÷ forward ratio)
     if not isinstance(value, dict) or not 1 <= len(value) <= 64:
-        raise UsageError(f"{where}: '{name}' must be a mapping of 1–64 entries, aten op name: number")
+        raise UsageError(
+            f"{where}: '{name}' must be a mapping of 1–64 entries, aten op name: number"
+        )
     for op, figure in value.items():
         _check_value(op, str, 1, 80, f"{name} key", where)
         _check_value(figure, float, 1e-6, 1e6, f"{name}[{clip(str(op), 40)}]", where)
@@ -280,6 +361,11 @@ def _check_value(value, kind: type, low, high, name: str, where: str) -> None:
         return
     numeric = (int,) if kind is int else (int, float)
     if isinstance(value, bool) or not isinstance(value, numeric):
-        raise UsageError(f"{where}: '{name}' must be {'an integer' if kind is int else 'a number'}, got {shorten(value)}")
+        raise UsageError(
+            f"{where}: '{name}' must be {'an integer' if kind is int else 'a number'}, got "
+            f"{shorten(value)}"
+        )
     if not low <= value <= high:  # NaN fails both comparisons
-        raise UsageError(f"{where}: '{name}' = {clip(str(value), 60)} is out of range [{low}, {high}]")
+        raise UsageError(
+            f"{where}: '{name}' = {clip(str(value), 60)} is out of range [{low}, {high}]"
+        )

@@ -1,8 +1,10 @@
 """What every rank of `dtp train` does: build the sharded model, train, evaluate, measure.
 
-The loop's whole state is (model, optimizer, step, seed): batches and the learning rate are pure functions
-of (seed, step), so a checkpoint needs only `train_state()` next to the model and optimizer.
+The loop's whole state is (model, optimizer, step, seed): batches and the learning rate are pure
+functions of (seed, step), so a checkpoint needs only `train_state()` next to the model and
+optimizer.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,7 +48,8 @@ INITS = ("model", "keyed")
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig(Job):
-    """`dtp train`'s job: the plan, model and mesh (Job) and the training run's own settings, validated once."""
+    """`dtp train`'s job: the plan, model and mesh (Job) and the training run's own settings,
+    validated once."""
 
     steps: int = 200
     lr: float = 3e-3  # the peak learning rate
@@ -62,10 +65,14 @@ class TrainConfig(Job):
     checkpoint: str | None = None  # save here every `save_every` steps (0: at the end only)
     save_every: int = 0
     resume: str | None = None  # load this checkpoint before the first step
-    convert: bool = False  # resume from a checkpoint of another plan (dtp.checkpoint.dcp's convert=True)
-    init: str = "model"  # "model": the model's own init, built on rank 0 and scattered; "keyed": drawn per shard
-    check_replicas: int = 10  # compare the tp ranks' replicated tensors every N steps (0: at the end and saves only)
-    threads: int | None = None  # intra-op threads per local rank (None: dtp.runtime.threads.threads_per_rank)
+    # resume from a checkpoint of another plan (dtp.checkpoint.dcp's convert=True)
+    convert: bool = False
+    # "model": the model's own init, built on rank 0 and scattered; "keyed": drawn per shard
+    init: str = "model"
+    # compare the tp ranks' replicated tensors every N steps (0: at the end and saves only)
+    check_replicas: int = 10
+    # intra-op threads per local rank (None: dtp.runtime.threads.threads_per_rank)
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -73,8 +80,11 @@ class TrainConfig(Job):
             raise UsageError(f"--dtype {self.dtype}: dtp train runs {' or '.join(TRAIN_DTYPES)}")
         if self.init not in INITS:
             raise UsageError(f"--init must be {' or '.join(INITS)}, got {shorten(self.init)}")
-        for flag, value in (("--steps", self.steps), ("--eval-every", self.eval_every),
-                            ("eval_batches", self.eval_batches)):
+        for flag, value in (
+            ("--steps", self.steps),
+            ("--eval-every", self.eval_every),
+            ("eval_batches", self.eval_batches),
+        ):
             positive(flag, value)
         finite("--lr", self.lr, strict=True)
         finite("--min-lr", self.min_lr)
@@ -96,18 +106,22 @@ class TrainConfig(Job):
             raise UsageError("--convert applies to --resume DIR only")
 
 
-COMM_SAMPLE = 10  # time collectives on every 10th step only: the timer's dispatch mode sees every op and slows it
+# time collectives on every 10th step only: the timer's dispatch mode sees every op and slows it
+COMM_SAMPLE = 10
 
 
 def _checkpoint_blocks(model: torch.nn.Module) -> list[str]:
     """Recompute each block's forward in backward (torch.utils.checkpoint), keeping parameter names.
 
-    early_stop=False recomputes the whole block as Megatron does, so every forward collective of a block
-    runs again in backward (torch's early stop would skip the last one, whose output nothing saves)."""
+    early_stop=False recomputes the whole block as Megatron does, so every forward collective of a
+    block runs again in backward (torch's early stop would skip the last one, whose output nothing
+    saves)."""
     blocks = units(model)
     for path in blocks:
         block = model.get_submodule(path)
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, early_stop=False)
+        block.forward = functools.partial(
+            checkpoint, block.forward, use_reentrant=False, early_stop=False
+        )
     return blocks
 
 
@@ -116,21 +130,42 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, corpus: data.Corpus, mesh: DeviceMesh):
         self.cfg, self.corpus, self.mesh = cfg, corpus, mesh
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if cfg.device == "cuda"
+            else torch.device("cpu")
+        )
         self.source = models.resolve(cfg.model)
         meta = models.build(self.source, device="meta")
-        self.checked = trusted(parse(cfg.plan_text, cfg.plan), meta, cfg.tp)  # the parent checked this text
-        # how the model gives every position's logits (a tuple, targets, positions: dtp.models.calling)
+        # the parent checked this text
+        self.checked = trusted(parse(cfg.plan_text, cfg.plan), meta, cfg.tp)
+        # how the model gives every position's logits (a tuple, targets, positions:
+        # dtp.models.calling)
         self.forward = calling.discover(meta, models.vocab_size(meta), cfg.model)
         # The seed drives the model's own init (rank 0) and the stream replicated dropout shares.
         torch.manual_seed(cfg.seed)
-        # plain: at tp 1 dp 1 the model stays plain PyTorch (no DTensor, no collectives; dtp.runtime.shard.apply)
+        # plain: at tp 1 dp 1 the model stays plain PyTorch (no DTensor, no collectives;
+        # dtp.runtime.shard.apply)
         if cfg.init == "model":
-            self.applied = build_from_model(self.checked, self.source, mesh, seed=cfg.seed, device=self.device,
-                                            dp=cfg.dp, plain=True)
+            self.applied = build_from_model(
+                self.checked,
+                self.source,
+                mesh,
+                seed=cfg.seed,
+                device=self.device,
+                dp=cfg.dp,
+                plain=True,
+            )
         else:
-            self.applied = build_sharded(self.checked, self.source, mesh, seed=cfg.seed, device=self.device,
-                                         dp=cfg.dp, plain=True)
+            self.applied = build_sharded(
+                self.checked,
+                self.source,
+                mesh,
+                seed=cfg.seed,
+                device=self.device,
+                dp=cfg.dp,
+                plain=True,
+            )
         self.model = self.applied.model
         rows = shared_rows(self.applied)  # k/v rows every rank holds: counted once in the clip norm
         self.shared_rows = {id(p): rows[n] for n, p in self.model.named_parameters() if n in rows}
@@ -142,13 +177,19 @@ class Trainer:
         self.dp_group = mesh["dp"].get_group() if cfg.dp > 1 else None
         self.step = 0
         self.param_bytes = local_param_bytes(self.model)
-        self.val = data.val_batches(corpus, self.tokens, cfg.batch, cfg.seq, cfg.dp, self.dp_rank, cfg.eval_batches)
+        self.val = data.val_batches(
+            corpus, self.tokens, cfg.batch, cfg.seq, cfg.dp, self.dp_rank, cfg.eval_batches
+        )
 
     def train_state(self) -> dict:
         """What a checkpoint must keep besides the model and optimizer (the rest derives from it)."""
-        return {"step": self.step, "seed": self.cfg.seed, "config": self.cfg.to_json(),
-                "rng_cpu": torch.get_rng_state(),
-                "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
+        return {
+            "step": self.step,
+            "seed": self.cfg.seed,
+            "config": self.cfg.to_json(),
+            "rng_cpu": torch.get_rng_state(),
+            "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
+        }
 
     def _autocast(self):
         if self.cfg.dtype == "bfloat16":
@@ -158,7 +199,8 @@ class Trainer:
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self._autocast():
             logits = self.forward(self.model, inputs.to(self.device), targets.to(self.device))
-        # in float32 from (possibly bf16) logits, as autocast does; vocabulary-parallel logits stay split
+        # in float32 from (possibly bf16) logits, as autocast does; vocabulary-parallel logits stay
+        # split
         return cross_entropy(logits, targets.to(self.device))
 
     def _mean_over_dp(self, value: torch.Tensor) -> float:
@@ -170,12 +212,14 @@ class Trainer:
         return float(value.item())
 
     def train_step(self, counters: dict | None = None, timer: CommTimer | None = None) -> dict:
-        """One optimizer step on this step's batch; `counters` (forward, backward) count its collectives."""
+        """One optimizer step on this step's batch; `counters` (forward, backward) count its
+        collectives."""
         cfg = self.cfg
         lr = self.schedule(self.step)
         set_lr(self.optimizer, lr)
-        inputs, targets = data.train_batch(self.corpus, self.tokens, self.step, cfg.seed, cfg.batch, cfg.seq, cfg.dp,
-                                           self.dp_rank)
+        inputs, targets = data.train_batch(
+            self.corpus, self.tokens, self.step, cfg.seed, cfg.batch, cfg.seq, cfg.dp, self.dp_rank
+        )
         self.model.train()
         sync(self.device)
         t0 = time.perf_counter()
@@ -184,15 +228,22 @@ class Trainer:
                 loss = self._loss(inputs, targets)
             with counters["backward"] if counters else contextlib.nullcontext():
                 loss.backward()
-            norm = clip_(self.model.parameters(), cfg.clip, self.shared_rows)  # not counted: see analytic()
+            # not counted: see analytic()
+            norm = clip_(self.model.parameters(), cfg.clip, self.shared_rows)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             sync(self.device)
         seconds = time.perf_counter() - t0
         self.step += 1
-        return {"step": self.step, "loss": self._mean_over_dp(loss), "lr": lr, "grad_norm": float(norm),
-                "step_time_ms": seconds * 1e3, "tokens_per_s": cfg.batch * cfg.seq / seconds,
-                "comm_share": (timer.seconds / seconds) if timer else None}
+        return {
+            "step": self.step,
+            "loss": self._mean_over_dp(loss),
+            "lr": lr,
+            "grad_norm": float(norm),
+            "step_time_ms": seconds * 1e3,
+            "tokens_per_s": cfg.batch * cfg.seq / seconds,
+            "comm_share": (timer.seconds / seconds) if timer else None,
+        }
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -204,16 +255,25 @@ class Trainer:
         return total / len(self.val)
 
     def analytic(self) -> dict:
-        """The analytic collectives of forward + backward (recomputed forwards included), as counted on the
-        first step. Clipping and the optimizer step are not counted: the gradient norm's scalar reductions
-        run there, and sequence-parallel norms' gradients (DTensor Partial) are reduced there lazily, so for
-        sequence-parallel plans the schedule's norm-gradient all-reduces are not seen by the count."""
+        """The analytic collectives of forward + backward (recomputed forwards included), as counted
+        on the first step. Clipping and the optimizer step are not counted: the gradient norm's
+        scalar reductions run there, and sequence-parallel norms' gradients (DTensor Partial) are
+        reduced there lazily, so for sequence-parallel plans the schedule's norm-gradient
+        all-reduces are not seen by the count."""
         try:
             dtype = torch.bfloat16 if self.cfg.dtype == "bfloat16" else torch.float32
-            steps = schedule(self.checked, self.cfg.tp, self.cfg.batch // self.cfg.dp, self.cfg.seq, dtype=dtype,
-                             lowered=self.applied.compiled.lowered, dp=self.cfg.dp,
-                             model=models.build(self.source, device="meta"),
-                             checkpoint_activations=self.cfg.checkpoint_activations, plain=self.applied.plain)
+            steps = schedule(
+                self.checked,
+                self.cfg.tp,
+                self.cfg.batch // self.cfg.dp,
+                self.cfg.seq,
+                dtype=dtype,
+                lowered=self.applied.compiled.lowered,
+                dp=self.cfg.dp,
+                model=models.build(self.source, device="meta"),
+                checkpoint_activations=self.cfg.checkpoint_activations,
+                plain=self.applied.plain,
+            )
             return summarize(steps, self.cfg.tp, self.cfg.dp)
         except NotModeled as err:
             return {"not_modeled": str(err)}
@@ -227,10 +287,11 @@ def _progress(cfg: TrainConfig, rank: int):
 
 
 def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
-    """Train on an initialised process group; rank 0 appends metrics to OUT/metrics.jsonl as it goes.
-    Returns this rank's summary (rank 0's carries the loss curve)."""
+    """Train on an initialised process group; rank 0 appends metrics to OUT/metrics.jsonl as it
+    goes. Returns this rank's summary (rank 0's carries the loss curve)."""
     warnings.filterwarnings("ignore", message=".*(backward hook|returned a view tensor).*")
-    # The clip norm of FSDP2 + tp gradients reduces over dp then tp, which torch calls suboptimal; it is one scalar.
+    # The clip norm of FSDP2 + tp gradients reduces over dp then tp, which torch calls suboptimal;
+    # it is one scalar.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     if cfg.threads:  # local ranks got it at start-up; a torchrun rank gets it here
         torch.set_num_threads(cfg.threads)
@@ -253,19 +314,26 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
             bar.update(start)
         for step in range(start, cfg.steps):
             first = step == start  # collectives are counted, not timed, on this run's first step
-            # a plain model has no collectives to time; else every COMM_SAMPLE-th step is timed, and left out of
-            # the step-time median (the timer's dispatch mode slows every op of that step)
+            # a plain model has no collectives to time; else every COMM_SAMPLE-th step is timed, and
+            # left out of the step-time median (the timer's dispatch mode slows every op of that
+            # step)
             sampled = not first and not trainer.applied.plain and (step - start) % COMM_SAMPLE == 1
             row = trainer.train_step(counters if first else None, CommTimer() if sampled else None)
             if not math.isfinite(row["loss"]):
-                raise FloatingPointError(f"the loss became {row['loss']} at step {row['step']}; lower --lr "
-                                         "or keep --clip on")
-            # Before evaluating (FSDP2 leaves the root gathered after it) and before any save: never a drifted checkpoint.
-            if replicas.group is not None and (replica_checks.due(row["step"], start, cfg.check_replicas, cfg.steps)
-                                               or resume.due(cfg, row["step"])):
+                raise FloatingPointError(
+                    f"the loss became {row['loss']} at step {row['step']}; lower --lr "
+                    "or keep --clip on"
+                )
+            # Before evaluating (FSDP2 leaves the root gathered after it) and before any save: never
+            # a drifted checkpoint.
+            if replicas.group is not None and (
+                replica_checks.due(row["step"], start, cfg.check_replicas, cfg.steps)
+                or resume.due(cfg, row["step"])
+            ):
                 stopped = not replicas.check(trainer.model, row["step"])
                 row["replicas_checked"] = replicas.tensors
-                if stopped:  # every rank stops here; the ranks of a tp group that diverged say what differs
+                # every rank stops here; the ranks of a tp group that diverged say what differs
+                if stopped:
                     row["replica_divergences"] = [d.describe() for d in replicas.divergences]
                     if log:
                         log.write(json.dumps(row) + "\n")
@@ -276,7 +344,10 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
             row["peak_memory_bytes"] = peak_memory(trainer.device)[0]
             if resume.due(cfg, row["step"]):  # after the step's timing: a save is not step time
                 saves.append(resume.save(trainer, cfg))
-                row["checkpoint_bytes"], row["checkpoint_seconds"] = saves[-1]["bytes"], saves[-1]["seconds"]
+                row["checkpoint_bytes"], row["checkpoint_seconds"] = (
+                    saves[-1]["bytes"],
+                    saves[-1]["seconds"],
+                )
             losses.append(row["loss"])
             if sampled:
                 shares.append(row["comm_share"])
@@ -286,20 +357,42 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
                 log.write(json.dumps(row) + "\n")
                 log.flush()
             if bar is not None:
-                bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+                bar.set_postfix(
+                    loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False
+                )
                 bar.update(1)
             elif rank == 0 and "val_loss" in row:
-                print(f"step {row['step']}/{cfg.steps}: loss {row['loss']:.4f} · val loss {row['val_loss']:.4f} · "
-                      f"{row['tokens_per_s']:.0f} tokens/s", flush=True)
+                print(
+                    f"step {row['step']}/{cfg.steps}: loss {row['loss']:.4f} · val loss "
+                    f"{row['val_loss']:.4f} · "
+                    f"{row['tokens_per_s']:.0f} tokens/s",
+                    flush=True,
+                )
     peak, kind = peak_memory(trainer.device)
-    out = {"rank": rank, "param_bytes": trainer.param_bytes, "peak_memory_bytes": peak, "peak_memory_kind": kind,
-           "replicas": replicas.record(), "threads": torch.get_num_threads(), "plain": trainer.applied.plain}
+    out = {
+        "rank": rank,
+        "param_bytes": trainer.param_bytes,
+        "peak_memory_bytes": peak,
+        "peak_memory_kind": kind,
+        "replicas": replicas.record(),
+        "threads": torch.get_num_threads(),
+        "plain": trainer.applied.plain,
+    }
     if rank == 0 and not stopped:
         times = times or [row["step_time_ms"]]
         median = sorted(times)[len(times) // 2]
-        out.update(losses=losses, val_losses=val_losses, val_loss=val_losses[-1][1], step_time_ms=median,
-                   tokens_per_s=cfg.batch * cfg.seq / (median / 1e3),
-                   comm_share=sorted(shares)[len(shares) // 2] if shares else 0.0,
-                   collectives=merge(counters), analytic_collectives=trainer.analytic(),
-                   blocks_checkpointed=len(trainer.blocks), start_step=start, resumed=resumed, saves=saves)
+        out.update(
+            losses=losses,
+            val_losses=val_losses,
+            val_loss=val_losses[-1][1],
+            step_time_ms=median,
+            tokens_per_s=cfg.batch * cfg.seq / (median / 1e3),
+            comm_share=sorted(shares)[len(shares) // 2] if shares else 0.0,
+            collectives=merge(counters),
+            analytic_collectives=trainer.analytic(),
+            blocks_checkpointed=len(trainer.blocks),
+            start_step=start,
+            resumed=resumed,
+            saves=saves,
+        )
     return out

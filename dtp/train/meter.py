@@ -1,4 +1,6 @@
-"""Measuring a training step: time inside collectives and peak memory (counts: dtp.runtime.comm.CommCounter)."""
+"""Measuring a training step: time inside collectives and peak memory (counts:
+dtp.runtime.comm.CommCounter)."""
+
 from __future__ import annotations
 
 import resource
@@ -11,8 +13,9 @@ _COMM_NAMESPACES = ("_c10d_functional", "c10d", "c10d_functional")
 
 
 class CommTimer(TorchDispatchMode):
-    """Wall time spent in collective ops and in waiting for them (functional collectives are asynchronous:
-    the wait is where the time goes). Includes time waiting for slower ranks: communication as a rank sees it."""
+    """Wall time spent in collective ops and in waiting for them (functional collectives are
+    asynchronous: the wait is where the time goes). Includes time waiting for slower ranks:
+    communication as a rank sees it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -39,4 +42,3 @@ def sync(device: torch.device) -> None:
     """Wait for the device (timing)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-

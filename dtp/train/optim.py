@@ -1,7 +1,10 @@
-"""The optimizer side of training: AdamW on DTensor parameters, warm-up + cosine, global-norm clipping.
+"""The optimizer side of training: AdamW on DTensor parameters, warm-up + cosine, global-norm
+clipping.
 
-Parameters stay float32 (the master weights); `--dtype bfloat16` runs forward and loss under autocast.
+Parameters stay float32 (the master weights); `--dtype bfloat16` runs forward and loss under
+autocast.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,26 +38,32 @@ class Schedule:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's storage of `t` (a DTensor's local tensor, a plain tensor itself): no copy, no collective."""
+    """This rank's storage of `t` (a DTensor's local tensor, a plain tensor itself): no copy, no
+    collective."""
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def settle_grads(parameters) -> None:
-    """Give every DTensor gradient its parameter's placements (a Partial gradient, e.g. of a sequence-parallel
-    norm, is all-reduced here, once), so that elementwise updates may run on the local tensors."""
+    """Give every DTensor gradient its parameter's placements (a Partial gradient, e.g. of a
+    sequence-parallel norm, is all-reduced here, once), so that elementwise updates may run on the
+    local tensors."""
     for p in parameters:
         g = p.grad
-        if isinstance(g, DTensor) and g._spec is not p._spec and (g.placements != p.placements
-                                                                  or g.device_mesh != p.device_mesh):
+        if (
+            isinstance(g, DTensor)
+            and g._spec is not p._spec
+            and (g.placements != p.placements or g.device_mesh != p.device_mesh)
+        ):
             p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
 class LocalAdamW(torch.optim.AdamW):
-    """torch's AdamW, its state and param groups unchanged (checkpoints are the same), with the update run by
-    torch's foreach kernels on each parameter's local tensor. AdamW is elementwise, so updating every shard (and
-    every replica, which sees the same gradient) is updating the whole tensor; torch's own foreach path refuses a
-    group that mixes DTensors on several meshes (tp, FSDP2's dp) with plain tensors, and its per-tensor path pays
-    DTensor's dispatch for each of ~10 ops per parameter."""
+    """torch's AdamW, its state and param groups unchanged (checkpoints are the same), with the
+    update run by torch's foreach kernels on each parameter's local tensor. AdamW is elementwise, so
+    updating every shard (and every replica, which sees the same gradient) is updating the whole
+    tensor; torch's own foreach path refuses a group that mixes DTensors on several meshes (tp,
+    FSDP2's dp) with plain tensors, and its per-tensor path pays DTensor's dispatch for each of ~10
+    ops per parameter."""
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102 - torch's signature
@@ -69,17 +78,35 @@ class LocalAdamW(torch.optim.AdamW):
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
-        adam([local(p) for p in params], [local(p.grad) for p in params],
-             [local(s["exp_avg"]) for s in states], [local(s["exp_avg_sq"]) for s in states], [],
-             [s["step"] for s in states], foreach=True, capturable=False, differentiable=False, fused=None,
-             grad_scale=None, found_inf=None, has_complex=False, decoupled_weight_decay=True, amsgrad=False,
-             beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-             maximize=False)
+        adam(
+            [local(p) for p in params],
+            [local(p.grad) for p in params],
+            [local(s["exp_avg"]) for s in states],
+            [local(s["exp_avg_sq"]) for s in states],
+            [],
+            [s["step"] for s in states],
+            foreach=True,
+            capturable=False,
+            differentiable=False,
+            fused=None,
+            grad_scale=None,
+            found_inf=None,
+            has_complex=False,
+            decoupled_weight_decay=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
 
 
 class LocalSGD(torch.optim.SGD):
-    """torch's SGD (momentum, dampening, Nesterov, decay as configured; its state as torch keeps it) with the
-    update run by torch's foreach kernels on each parameter's local tensor, for the reason LocalAdamW gives."""
+    """torch's SGD (momentum, dampening, Nesterov, decay as configured; its state as torch keeps it)
+    with the update run by torch's foreach kernels on each parameter's local tensor, for the reason
+    LocalAdamW gives."""
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102 - torch's signature
@@ -88,18 +115,31 @@ class LocalSGD(torch.optim.SGD):
     def _update(self, group: dict, params: list) -> None:
         buffers = [self.state[p].get("momentum_buffer") for p in params]
         local_buffers = [None if b is None else local(b) for b in buffers]
-        sgd([local(p) for p in params], [local(p.grad) for p in params], local_buffers, foreach=True,
-            weight_decay=group["weight_decay"], momentum=group["momentum"], lr=group["lr"],
-            dampening=group["dampening"], nesterov=group["nesterov"], maximize=group["maximize"],
-            has_sparse_grad=False)
+        sgd(
+            [local(p) for p in params],
+            [local(p.grad) for p in params],
+            local_buffers,
+            foreach=True,
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            lr=group["lr"],
+            dampening=group["dampening"],
+            nesterov=group["nesterov"],
+            maximize=group["maximize"],
+            has_sparse_grad=False,
+        )
         for p, before, after in zip(params, buffers, local_buffers):
-            if group["momentum"] and before is None:  # torch's first step clones the gradient: keep p's type
-                self.state[p]["momentum_buffer"] = like(p, after) if isinstance(p, DTensor) else after
+            # torch's first step clones the gradient: keep p's type
+            if group["momentum"] and before is None:
+                self.state[p]["momentum_buffer"] = (
+                    like(p, after) if isinstance(p, DTensor) else after
+                )
 
 
 def _local_steps(opt: torch.optim.Optimizer, closure, update) -> object:
-    """torch's step protocol around `update(group, params)`: the closure under autograd, then each group's
-    parameters that have a gradient, their gradients settled to the parameters' placements first."""
+    """torch's step protocol around `update(group, params)`: the closure under autograd, then each
+    group's parameters that have a gradient, their gradients settled to the parameters' placements
+    first."""
     loss = None
     if closure is not None:
         with torch.enable_grad():
@@ -113,26 +153,35 @@ def _local_steps(opt: torch.optim.Optimizer, closure, update) -> object:
 
 
 def adamw(model: nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95)) -> torch.optim.AdamW:
-    """AdamW with decay on matrices only (nanoGPT's split: no decay on biases, norms), foreach on local tensors."""
+    """AdamW with decay on matrices only (nanoGPT's split: no decay on biases, norms), foreach on
+    local tensors."""
     decay, no_decay = [], []
     for p in model.parameters():  # tied weights appear once
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return LocalAdamW(groups, lr=lr, betas=betas, foreach=False)  # foreach=False: the group's flag is not read
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    # foreach=False: the group's flag is not read
+    return LocalAdamW(groups, lr=lr, betas=betas, foreach=False)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Set every group's learning rate (the schedule is a pure function of the step: nothing to save)."""
+    """Set every group's learning rate (the schedule is a pure function of the step: nothing to
+    save)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
 
 
-def grad_norm(parameters, shared: dict[int, tuple[int, torch.Tensor]] | None = None) -> torch.Tensor:
-    """The global L2 norm of all gradients, equal to the unsharded model's: each DTensor contributes its
-    norm over the whole mesh (one collective per mesh), each plain tensor (replicated) its local norm. A
-    parameter in `shared` (id → dtp.runtime.rows.shared_rows' dim and row weights) holds some rows on several
-    ranks: its gradient is gathered and each row weighted so that every model row counts once."""
+def grad_norm(
+    parameters, shared: dict[int, tuple[int, torch.Tensor]] | None = None
+) -> torch.Tensor:
+    """The global L2 norm of all gradients, equal to the unsharded model's: each DTensor contributes
+    its norm over the whole mesh (one collective per mesh), each plain tensor (replicated) its local
+    norm. A parameter in `shared` (id → dtp.runtime.rows.shared_rows' dim and row weights) holds
+    some rows on several ranks: its gradient is gathered and each row weighted so that every model
+    row counts once."""
     shared = shared or {}
     by_mesh: dict[object, list[torch.Tensor]] = {}
     plain: list[torch.Tensor] = []
@@ -145,7 +194,9 @@ def grad_norm(parameters, shared: dict[int, tuple[int, torch.Tensor]] | None = N
             full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             shape = [1] * full.dim()
             shape[dim] = -1
-            squares.append((full.double().pow(2) * weights.to(full.device).view(shape)).sum().float())
+            squares.append(
+                (full.double().pow(2) * weights.to(full.device).view(shape)).sum().float()
+            )
         elif isinstance(p.grad, DTensor):
             by_mesh.setdefault(p.grad.device_mesh, []).append(p.grad)
         else:
@@ -161,10 +212,12 @@ def grad_norm(parameters, shared: dict[int, tuple[int, torch.Tensor]] | None = N
 
 
 @torch.no_grad()
-def clip_(parameters, max_norm: float, shared: dict[int, tuple[int, torch.Tensor]] | None = None) -> torch.Tensor:
-    """Scale all gradients so that their global norm is at most `max_norm` (0: no clipping); returns the
-    norm before clipping (`shared`: see grad_norm). No host sync: the scale stays a tensor, and one foreach
-    multiply scales every local gradient (a shard scaled is the DTensor scaled)."""
+def clip_(
+    parameters, max_norm: float, shared: dict[int, tuple[int, torch.Tensor]] | None = None
+) -> torch.Tensor:
+    """Scale all gradients so that their global norm is at most `max_norm` (0: no clipping); returns
+    the norm before clipping (`shared`: see grad_norm). No host sync: the scale stays a tensor, and
+    one foreach multiply scales every local gradient (a shard scaled is the DTensor scaled)."""
     parameters = [p for p in parameters if p.grad is not None]
     settle_grads(parameters)
     norm = grad_norm(parameters, shared)

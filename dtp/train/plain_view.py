@@ -1,11 +1,14 @@
-"""A plain one-rank model seen by the checkpoint as its tp-1 DTensors, so checkpoints reshard across tp.
+"""A plain one-rank model seen by the checkpoint as its tp-1 DTensors, so checkpoints reshard across
+tp.
 
-At tp 1 dp 1 `dtp train` runs the model as plain PyTorch (dtp.runtime.shard.apply's `plain`). Checkpoints store a
-`colwise(packed=K)` tensor in the canonical (K, out/K, …) form, which dtp.checkpoint.canonical reads off a
-Shard(0) DTensor; every other tensor is stored whole at tp 1 either way. So for a save or a load the packed
-parameters (and their AdamW moments) are presented as Shard(0) DTensors on the one-rank mesh that share the plain
-tensors' storage — what parallelize_module would have made of them — and put back afterwards.
+At tp 1 dp 1 `dtp train` runs the model as plain PyTorch (dtp.runtime.shard.apply's `plain`).
+Checkpoints store a `colwise(packed=K)` tensor in the canonical (K, out/K, …) form, which
+dtp.checkpoint.canonical reads off a Shard(0) DTensor; every other tensor is stored whole at tp 1
+either way. So for a save or a load the packed parameters (and their AdamW moments) are presented as
+Shard(0) DTensors on the one-rank mesh that share the plain tensors' storage — what
+parallelize_module would have made of them — and put back afterwards.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,23 +25,34 @@ from dtp.layout.modules import is_conv1d
 
 
 def _wrap(t: torch.Tensor, mesh: DeviceMesh, dim: int = 0) -> DTensor:
-    return DTensor.from_local(t, mesh, [Shard(dim)], run_check=False)  # a view: same storage, no copy
+    # a view: same storage, no copy
+    return DTensor.from_local(t, mesh, [Shard(dim)], run_check=False)
 
 
 @contextlib.contextmanager
-def as_dtensors(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh,
-                plan_text: str) -> Iterator[None]:
-    """Within the block, `model`'s packed parameters and their optimizer state are one-rank Shard(0) DTensors."""
+def as_dtensors(
+    model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, plan_text: str
+) -> Iterator[None]:
+    """Within the block, `model`'s packed parameters and their optimizer state are one-rank Shard(0)
+    DTensors."""
     names = packed_parts(plan_text, model)
     olds = {id(p): p for n, p in model.named_parameters() if n in names}
     if not olds:
         yield
         return
     mesh = tp_mesh(mesh)
-    owners = [(m, k, id(p)) for m in model.modules() for k, p in m._parameters.items() if p is not None and id(p) in olds]
+    owners = [
+        (m, k, id(p))
+        for m in model.modules()
+        for k, p in m._parameters.items()
+        if p is not None and id(p) in olds
+    ]
     # the packed dim, as colwise shards it: a Conv1D weight (in, out) packs its columns
     dims = {i: 1 if is_conv1d(m) and k == "weight" else 0 for m, k, i in owners}
-    news = {i: nn.Parameter(_wrap(p.detach(), mesh, dims[i]), requires_grad=p.requires_grad) for i, p in olds.items()}
+    news = {
+        i: nn.Parameter(_wrap(p.detach(), mesh, dims[i]), requires_grad=p.requires_grad)
+        for i, p in olds.items()
+    }
     for module, key, i in owners:  # every owner: a tied packed weight stays one parameter
         module._parameters[key] = news[i]
     for group in optimizer.param_groups:
@@ -46,8 +60,12 @@ def as_dtensors(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Device
     for i, p in olds.items():
         if p in optimizer.state:
             state = optimizer.state.pop(p)
-            optimizer.state[news[i]] = {k: _wrap(v, mesh, dims[i]) if isinstance(v, torch.Tensor) and v.shape == p.shape
-                                        and v.dim() else v for k, v in state.items()}
+            optimizer.state[news[i]] = {
+                k: _wrap(v, mesh, dims[i])
+                if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim()
+                else v
+                for k, v in state.items()
+            }
     try:
         yield
     finally:
@@ -57,6 +75,9 @@ def as_dtensors(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Device
         for group in optimizer.param_groups:
             group["params"] = [back.get(id(p), p) for p in group["params"]]
         for i, new in news.items():
-            if new in optimizer.state:  # a load may have created the state: its DTensors' storage is kept
+            # a load may have created the state: its DTensors' storage is kept
+            if new in optimizer.state:
                 state = optimizer.state.pop(new)
-                optimizer.state[olds[i]] = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
+                optimizer.state[olds[i]] = {
+                    k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()
+                }

@@ -1,12 +1,15 @@
 """Loss-curve PNGs (matplotlib, optional)."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 
-def loss_png(path: Path, curves: dict[str, tuple[list[float], list[tuple[int, float]]]], title: str) -> str | None:
-    """Overlay training (lines) and validation (markers) losses, one colour per label; returns None when
-    written, else a one-line note (matplotlib missing)."""
+def loss_png(
+    path: Path, curves: dict[str, tuple[list[float], list[tuple[int, float]]]], title: str
+) -> str | None:
+    """Overlay training (lines) and validation (markers) losses, one colour per label; returns None
+    when written, else a one-line note (matplotlib missing)."""
     try:
         import matplotlib
 
@@ -17,10 +20,24 @@ def loss_png(path: Path, curves: dict[str, tuple[list[float], list[tuple[int, fl
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=90)
     for i, (label, (losses, vals)) in enumerate(curves.items()):
         colour = f"C{i}"
-        ax.plot(range(1, len(losses) + 1), losses, color=colour, lw=1.0, alpha=0.8,
-                ls=("-", "--", ":", "-.")[i % 4], label=f"{label} train")
+        ax.plot(
+            range(1, len(losses) + 1),
+            losses,
+            color=colour,
+            lw=1.0,
+            alpha=0.8,
+            ls=("-", "--", ":", "-.")[i % 4],
+            label=f"{label} train",
+        )
         if vals:
-            ax.plot([s for s, _ in vals], [v for _, v in vals], "o", color=colour, ms=4, label=f"{label} val")
+            ax.plot(
+                [s for s, _ in vals],
+                [v for _, v in vals],
+                "o",
+                color=colour,
+                ms=4,
+                label=f"{label} val",
+            )
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(title, fontsize=10)
@@ -30,4 +47,3 @@ def loss_png(path: Path, curves: dict[str, tuple[list[float], list[tuple[int, fl
     fig.savefig(path)
     plt.close(fig)
     return None
-

@@ -1,9 +1,11 @@
-"""Checkpoints in `dtp train`: check a resume before any rank starts, load it into a rank's Trainer, save
-every N steps and at the end.
+"""Checkpoints in `dtp train`: check a resume before any rank starts, load it into a rank's Trainer,
+save every N steps and at the end.
 
-A checkpoint is dtp.checkpoint.dcp's (DCP, reshards across tp/dp) with `Trainer.train_state()` as its `extra`:
-the step and the RNG states are all a resume needs, since batches and the learning rate derive from the step.
+A checkpoint is dtp.checkpoint.dcp's (DCP, reshards across tp/dp) with `Trainer.train_state()` as
+its `extra`: the step and the RNG states are all a resume needs, since batches and the learning rate
+derive from the step.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,48 +39,75 @@ def _resolved(path: str, flag: str) -> Path:
 
 
 def saved_state(directory: Path) -> tuple[dict, dict]:
-    """(dtp.json, rank 0's train_state) of a complete checkpoint, read in this process without ranks."""
+    """(dtp.json, rank 0's train_state) of a complete checkpoint, read in this process without
+    ranks."""
     meta = read_meta(directory)
     size = meta.get("objects", {}).get("extra/rank0")
     if not isinstance(size, int) or not 0 < size <= MAX_EXTRA_BYTES:
-        raise CheckpointError(f"checkpoint {directory} holds no training state (extra/rank0); it was not "
-                              "written by `dtp train`")
+        raise CheckpointError(
+            f"checkpoint {directory} holds no training state (extra/rank0); it was not "
+            "written by `dtp train`"
+        )
     state = {"extra/rank0": torch.empty(size, dtype=torch.uint8)}
-    reader = SafeReader(directory)  # refuses what is not data (code in .metadata, byte entries) with its reason
+    # refuses what is not data (code in .metadata, byte entries) with its reason
+    reader = SafeReader(directory)
     try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        # "assuming the intent is to load in a single process": it is
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
-        raise CheckpointError(f"checkpoint {directory} is corrupt or unreadable: {type(err).__name__}") from None
+        raise CheckpointError(
+            f"checkpoint {directory} is corrupt or unreadable: {type(err).__name__}"
+        ) from None
     extra = unpack(state["extra/rank0"], f"{directory}: extra/rank0")
-    if not isinstance(extra, dict) or not isinstance(extra.get("step"), int) or "rng_cpu" not in extra:
-        raise CheckpointError(f"checkpoint {directory} holds no `dtp train` state (step, RNG); it was not "
-                              "written by `dtp train`")
+    if (
+        not isinstance(extra, dict)
+        or not isinstance(extra.get("step"), int)
+        or "rng_cpu" not in extra
+    ):
+        raise CheckpointError(
+            f"checkpoint {directory} holds no `dtp train` state (step, RNG); it was not "
+            "written by `dtp train`"
+        )
     return meta, extra
 
 
 def _check_model(meta: dict, spec: str, directory: Path) -> None:
-    """Refuse, before any rank, a checkpoint whose model tensors are not this model's (names, full shapes)."""
+    """Refuse, before any rank, a checkpoint whose model tensors are not this model's (names, full
+    shapes)."""
     model = models.build(models.resolve(spec), device="meta")
     persistent = model.state_dict(keep_vars=True).keys()
-    here = {f"model/{n}": tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]
-            if n in persistent}
-    saved = {k: model_shape(k, tuple(v["shape"]), meta.get("packed", {}), meta.get("packed_dims", {}))
-             for k, v in meta["tensors"].items() if k.startswith("model/")}
-    problems = [f"it has no {some(sorted(set(here) - set(saved)))}"] if set(here) - set(saved) else []
+    here = {
+        f"model/{n}": tuple(t.shape)
+        for n, t in [*model.named_parameters(), *model.named_buffers()]
+        if n in persistent
+    }
+    saved = {
+        k: model_shape(k, tuple(v["shape"]), meta.get("packed", {}), meta.get("packed_dims", {}))
+        for k, v in meta["tensors"].items()
+        if k.startswith("model/")
+    }
+    problems = (
+        [f"it has no {some(sorted(set(here) - set(saved)))}"] if set(here) - set(saved) else []
+    )
     if set(saved) - set(here):
         problems.append(f"{spec} has no {some(sorted(set(saved) - set(here)))}")
-    problems += [f"{k} is {list(saved[k])} in the checkpoint, {list(here[k])} here"
-                 for k in sorted(set(here) & set(saved)) if saved[k] != here[k]]
+    problems += [
+        f"{k} is {list(saved[k])} in the checkpoint, {list(here[k])} here"
+        for k in sorted(set(here) & set(saved))
+        if saved[k] != here[k]
+    ]
     if problems:
-        raise CheckpointError(f"checkpoint {directory} does not fit {spec}: " + "; ".join(problems[:4]))
+        raise CheckpointError(
+            f"checkpoint {directory} does not fit {spec}: " + "; ".join(problems[:4])
+        )
 
 
 def validate(cfg):
-    """The checkpoint to resume from, before any rank starts (exit 2, one paragraph): it holds this model, this
-    plan (or `cfg.convert`) and a step before cfg.steps. Returns `cfg` (a TrainConfig) with its checkpoint
-    directories absolute: ranks may run elsewhere."""
+    """The checkpoint to resume from, before any rank starts (exit 2, one paragraph): it holds this
+    model, this plan (or `cfg.convert`) and a step before cfg.steps. Returns `cfg` (a TrainConfig)
+    with its checkpoint directories absolute: ranks may run elsewhere."""
     if cfg.checkpoint:
         cfg = replace(cfg, checkpoint=str(_resolved(cfg.checkpoint, "--checkpoint")))
     if not cfg.resume:
@@ -91,48 +120,74 @@ def validate(cfg):
         raise type(err)(f"{err} (`dtp train --convert`)") from None
     _check_model(meta, cfg.model, directory)
     if extra["step"] >= cfg.steps:
-        raise UsageError(f"checkpoint {directory} is at step {extra['step']}, not before --steps "
-                         f"{cfg.steps}: nothing left to train (raise --steps)")
+        raise UsageError(
+            f"checkpoint {directory} is at step {extra['step']}, not before --steps "
+            f"{cfg.steps}: nothing left to train (raise --steps)"
+        )
     return replace(cfg, resume=str(directory))
 
 
 def _stored(trainer, plan_text: str):
-    """The model as the checkpoint stores it: a plain tp-1 model's packed tensors as DTensors (dtp.train.plain_view)."""
+    """The model as the checkpoint stores it: a plain tp-1 model's packed tensors as DTensors
+    (dtp.train.plain_view)."""
     if not trainer.applied.plain:
         return contextlib.nullcontext()
     return as_dtensors(trainer.model, trainer.optimizer, trainer.mesh, plan_text)
 
 
 def restore(trainer, cfg) -> dict:
-    """Load cfg.resume into the rank's sharded model and optimizer, set its step and RNG; the load's stats."""
+    """Load cfg.resume into the rank's sharded model and optimizer, set its step and RNG; the load's
+    stats."""
     stats: dict = {}
     text = cfg.plan_text  # the text the run was checked and built with
     with _stored(trainer, text):
-        extra = load_checkpoint(cfg.resume, trainer.model, trainer.optimizer, mesh=trainer.mesh, plan_text=text,
-                                convert=cfg.convert, stats=stats)
+        extra = load_checkpoint(
+            cfg.resume,
+            trainer.model,
+            trainer.optimizer,
+            mesh=trainer.mesh,
+            plan_text=text,
+            convert=cfg.convert,
+            stats=stats,
+        )
     trainer.step = extra["step"]
     torch.set_rng_state(extra["rng_cpu"])
     if trainer.device.type == "cuda" and extra.get("rng_cuda") is not None:
         torch.cuda.set_rng_state(extra["rng_cuda"])
-    return {"path": cfg.resume, "step": trainer.step, "bytes": stats["bytes"], "seconds": stats["seconds"]}
+    return {
+        "path": cfg.resume,
+        "step": trainer.step,
+        "bytes": stats["bytes"],
+        "seconds": stats["seconds"],
+    }
 
 
 def due(cfg, step: int) -> bool:
     """Whether to save after `step` (1-based): every --save-every steps, and at the end."""
-    return bool(cfg.checkpoint) and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps)
+    return bool(cfg.checkpoint) and (
+        (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps
+    )
 
 
 def save(trainer, cfg) -> dict:
-    """Save the rank's model, optimizer and train_state to cfg.checkpoint (every rank calls it); stats."""
-    # FSDP2 keeps the root's parameters gathered after a forward with no backward (an evaluation), and the
-    # model then names those instead of the sharded ones the optimizer holds: shard them back first.
+    """Save the rank's model, optimizer and train_state to cfg.checkpoint (every rank calls it);
+    stats."""
+    # FSDP2 keeps the root's parameters gathered after a forward with no backward (an evaluation),
+    # and the model then names those instead of the sharded ones the optimizer holds: shard them
+    # back first.
     for module in trainer.model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
     text = cfg.plan_text  # the text the run was checked and built with
     with _stored(trainer, text):
-        stats = save_checkpoint(cfg.checkpoint, trainer.model, trainer.optimizer, mesh=trainer.mesh,
-                                plan_text=text, extra=trainer.train_state())
+        stats = save_checkpoint(
+            cfg.checkpoint,
+            trainer.model,
+            trainer.optimizer,
+            mesh=trainer.mesh,
+            plan_text=text,
+            extra=trainer.train_state(),
+        )
     return {"step": trainer.step, "bytes": stats["bytes"], "seconds": stats["seconds"]}
 
 
@@ -141,8 +196,10 @@ def resumed_line(s: dict) -> list[str]:
     r = s.get("resumed")
     if not r:
         return []
-    return [f"  resumed from {r['path']} at step {r['step']} "
-            f"(loaded {human_bytes(r['bytes'])} in {r['seconds']:.2f} s)"]
+    return [
+        f"  resumed from {r['path']} at step {r['step']} "
+        f"(loaded {human_bytes(r['bytes'])} in {r['seconds']:.2f} s)"
+    ]
 
 
 def saved_line(s: dict) -> list[str]:
@@ -151,5 +208,8 @@ def saved_line(s: dict) -> list[str]:
     if not saves:
         return []
     seconds = sorted(c["seconds"] for c in saves)
-    return [f"  checkpoint: {s['config']['checkpoint']} saved after step {', '.join(str(c['step']) for c in saves)} "
-            f"({human_bytes(saves[-1]['bytes'])}, {seconds[len(seconds) // 2]:.2f} s per save, median)"]
+    return [
+        f"  checkpoint: {s['config']['checkpoint']} saved after step "
+        f"{', '.join(str(c['step']) for c in saves)} "
+        f"({human_bytes(saves[-1]['bytes'])}, {seconds[len(seconds) // 2]:.2f} s per save, median)"
+    ]

@@ -1,14 +1,15 @@
 """The token cache under OUT/cache/, trusted by its content, never by its name.
 
-Each `tokens-*.bin` has a record beside it (`.json`): the corpus's sha256, the tokenizer and its version,
-the vocabulary, the number of tokens and the tokens' own sha256. A cache is reused only when its record
-matches the corpus and tokenizer at hand, the file matches the record, and every id is below the
-vocabulary; otherwise it is rebuilt from the corpus, with one warning. (A planted file of ids outside the
-vocabulary once trained to "validation loss 0.0000", exit 0.)
+Each `tokens-*.bin` has a record beside it (`.json`): the corpus's sha256, the tokenizer and its
+version, the vocabulary, the number of tokens and the tokens' own sha256. A cache is reused only
+when its record matches the corpus and tokenizer at hand, the file matches the record, and every id
+is below the vocabulary; otherwise it is rebuilt from the corpus, with one warning. (A planted file
+of ids outside the vocabulary once trained to "validation loss 0.0000", exit 0.)
 
 Under torchrun every rank prepares the cache at once: the record is written before the tokens (each
 atomically), so a reader that sees tokens also sees the record of a complete write.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,7 +35,8 @@ def warn(message: str) -> None:
 
 
 def regular_size(path: Path) -> int | None:
-    """The size of `path` if it is a regular file (after links), else None (absent, FIFO, device, loop)."""
+    """The size of `path` if it is a regular file (after links), else None (absent, FIFO, device,
+    loop)."""
     try:
         st = path.stat()
     except (OSError, ValueError):
@@ -47,7 +49,7 @@ def scan(path: Path, n: int, dtype, digest: bool = True) -> tuple[str, int]:
     ids = np.memmap(path, dtype=dtype, mode="r", shape=(n,))
     sha, top = hashlib.sha256(), 0
     for i in range(0, n, _CHUNK):
-        part = np.asarray(ids[i:i + _CHUNK])
+        part = np.asarray(ids[i : i + _CHUNK])
         if digest:
             sha.update(part.tobytes())
         top = max(top, int(part.max()))
@@ -66,8 +68,9 @@ def _record(path: Path) -> dict | None:
 
 
 def reuse(out: Path, expect: dict, dtype) -> int | None:
-    """The number of tokens in `out` if its record matches `expect` (corpus, tokenizer, vocabulary) and its
-    content the record; None when there is no cache; a warning and None when one is there but not trusted."""
+    """The number of tokens in `out` if its record matches `expect` (corpus, tokenizer, vocabulary)
+    and its content the record; None when there is no cache; a warning and None when one is there
+    but not trusted."""
     size = regular_size(out)
     if size is None and not os.path.lexists(out):
         return None
@@ -95,19 +98,26 @@ def reuse(out: Path, expect: dict, dtype) -> int | None:
 
 
 def store(out: Path, expect: dict, ids: np.ndarray) -> None:
-    """Write the record, then the tokens, each atomically (a planted link or FIFO is removed, not followed)."""
+    """Write the record, then the tokens, each atomically (a planted link or FIFO is removed, not
+    followed)."""
     for path in (out.with_suffix(".json"), out):
         if path.is_symlink() or (os.path.lexists(path) and regular_size(path) is None):
             path.unlink(missing_ok=True)
-    record = {**expect, "n_tokens": len(ids), "tokens_sha256": hashlib.sha256(ids.tobytes()).hexdigest()}
+    record = {
+        **expect,
+        "n_tokens": len(ids),
+        "tokens_sha256": hashlib.sha256(ids.tobytes()).hexdigest(),
+    }
     text = json.dumps(record, indent=1) + "\n"
-    replace_atomically(out.with_suffix(".json"), lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    replace_atomically(
+        out.with_suffix(".json"), lambda tmp: Path(tmp).write_text(text, encoding="utf-8")
+    )
     replace_atomically(out, ids.tofile)
 
 
 def load_tokenizer(cache: Path, train: Callable[[], object]):
-    """The BPE saved at `cache` if it loads, else `train()`'s (a truncated, oversized or foreign file: warned,
-    retrained and saved again)."""
+    """The BPE saved at `cache` if it loads, else `train()`'s (a truncated, oversized or foreign
+    file: warned, retrained and saved again)."""
     from tokenizers import Tokenizer
 
     if not os.path.lexists(cache):
@@ -119,7 +129,11 @@ def load_tokenizer(cache: Path, train: Callable[[], object]):
         except Exception as err:  # noqa: BLE001 - the tokenizers library raises plain Exception on bad JSON
             reason = " ".join(str(err).split())[:120]
     else:
-        reason = "not a regular file" if size is None else f"{size} bytes, over {MAX_TOKENIZER_BYTES >> 20} MiB"
+        reason = (
+            "not a regular file"
+            if size is None
+            else f"{size} bytes, over {MAX_TOKENIZER_BYTES >> 20} MiB"
+        )
     warn(f"the BPE cache {cache} cannot be used ({reason}); trained again from the corpus")
     return train()
 
@@ -128,4 +142,7 @@ def tokenizer_id(tok) -> str:
     """Names a BPE by its content: a different merges file makes a different cache."""
     import tokenizers
 
-    return f"bpe tokenizers-{tokenizers.__version__} " + hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
+    return (
+        f"bpe tokenizers-{tokenizers.__version__} "
+        + hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
+    )

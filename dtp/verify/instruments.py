@@ -1,5 +1,6 @@
-"""What a rank of `dtp apply` measures besides parity: where it is (for a failure's message), and the bytes
-of activations a forward pass saves for backward."""
+"""What a rank of `dtp apply` measures besides parity: where it is (for a failure's message), and
+the bytes of activations a forward pass saves for backward."""
+
 from __future__ import annotations
 
 import torch
@@ -18,13 +19,16 @@ class ModuleTrail:
     def attach(self, model: nn.Module) -> None:
         """Follow `model`'s modules from now on."""
         for path, module in model.named_modules():
-            self.handles.append(module.register_forward_pre_hook(lambda m, a, p=path: self._enter(p)))
+            self.handles.append(
+                module.register_forward_pre_hook(lambda m, a, p=path: self._enter(p))
+            )
             self.handles.append(module.register_forward_hook(lambda m, a, o: self._leave()))
 
     def _enter(self, path: str) -> None:
         self.stack.append(path)
 
-    def _leave(self) -> None:  # returns None: a forward hook's return value would replace the output
+    # returns None: a forward hook's return value would replace the output
+    def _leave(self) -> None:
         if self.stack:
             self.stack.pop()
 
@@ -40,8 +44,10 @@ class ActivationMeter:
     each storage counted once): the memory that sequence parallelism divides."""
 
     def __init__(self, model: nn.Module):
-        self.params = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
-                       for p in model.parameters()}
+        self.params = {
+            (p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+            for p in model.parameters()
+        }
         self.storages: dict[int, int] = {}
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -49,7 +55,8 @@ class ActivationMeter:
         try:
             storage = local.untyped_storage()
             key, nbytes = storage.data_ptr(), storage.nbytes()
-        except RuntimeError:  # a tensor without a real storage (e.g. a view DTensor builds): count its size
+        # a tensor without a real storage (e.g. a view DTensor builds): count its size
+        except RuntimeError:
             key, nbytes = id(t), local.numel() * local.element_size()
         if key not in self.params:
             self.storages[key] = nbytes

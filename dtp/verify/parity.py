@@ -1,42 +1,48 @@
 """Comparing a sharded run with unsharded references: the rule, and the per-quantity verdict.
 
-Rank 0 runs the same steps twice more, unsharded: in float64 (the *truth*) and in the run's own dtype
-(the *unsharded run*; for a float64 run the truth is that run). Both start from the sharded run's exact
-initial weights. For every tensor compared (logits, loss, each gradient, each parameter after a step):
+Rank 0 runs the same steps twice more, unsharded: in float64 (the *truth*) and in the run's own
+dtype (the *unsharded run*; for a float64 run the truth is that run). Both start from the sharded
+run's exact initial weights. For every tensor compared (logits, loss, each gradient, each parameter
+after a step):
 
     err_sharded  = max|sharded − truth|        err_unsharded = max|unsharded − truth|
     OK  ⇔  err_sharded ≤ C · err_unsharded + F · eps · max|truth|,   C = 6, F = 2
 
-with eps the unit step of the dtype the tensor is held in (2^-7 for bfloat16, 2^-23 for float32; float32
-for the master weights of a bfloat16 run). Correct sharding only reorders floating-point sums, so its
-error is of the size the dtype incurs anyway, which the unsharded run in the same dtype measures; C allows
-for the reordering and for partial sums rounded before they are reduced (measured on the shipped plans at
-tp 2 and 4, bfloat16 and float32, 2,964 tensors: err_sharded / err_unsharded ≤ 3.2, the largest
-err / bound 0.43), and the floor covers tensors the unsharded run happens to get exact (a loss). A wrong
-plan is off by O(1) of the tensor and fails in every dtype: bfloat16 no longer hides a missing reduction
-behind a fixed absolute tolerance. A float64 run has no coarser run to measure its rounding against; its
-bound stays fixed: 1e-10 · max|truth| + 1e-12.
+with eps the unit step of the dtype the tensor is held in (2^-7 for bfloat16, 2^-23 for float32;
+float32 for the master weights of a bfloat16 run). Correct sharding only reorders floating-point
+sums, so its error is of the size the dtype incurs anyway, which the unsharded run in the same dtype
+measures; C allows for the reordering and for partial sums rounded before they are reduced (measured
+on the shipped plans at tp 2 and 4, bfloat16 and float32, 2,964 tensors: err_sharded / err_unsharded
+≤ 3.2, the largest err / bound 0.43), and the floor covers tensors the unsharded run happens to get
+exact (a loss). A wrong plan is off by O(1) of the tensor and fails in every dtype: bfloat16 no
+longer hides a missing reduction behind a fixed absolute tolerance. A float64 run has no coarser run
+to measure its rounding against; its bound stays fixed: 1e-10 · max|truth| + 1e-12.
 
-A gradient that is mathematically zero (a query's at sequence length 1, where softmax has one key) has a bound
-of 0 by this rule while the sharded run's reordered sums leave rounding of the size of the step's other
-gradients. So a gradient's bound is never below `Z · eps · G`, G the largest |truth| of any gradient in the same
-step, Z = C · F: small enough that an error of O(1) of any gradient that matters still fails (float32: 1.4e-6 · G).
-Floating buffers get the same floor with G the largest |truth| of any buffer compared at that moment.
+A gradient that is mathematically zero (a query's at sequence length 1, where softmax has one key)
+has a bound of 0 by this rule while the sharded run's reordered sums leave rounding of the size of
+the step's other gradients. So a gradient's bound is never below `Z · eps · G`, G the largest
+|truth| of any gradient in the same step, Z = C · F: small enough that an error of O(1) of any
+gradient that matters still fails (float32: 1.4e-6 · G). Floating buffers get the same floor with G
+the largest |truth| of any buffer compared at that moment.
 
-The report states each quantity's *resolution*: the largest bound / max|truth| over its tensors (for gradients
-and buffers, / max(max|truth|, G)), the relative error that could pass unseen on the least favourable tensor. For a bfloat16 run it is coarse (bfloat16's own
-rounding), which is why `dtp apply --dtype bfloat16` decides correctness on a float32 run of the same plan and
-reports the bfloat16 run's agreement beside it (dtp.verify.rank).
+The report states each quantity's *resolution*: the largest bound / max|truth| over its tensors (for
+gradients and buffers, / max(max|truth|, G)), the relative error that could pass unseen on the least
+favourable tensor. For a bfloat16 run it is coarse (bfloat16's own rounding), which is why `dtp
+apply --dtype bfloat16` decides correctness on a float32 run of the same plan and reports the
+bfloat16 run's agreement beside it (dtp.verify.rank).
 
-Any NaN or infinity, on any side, fails: a sharded run that diverges proves nothing, and neither does a
-reference that does. The report names the first tensor, in step order, that went non-finite and where.
+Any NaN or infinity, on any side, fails: a sharded run that diverges proves nothing, and neither
+does a reference that does. The report names the first tensor, in step order, that went non-finite
+and where.
 
 Low-precision runs train as Megatron's mixed precision does: bfloat16 parameters, activations and
-gradients, and an optimizer on float32 master copies (`dtp.verify.reference.MixedSGD`), so that small updates
-accumulate and "parameters after step k" compare weights that moved. The optimizer is SGD so that an
-update's error stays proportional to its gradient's (Adam's normalised update turns the rounding noise of
-a gradient that is mathematically zero, such as a key bias's, into a full-size step).
+gradients, and an optimizer on float32 master copies (`dtp.verify.reference.MixedSGD`), so that
+small updates accumulate and "parameters after step k" compare weights that moved. The optimizer is
+SGD so that an update's error stays proportional to its gradient's (Adam's normalised update turns
+the rounding noise of a gradient that is mathematically zero, such as a key bias's, into a full-size
+step).
 """
+
 from __future__ import annotations
 
 import math
@@ -51,7 +57,8 @@ C = 6.0  # allowed error relative to the unsharded run's own, in the same dtype
 F = 2.0  # the floor, in units of eps · max|truth|
 Z = C * F  # a gradient's floor, in units of eps · the step's largest gradient
 QUANTITIES = ("logits", "loss", "grads", "params", "buffers", "probes", "replicas")
-FLOAT64_BOUND = (1e-10, 1e-12)  # (relative, absolute) for float64 runs, whose truth is their unsharded run
+# (relative, absolute) for float64 runs, whose truth is their unsharded run
+FLOAT64_BOUND = (1e-10, 1e-12)
 
 
 def eps(dtype: torch.dtype) -> float:
@@ -69,8 +76,10 @@ class Quantity:
     margin: float = 0.0  # the largest err_sharded / bound seen (OK when ≤ 1)
     ok: bool = True
     compared: int = 0
-    resolution: float = 0.0  # the largest bound / max|truth| (gradients: / G): smaller errors could pass unseen
-    problems: list[str] = field(default_factory=list)  # shape mismatches, non-finite values and the like
+    # the largest bound / max|truth| (gradients: / G): smaller errors could pass unseen
+    resolution: float = 0.0
+    # shape mismatches, non-finite values and the like
+    problems: list[str] = field(default_factory=list)
 
 
 def _finite(t: torch.Tensor) -> bool:
@@ -78,17 +87,22 @@ def _finite(t: torch.Tensor) -> bool:
 
 
 class ParityCheck:
-    """Accumulates comparisons in step order; `ok` when every tensor met the rule and all were finite."""
+    """Accumulates comparisons in step order; `ok` when every tensor met the rule and all were
+    finite."""
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
         self.quantities: dict[str, Quantity] = {k: Quantity() for k in QUANTITIES}
-        self.nonfinite: dict | None = None  # the first tensor that went NaN/inf: {tensor, quantity, side}
+        # the first tensor that went NaN/inf: {tensor, quantity, side}
+        self.nonfinite: dict | None = None
         self.dropout: list[str] = []  # where the model has dropout on (said when parity fails)
         self.shapes: list[str] = []  # what was compared, in words: modes and shapes
 
-    def problem(self, quantity: str, name: str, text: str, rel: float = math.inf, max_abs: float = math.inf) -> None:
-        """Record a failure of tensor `name` that is not a comparison with the references (`text` says what)."""
+    def problem(
+        self, quantity: str, name: str, text: str, rel: float = math.inf, max_abs: float = math.inf
+    ) -> None:
+        """Record a failure of tensor `name` that is not a comparison with the references (`text`
+        says what)."""
         q = self.quantities[quantity]
         q.compared += 1
         q.ok = False
@@ -97,36 +111,57 @@ class ParityCheck:
             q.worst, q.max_rel, q.margin = name, rel, math.inf
             q.max_abs = max(q.max_abs, max_abs)
 
-    def compare(self, quantity: str, name: str, got: torch.Tensor | None, truth: torch.Tensor | None,
-                unsharded: torch.Tensor | None = None, held_in: torch.dtype | None = None,
-                floor_scale: float = 0.0) -> None:
-        """Record how far `got` (sharded, gathered) is from `truth`, against `unsharded`'s own error.
+    def compare(
+        self,
+        quantity: str,
+        name: str,
+        got: torch.Tensor | None,
+        truth: torch.Tensor | None,
+        unsharded: torch.Tensor | None = None,
+        held_in: torch.dtype | None = None,
+        floor_scale: float = 0.0,
+    ) -> None:
+        """Record how far `got` (sharded, gathered) is from `truth`, against `unsharded`'s own
+        error.
 
-        `unsharded` None means the truth is the unsharded run (float64); `held_in` is the dtype the tensor
-        is kept in (default: the run's dtype); `floor_scale` the G of a gradient's floor (Z · eps · G)."""
+        `unsharded` None means the truth is the unsharded run (float64); `held_in` is the dtype the
+        tensor is kept in (default: the run's dtype); `floor_scale` the G of a gradient's floor (Z ·
+        eps · G)."""
         q = self.quantities[quantity]
         q.compared += 1
         if got is None or truth is None:
             if (got is None) != (truth is None):
                 q.ok = False
-                q.problems.append(f"{name}: {'no gradient' if got is None else 'unexpected gradient'} in the sharded run")
+                q.problems.append(
+                    f"{name}: {'no gradient' if got is None else 'unexpected gradient'} in the "
+                    "sharded run"
+                )
             return
         if got.shape != truth.shape:
             q.ok = False
-            q.problems.append(f"{name}: shape {tuple(got.shape)} but the reference has {tuple(truth.shape)}")
+            q.problems.append(
+                f"{name}: shape {tuple(got.shape)} but the reference has {tuple(truth.shape)}"
+            )
             if not q.worst:
                 q.worst, q.max_rel, q.max_abs, q.margin = name, math.inf, math.inf, math.inf
             return
         got, truth = got.detach().double().cpu(), truth.detach().double().cpu()
         unsharded = unsharded.detach().double().cpu() if unsharded is not None else truth
-        sides = (("sharded run", got), ("reference", truth)) + ((("unsharded reference", unsharded),)
-                                                                 if unsharded is not truth else ())
+        sides = (("sharded run", got), ("reference", truth)) + (
+            (("unsharded reference", unsharded),) if unsharded is not truth else ()
+        )
         bad = [side for side, t in sides if not _finite(t)]
         if bad:
             q.ok = False
-            q.problems.append(f"{name}: non-finite values (NaN or inf) in the {' and the '.join(bad)}")
+            q.problems.append(
+                f"{name}: non-finite values (NaN or inf) in the {' and the '.join(bad)}"
+            )
             if self.nonfinite is None:
-                self.nonfinite = {"tensor": name, "quantity": quantity, "side": " and the ".join(bad)}
+                self.nonfinite = {
+                    "tensor": name,
+                    "quantity": quantity,
+                    "side": " and the ".join(bad),
+                }
             q.worst, q.max_rel, q.max_abs, q.margin = name, math.inf, math.inf, math.inf
             return
         if not got.numel():
@@ -137,7 +172,10 @@ class ParityCheck:
             bound = FLOAT64_BOUND[0] * max(scale, Z * floor_scale) + FLOAT64_BOUND[1]
         else:
             unit = eps(held_in or self.dtype)
-            bound = max(C * (unsharded - truth).abs().max().item() + F * unit * scale, Z * unit * floor_scale)
+            bound = max(
+                C * (unsharded - truth).abs().max().item() + F * unit * scale,
+                Z * unit * floor_scale,
+            )
         if max(scale, floor_scale) > 0:
             q.resolution = max(q.resolution, bound / max(scale, floor_scale))
         margin = err / bound if bound > 0 else (0.0 if err == 0 else math.inf)
@@ -155,10 +193,18 @@ class ParityCheck:
 
     def to_json(self) -> dict:
         """The `parity` section of the report."""
-        rule = {"C": C, "F": F, "eps": eps(self.dtype)} if self.dtype != torch.float64 else \
-            {"rtol": FLOAT64_BOUND[0], "atol": FLOAT64_BOUND[1]}
-        out: dict = {"ok": self.ok, "rule": {**rule, "Z": Z}, "nonfinite": self.nonfinite,
-                     "dropout": self.dropout, "shapes": self.shapes}
+        rule = (
+            {"C": C, "F": F, "eps": eps(self.dtype)}
+            if self.dtype != torch.float64
+            else {"rtol": FLOAT64_BOUND[0], "atol": FLOAT64_BOUND[1]}
+        )
+        out: dict = {
+            "ok": self.ok,
+            "rule": {**rule, "Z": Z},
+            "nonfinite": self.nonfinite,
+            "dropout": self.dropout,
+            "shapes": self.shapes,
+        }
         for name, q in self.quantities.items():
             out[name] = asdict(q)
         failing = [(n, q) for n, q in self.quantities.items() if not q.ok]
@@ -169,8 +215,12 @@ class ParityCheck:
 
 
 def dropout_sources(model: nn.Module) -> list[str]:
-    """Where `model` applies dropout now: Dropout modules with p > 0, and modules' dropout attributes > 0 (Hugging
-    Face attention passes `self.attention_dropout` to its kernel). Config fields are not named: a config may
-    carry dropout fields no module of this model reads (`classifier_dropout` on a causal LM)."""
-    return [where + how.format(value) for where, how, module, key in dropout_rates(model)
-            if positive(value := getattr(module, key, 0))]
+    """Where `model` applies dropout now: Dropout modules with p > 0, and modules' dropout
+    attributes > 0 (Hugging Face attention passes `self.attention_dropout` to its kernel). Config
+    fields are not named: a config may carry dropout fields no module of this model reads
+    (`classifier_dropout` on a causal LM)."""
+    return [
+        where + how.format(value)
+        for where, how, module, key in dropout_rates(model)
+        if positive(value := getattr(module, key, 0))
+    ]

@@ -1,7 +1,9 @@
-"""What every rank of `dtp apply` does: shard, train K steps beside an unsharded reference, compare, measure.
+"""What every rank of `dtp apply` does: shard, train K steps beside an unsharded reference, compare,
+measure.
 
-A rank takes the plan as the job's text, parses it once and does not check it again: the parent's pre-flight
-(dtp.runtime.preflight.prepare) checked that text (`trusted`)."""
+A rank takes the plan as the job's text, parses it once and does not check it again: the parent's
+pre-flight (dtp.runtime.preflight.prepare) checked that text (`trusted`)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -53,15 +55,18 @@ class RunConfig(Job):
 
     steps: int = 3  # SGD steps, each compared with the references
     lr: float = 0.1
-    max_seq: int | None = None  # the long probes' length (default: the model's maximum, at most MAX_PROBE_SEQ)
-    forward: Forward = PLAIN  # how the model is called and where its logits are (the pre-flight discovers it)
+    # the long probes' length (default: the model's maximum, at most MAX_PROBE_SEQ)
+    max_seq: int | None = None
+    # how the model is called and where its logits are (the pre-flight discovers it)
+    forward: Forward = PLAIN
 
     def __post_init__(self) -> None:
         super().__post_init__()
         positive("--steps", self.steps)
         if self.max_seq is not None:
             positive("--max-seq", self.max_seq)
-        # lr as given: the CLI refuses a non-finite one, and the verdict must catch what it does to the weights
+        # lr as given: the CLI refuses a non-finite one, and the verdict must catch what it does to
+        # the weights
 
 
 def _sync(device: torch.device) -> None:
@@ -77,20 +82,20 @@ def _device(cfg: RunConfig) -> torch.device:
 
 
 def run(cfg: RunConfig, mesh: DeviceMesh | None = None) -> ApplyReport | None:
-    """Run on an initialised process group; rank 0 returns the report. `cfg`'s plan is taken as checked (the
-    pre-flight checked its text; the fuzz pools check each case before they send it).
+    """Run on an initialised process group; rank 0 returns the report. `cfg`'s plan is taken as
+    checked (the pre-flight checked its text; the fuzz pools check each case before they send it).
 
-    A low-precision run is decided on a float32 run of the same plan first (its rounding cannot hide an error
-    of 1e-5), then the run in its own dtype, against its unsharded run in that dtype; both must hold. An exception leaves with `__dtp_where__` saying which module
-    or phase it came from.
+    A low-precision run is decided on a float32 run of the same plan first (its rounding cannot hide
+    an error of 1e-5), then the run in its own dtype, against its unsharded run in that dtype; both
+    must hold. An exception leaves with `__dtp_where__` saying which module or phase it came from.
     """
     trails: list[ModuleTrail] = []
     device = _device(cfg)
     mesh = mesh or make_mesh(cfg.tp, cfg.dp, cfg.device)
     try:
         plan = parse(cfg.plan_text, cfg.plan)  # once, for both runs of a low-precision dtype
-        # The run draws from the default generators (weights, shared dropout stream) seeded with the seed
-        # on every rank, and hands the caller's generator states back unchanged.
+        # The run draws from the default generators (weights, shared dropout stream) seeded with the
+        # seed on every rank, and hands the caller's generator states back unchanged.
         with own_rng(device):
             proof = None
             if DTYPES[cfg.dtype] in LOW_PRECISION:
@@ -99,8 +104,11 @@ def run(cfg: RunConfig, mesh: DeviceMesh | None = None) -> ApplyReport | None:
                 trails.clear()
             _seed(cfg.seed, device)
             report = _run(cfg, plan, trails, mesh, device)
-            return report if report is None or proof is None else replace(report, parity=decided_by(proof.parity,
-                                                                                                   report.parity))
+            return (
+                report
+                if report is None or proof is None
+                else replace(report, parity=decided_by(proof.parity, report.parity))
+            )
     except Exception as err:
         err.__dtp_where__ = trails[-1].where() if trails else "set-up"
         raise
@@ -113,19 +121,37 @@ def _seed(seed: int, device: torch.device) -> None:
 
 
 def decided_by(proof: dict, low: dict) -> dict:
-    """The parity section of a low-precision run: the float32 run's comparisons come first (its rounding cannot
-    hide what bfloat16's can), and the low-precision run's own (against its unsharded run in the same dtype) are
-    kept under `low_precision`; both must hold. The float32 run cannot speak for the low-precision one: a model
-    may take another path in that dtype (a planted bfloat16-only branch passed the float32 run at margin < 1 and
-    failed its own at 27), so an error beyond the low-precision bound fails, even where it may be that dtype's
-    precision alone (an MoE router whose top-k choice a rounding flips)."""
+    """The parity section of a low-precision run: the float32 run's comparisons come first (its
+    rounding cannot hide what bfloat16's can), and the low-precision run's own (against its
+    unsharded run in the same dtype) are kept under `low_precision`; both must hold. The float32 run
+    cannot speak for the low-precision one: a model may take another path in that dtype (a planted
+    bfloat16-only branch passed the float32 run at margin < 1 and failed its own at 27), so an error
+    beyond the low-precision bound fails, even where it may be that dtype's precision alone (an MoE
+    router whose top-k choice a rounding flips)."""
     worst = low if proof["ok"] and not low["ok"] else proof
-    return {**proof, "ok": proof["ok"] and low["ok"], "decided_in": "float32", "low_precision": low,
-            "worst_tensor": worst["worst_tensor"], "worst_quantity": worst["worst_quantity"]}
+    return {
+        **proof,
+        "ok": proof["ok"] and low["ok"],
+        "decided_in": "float32",
+        "low_precision": low,
+        "worst_tensor": worst["worst_tensor"],
+        "worst_quantity": worst["worst_quantity"],
+    }
 
 
-def _report(cfg: RunConfig, *, plan, parity: ParityCheck, collectives: dict, analytic: dict, model: nn.Module,
-            gathered: list[dict], step_times: list[float], device: torch.device, ideal_bytes: int) -> ApplyReport:
+def _report(
+    cfg: RunConfig,
+    *,
+    plan,
+    parity: ParityCheck,
+    collectives: dict,
+    analytic: dict,
+    model: nn.Module,
+    gathered: list[dict],
+    step_times: list[float],
+    device: torch.device,
+    ideal_bytes: int,
+) -> ApplyReport:
     """Rank 0's report of the run."""
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     median = statistics.median(step_times)
@@ -140,7 +166,9 @@ def _report(cfg: RunConfig, *, plan, parity: ParityCheck, collectives: dict, ana
         collectives=collectives,
         comm_bytes=sum(collectives["sent_bytes"].values()),
         analytic_collectives=analytic,
-        tied_parameters=[[f"{path}.{name}".lstrip(".") for path, name in group] for group in tied_groups(model)],
+        tied_parameters=[
+            [f"{path}.{name}".lstrip(".") for path, name in group] for group in tied_groups(model)
+        ],
         param_bytes_unsharded=total_bytes,
         param_bytes_per_rank=[g["param_bytes"] for g in gathered],
         ideal_param_bytes_per_rank=ideal_bytes,
@@ -162,19 +190,39 @@ class _Built:
     dropout: list[str]
 
 
-def _build(cfg: RunConfig, plan: ir.Plan, mesh: DeviceMesh, device: torch.device, dtype: torch.dtype,
-           trail: ModuleTrail) -> _Built:
-    """One build path (dtp.runtime.build): rank 0 alone builds the whole model, with the model's own initialisation,
-    for its unsharded references; every rank builds on meta, shards, and receives its blocks from rank 0."""
+def _build(
+    cfg: RunConfig,
+    plan: ir.Plan,
+    mesh: DeviceMesh,
+    device: torch.device,
+    dtype: torch.dtype,
+    trail: ModuleTrail,
+) -> _Built:
+    """One build path (dtp.runtime.build): rank 0 alone builds the whole model, with the model's own
+    initialisation, for its unsharded references; every rank builds on meta, shards, and receives
+    its blocks from rank 0."""
     rank = dist.get_rank()
     source = models.resolve(cfg.model)
     full = models.build(source, device="cpu", dtype=dtype).to(device) if rank == 0 else None
-    refs = references(full.train(), dtype, cfg.lr, cfg.forward) if rank == 0 else []  # the float64 truth (+ same dtype)
+    # the float64 truth (+ same dtype)
+    refs = references(full.train(), dtype, cfg.lr, cfg.forward) if rank == 0 else []
     trail.phase = "sharding (apply)"
-    meta = models.build(source, device="meta", dtype=dtype)  # shapes for the plan, the schedule and the bytes
+    # shapes for the plan, the schedule and the bytes
+    meta = models.build(source, device="meta", dtype=dtype)
     checked = trusted(plan, meta, cfg.tp)
-    applied = build_sharded(checked, source, mesh, seed=cfg.seed, device=device, dp=cfg.dp, dtype=dtype,
-                            full=full, from_rank0=True, plain=True)  # tp 1 dp 1: plain PyTorch, no DTensor
+    applied = build_sharded(
+        checked,
+        source,
+        mesh,
+        seed=cfg.seed,
+        device=device,
+        dp=cfg.dp,
+        dtype=dtype,
+        # tp 1 dp 1: plain PyTorch, no DTensor
+        full=full,
+        from_rank0=True,
+        plain=True,
+    )
     del full
     applied.model.train()
     dropout = dropout_sources(applied.model)
@@ -182,24 +230,40 @@ def _build(cfg: RunConfig, plan: ir.Plan, mesh: DeviceMesh, device: torch.device
     return _Built(applied, meta, refs, dropout)
 
 
-def _batch(cfg: RunConfig, mesh: DeviceMesh, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                        slice]:
-    """(inputs, targets) of the global batch, and this rank's part of it: dp splits the batch; logits and loss
-    are compared on that part."""
+def _batch(
+    cfg: RunConfig, mesh: DeviceMesh, vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, slice]:
+    """(inputs, targets) of the global batch, and this rank's part of it: dp splits the batch;
+    logits and loss are compared on that part."""
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    ids = torch.randint(0, vocab, (cfg.batch, cfg.seq + 1), generator=gen).to(device)  # the global batch
+    # the global batch
+    ids = torch.randint(0, vocab, (cfg.batch, cfg.seq + 1), generator=gen).to(device)
     per_dp = cfg.batch // cfg.dp
-    mine = slice(mesh["dp"].get_local_rank() * per_dp, (mesh["dp"].get_local_rank() + 1) * per_dp) \
-        if cfg.dp > 1 else slice(None)
+    mine = (
+        slice(mesh["dp"].get_local_rank() * per_dp, (mesh["dp"].get_local_rank() + 1) * per_dp)
+        if cfg.dp > 1
+        else slice(None)
+    )
     return ids[:, :-1], ids[:, 1:], mine
 
 
-def _compare_step(parity: ParityCheck, built: _Built, step: int, logits: torch.Tensor, loss: torch.Tensor,
-                  batch: tuple[torch.Tensor, torch.Tensor, slice], cfg: RunConfig, device: torch.device) -> None:
-    """Logits, loss and every gradient of this step against the references (rank 0), then the references step."""
+def _compare_step(
+    parity: ParityCheck,
+    built: _Built,
+    step: int,
+    logits: torch.Tensor,
+    loss: torch.Tensor,
+    batch: tuple[torch.Tensor, torch.Tensor, slice],
+    cfg: RunConfig,
+    device: torch.device,
+) -> None:
+    """Logits, loss and every gradient of this step against the references (rank 0), then the
+    references step."""
     full_logits, full_loss = full_value(logits), full_value(loss)
-    grads = {n: (built.applied.full(n, p.grad) if p.grad is not None else None)
-             for n, p in built.applied.model.named_parameters()}
+    grads = {
+        n: (built.applied.full(n, p.grad) if p.grad is not None else None)
+        for n, p in built.applied.model.named_parameters()
+    }
     if not built.refs:
         return
     inputs, targets, mine = batch
@@ -208,11 +272,24 @@ def _compare_step(parity: ParityCheck, built: _Built, step: int, logits: torch.T
     lowp = outs[1] if unsharded else (None, None)
     parity.compare("logits", f"logits (step {step + 1})", full_logits, outs[0][0], lowp[0])
     parity.compare("loss", f"loss (step {step + 1})", full_loss, outs[0][1], lowp[1])
-    largest = max((truth.grad(n).detach().abs().max().item() for n in grads
-                   if truth.grad(n) is not None and truth.grad(n).numel()), default=0.0)  # the floor's G
+    largest = max(
+        (
+            truth.grad(n).detach().abs().max().item()
+            for n in grads
+            # the floor's G
+            if truth.grad(n) is not None and truth.grad(n).numel()
+        ),
+        default=0.0,
+    )
     for n, g in grads.items():
-        parity.compare("grads", f"{n}.grad", g, truth.grad(n), unsharded.grad(n) if unsharded else None,
-                       floor_scale=largest)
+        parity.compare(
+            "grads",
+            f"{n}.grad",
+            g,
+            truth.grad(n),
+            unsharded.grad(n) if unsharded else None,
+            floor_scale=largest,
+        )
     for r in built.refs:
         r.opt.step()
         r.opt.zero_grad()
@@ -220,56 +297,110 @@ def _compare_step(parity: ParityCheck, built: _Built, step: int, logits: torch.T
 
 def _compare_params(parity: ParityCheck, built: _Built, opt: MixedSGD, step: int) -> None:
     """Every parameter after the step (its master copy) against the references' (rank 0)."""
-    params = {n: built.applied.full(n, m.detach()) for n, m in opt.masters.items()}  # a collective: every rank
+    # a collective: every rank
+    params = {n: built.applied.full(n, m.detach()) for n, m in opt.masters.items()}
     if not built.refs:
         return
     truth, unsharded = built.refs[0], (built.refs[1] if len(built.refs) > 1 else None)
     for n, p in params.items():
-        parity.compare("params", f"{n} (after step {step + 1})", p, truth.param(n),
-                       unsharded.param(n) if unsharded else None, held_in=opt.master_dtype)
+        parity.compare(
+            "params",
+            f"{n} (after step {step + 1})",
+            p,
+            truth.param(n),
+            unsharded.param(n) if unsharded else None,
+            held_in=opt.master_dtype,
+        )
 
 
-def _compare_state(parity: ParityCheck, built: _Built, mesh: DeviceMesh, device: torch.device, dtype: torch.dtype,
-                   when: str) -> None:
+def _compare_state(
+    parity: ParityCheck,
+    built: _Built,
+    mesh: DeviceMesh,
+    device: torch.device,
+    dtype: torch.dtype,
+    when: str,
+) -> None:
     """Buffers against the references, and replicas across the tp ranks (collectives: every rank)."""
     model = built.applied.model
     compare_buffers(parity, model, built.refs, when)
     compare_replicas(parity, model, mesh["tp"].get_group(), device, dtype, when)
 
 
-def _probe(parity: ParityCheck, cfg: RunConfig, built: _Built, mesh: DeviceMesh, device: torch.device,
-           dtype: torch.dtype, inputs: torch.Tensor) -> None:
-    """The forwards after the steps (dtp.verify.probes), then buffers and replicas once more; says what was compared."""
+def _probe(
+    parity: ParityCheck,
+    cfg: RunConfig,
+    built: _Built,
+    mesh: DeviceMesh,
+    device: torch.device,
+    dtype: torch.dtype,
+    inputs: torch.Tensor,
+) -> None:
+    """The forwards after the steps (dtp.verify.probes), then buffers and replicas once more; says
+    what was compared."""
     model = built.applied.model
     vocab = models.vocab_size(model)
-    probes = plan_probes(refs=built.refs, model=built.meta, max_seq=cfg.max_seq, tp=cfg.tp, batch=inputs.shape[0],
-                         seq=cfg.seq, vocab=vocab, device=device)
-    run_probes(parity, sharded=model, refs=built.refs, probes=probes, inputs=inputs, seed=cfg.seed, vocab=vocab,
-               device=device, forward=cfg.forward)
+    probes = plan_probes(
+        refs=built.refs,
+        model=built.meta,
+        max_seq=cfg.max_seq,
+        tp=cfg.tp,
+        batch=inputs.shape[0],
+        seq=cfg.seq,
+        vocab=vocab,
+        device=device,
+    )
+    run_probes(
+        parity,
+        sharded=model,
+        refs=built.refs,
+        probes=probes,
+        inputs=inputs,
+        seed=cfg.seed,
+        vocab=vocab,
+        device=device,
+        forward=cfg.forward,
+    )
     _compare_state(parity, built, mesh, device, dtype, "after the probes")
-    parity.shapes = [f"train, {inputs.shape[0]}×{cfg.seq}: {cfg.steps} steps (logits, loss, gradients, parameters, "
-                     "buffers; replicas on every rank)"] + [f"{p.label}: logits" for p in probes]
+    parity.shapes = [
+        f"train, {inputs.shape[0]}×{cfg.seq}: {cfg.steps} steps (logits, loss, gradients, "
+        "parameters, "
+        "buffers; replicas on every rank)"
+    ] + [f"{p.label}: logits" for p in probes]
     if len(probes) == 1:
-        parity.shapes.append(f"no longer sequence: the model runs none longer than {cfg.seq} "
-                             f"(up to {cfg.max_seq or 'its maximum'})")
+        parity.shapes.append(
+            f"no longer sequence: the model runs none longer than {cfg.seq} "
+            f"(up to {cfg.max_seq or 'its maximum'})"
+        )
 
 
 def _analytic(cfg: RunConfig, built: _Built, dtype: torch.dtype) -> dict:
     """dtp.cost.schedule's prediction of one step's collectives, to set beside the measurement."""
     try:
-        steps = schedule(built.applied.checked, cfg.tp, cfg.batch // cfg.dp, cfg.seq, dtype=dtype,
-                         lowered=built.applied.compiled.lowered, dp=cfg.dp, model=built.meta,
-                         plain=built.applied.plain)
+        steps = schedule(
+            built.applied.checked,
+            cfg.tp,
+            cfg.batch // cfg.dp,
+            cfg.seq,
+            dtype=dtype,
+            lowered=built.applied.compiled.lowered,
+            dp=cfg.dp,
+            model=built.meta,
+            plain=built.applied.plain,
+        )
         return summarize(steps, cfg.tp, cfg.dp)
     except NotModeled as err:
         return {"not_modeled": str(err)}
 
 
-def _run(cfg: RunConfig, plan: ir.Plan, trails: list[ModuleTrail], mesh: DeviceMesh,
-         device: torch.device) -> ApplyReport | None:
+def _run(
+    cfg: RunConfig, plan: ir.Plan, trails: list[ModuleTrail], mesh: DeviceMesh, device: torch.device
+) -> ApplyReport | None:
     """Build, train K steps comparing each with the references, measure; rank 0's report."""
-    warnings.filterwarnings("ignore", message=".*returned a view tensor")  # FSDP2 root: logits are not edited in place
-    # Gathering FSDP2 + TP parameters for the comparison warns that it takes two all-gathers; it may.
+    # FSDP2 root: logits are not edited in place
+    warnings.filterwarnings("ignore", message=".*returned a view tensor")
+    # Gathering FSDP2 + TP parameters for the comparison warns that it takes two all-gathers; it
+    # may.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     dtype = DTYPES[cfg.dtype]
     trail = ModuleTrail()
@@ -293,8 +424,10 @@ def _run(cfg: RunConfig, plan: ir.Plan, trails: list[ModuleTrail], mesh: DeviceM
         counting = step == 0
         _sync(device)
         t0 = time.perf_counter()
-        with counters["forward"] if counting else contextlib.nullcontext(), \
-                activations.recording() if counting else contextlib.nullcontext():
+        with (
+            counters["forward"] if counting else contextlib.nullcontext(),
+            activations.recording() if counting else contextlib.nullcontext(),
+        ):
             trail.phase = "forward"
             logits = cfg.forward(model, inputs[mine], targets[mine])
             trail.phase = "loss"
@@ -302,7 +435,8 @@ def _run(cfg: RunConfig, plan: ir.Plan, trails: list[ModuleTrail], mesh: DeviceM
         with counters["backward"] if counting else contextlib.nullcontext():
             trail.phase = "backward"
             loss.backward()
-        # The optimizer step is applied after the gradients are compared, but timed as part of the step.
+        # The optimizer step is applied after the gradients are compared, but timed as part of the
+        # step.
         _sync(device)
         t_fwd_bwd = time.perf_counter() - t0
 
@@ -324,10 +458,15 @@ def _run(cfg: RunConfig, plan: ir.Plan, trails: list[ModuleTrail], mesh: DeviceM
         _compare_params(parity, built, opt, step)
         _compare_state(parity, built, mesh, device, dtype, f"after step {step + 1}")
 
-    # Measured before the probes: their long forward raises the peak, and FSDP2 leaves its root unit gathered.
+    # Measured before the probes: their long forward raises the peak, and FSDP2 leaves its root unit
+    # gathered.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss
-    measured = {"param_bytes": local_param_bytes(model), "peak": peak, "activations": activations.nbytes}
+    measured = {
+        "param_bytes": local_param_bytes(model),
+        "peak": peak,
+        "activations": activations.nbytes,
+    }
     trail.phase = "probes after the steps"
     _probe(parity, cfg, built, mesh, device, dtype, inputs[mine])
 
@@ -338,6 +477,18 @@ def _run(cfg: RunConfig, plan: ir.Plan, trails: list[ModuleTrail], mesh: DeviceM
     if dist.get_rank() != 0:
         return None
 
-    ideal = ideal_param_bytes(built.applied.checked, built.meta, cfg.tp, cfg.dp, next(model.parameters()).element_size())
-    return _report(cfg, plan=plan, parity=parity, collectives=merge(counters), analytic=analytic, model=model,
-                   gathered=gathered, step_times=step_times, device=device, ideal_bytes=ideal)
+    ideal = ideal_param_bytes(
+        built.applied.checked, built.meta, cfg.tp, cfg.dp, next(model.parameters()).element_size()
+    )
+    return _report(
+        cfg,
+        plan=plan,
+        parity=parity,
+        collectives=merge(counters),
+        analytic=analytic,
+        model=model,
+        gathered=gathered,
+        step_times=step_times,
+        device=device,
+        ideal_bytes=ideal,
+    )

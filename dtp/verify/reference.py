@@ -1,10 +1,12 @@
-"""The optimizer every run uses, and rank 0's unsharded references (see dtp.verify.parity for the rule).
+"""The optimizer every run uses, and rank 0's unsharded references (see dtp.verify.parity for the
+rule).
 
-`MixedSGD` is Megatron's mixed precision for SGD: parameters held in bfloat16 (or float16) are trained
-through float32 master copies (gradients cast up, the step taken on the masters, the result rounded back
-into the parameters), so updates far below a bfloat16 step still accumulate. Parameters in float32 or
-float64 are their own masters.
+`MixedSGD` is Megatron's mixed precision for SGD: parameters held in bfloat16 (or float16) are
+trained through float32 master copies (gradients cast up, the step taken on the masters, the result
+rounded back into the parameters), so updates far below a bfloat16 step still accumulate. Parameters
+in float32 or float64 are their own masters.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +27,14 @@ class MixedSGD:
 
     def __init__(self, model: nn.Module, lr: float):
         self.params = dict(model.named_parameters())
-        self.masters = {n: (p.detach().float().requires_grad_(p.requires_grad) if p.dtype in LOW_PRECISION else p)
-                        for n, p in self.params.items()}
+        self.masters = {
+            n: (
+                p.detach().float().requires_grad_(p.requires_grad)
+                if p.dtype in LOW_PRECISION
+                else p
+            )
+            for n, p in self.params.items()
+        }
         self.opt = torch.optim.SGD(list(self.masters.values()), lr=lr, momentum=MOMENTUM)
 
     @torch.no_grad()
@@ -55,9 +63,9 @@ class MixedSGD:
 
 
 def copy_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """An unsharded copy of `model` in `dtype`; in float64, Hugging Face MoE experts run their eager loop
-    (torch's grouped matmul has no float64 kernel) and GPT-2's `reorder_and_upcast_attn` its plain path (the
-    same scores, which it insists on computing in float32)."""
+    """An unsharded copy of `model` in `dtype`; in float64, Hugging Face MoE experts run their eager
+    loop (torch's grouped matmul has no float64 kernel) and GPT-2's `reorder_and_upcast_attn` its
+    plain path (the same scores, which it insists on computing in float32)."""
     out = cast(clone(model), dtype)
     if dtype == torch.float64:
         for module in out.modules():
@@ -70,17 +78,25 @@ def copy_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 class Reference:
-    """One unsharded copy of a model with its own optimizer, in a given dtype. The copy is the model's own code
-    (dtp.models.clone: closures over submodules call the copy's), called as `forward` says."""
+    """One unsharded copy of a model with its own optimizer, in a given dtype. The copy is the
+    model's own code (dtp.models.clone: closures over submodules call the copy's), called as
+    `forward` says."""
 
-    def __init__(self, model: nn.Module, lr: float, dtype: torch.dtype | None = None, forward: Forward = PLAIN):
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float,
+        dtype: torch.dtype | None = None,
+        forward: Forward = PLAIN,
+    ):
         self.model = copy_in(model, dtype) if dtype is not None else clone(model)
         self.opt = MixedSGD(self.model, lr)
         self.dtype = dtype
         self.forward = forward
 
     def run(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """The model's logits (the float64 truth's computed with float64 as the default dtype: `forward_as`)."""
+        """The model's logits (the float64 truth's computed with float64 as the default dtype:
+        `forward_as`)."""
         return forward_as(self.model, self.dtype, inputs, targets, self.forward)
 
     def param(self, name: str) -> torch.Tensor | None:
@@ -93,11 +109,16 @@ class Reference:
         return p.grad if p is not None else None
 
 
-def forward_as(model: nn.Module, dtype: torch.dtype | None, inputs: torch.Tensor, targets: torch.Tensor | None = None,
-               forward: Forward = PLAIN) -> torch.Tensor:
-    """`model`'s logits on `inputs`, called as `forward` says; for the float64 truth with float64 as torch's default
-    dtype, so that a tensor the model makes without a dtype (XGLM's `torch.full((), finfo(weights.dtype).min)`) is
-    float64 too, not an overflow."""
+def forward_as(
+    model: nn.Module,
+    dtype: torch.dtype | None,
+    inputs: torch.Tensor,
+    targets: torch.Tensor | None = None,
+    forward: Forward = PLAIN,
+) -> torch.Tensor:
+    """`model`'s logits on `inputs`, called as `forward` says; for the float64 truth with float64 as
+    torch's default dtype, so that a tensor the model makes without a dtype (XGLM's `torch.full((),
+    finfo(weights.dtype).min)`) is float64 too, not an overflow."""
     if dtype != torch.float64:
         return forward(model, inputs, targets)
     before = torch.get_default_dtype()
@@ -123,17 +144,27 @@ def own_rng(device: torch.device):
     return torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else [])
 
 
-def references(model: nn.Module, dtype: torch.dtype, lr: float, forward: Forward = PLAIN) -> list[Reference]:
-    """The float64 truth and, for a lower dtype, the unsharded run in that dtype (dtp.verify.parity's rule)."""
+def references(
+    model: nn.Module, dtype: torch.dtype, lr: float, forward: Forward = PLAIN
+) -> list[Reference]:
+    """The float64 truth and, for a lower dtype, the unsharded run in that dtype
+    (dtp.verify.parity's rule)."""
     truth = Reference(model, lr, torch.float64, forward)
     return [truth] if dtype == torch.float64 else [truth, Reference(model, lr, forward=forward)]
 
 
-def reference_step(ref: Reference, inputs: torch.Tensor, targets: torch.Tensor, mine: slice, split: bool,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_step(
+    ref: Reference,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    mine: slice,
+    split: bool,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward on the global batch; the logits and loss of this rank's part of it.
 
-    On its own copy of the generator state: the shared dropout stream stays in step with the other ranks."""
+    On its own copy of the generator state: the shared dropout stream stays in step with the other
+    ranks."""
     with own_rng(device):
         logits = ref.run(inputs, targets)
         loss = cross_entropy(logits, targets)

@@ -1,5 +1,6 @@
-"""The `dtp apply` report: one typed record of what ran and what it found (`ApplyReport`, whose `to_json()` is
-`dtp apply --json`), and its human rendering."""
+"""The `dtp apply` report: one typed record of what ran and what it found (`ApplyReport`, whose
+`to_json()` is `dtp apply --json`), and its human rendering."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -49,8 +50,10 @@ def _ops(counts: dict) -> str:
 def _rule(rule: dict, dtype: str) -> str:
     if "C" not in rule:
         return f"each tensor: |sharded − unsharded| ≤ {rule['rtol']:g}·max|unsharded| + {rule['atol']:g}"
-    return (f"each tensor: |sharded − float64| ≤ {rule['C']:g}·|unsharded {dtype} − float64| + "
-            f"{rule['F']:g}·eps·max|float64|; margin = error / bound")
+    return (
+        f"each tensor: |sharded − float64| ≤ {rule['C']:g}·|unsharded {dtype} − float64| + "
+        f"{rule['F']:g}·eps·max|float64|; margin = error / bound"
+    )
 
 
 def _why(par: dict) -> list[str]:
@@ -58,12 +61,21 @@ def _why(par: dict) -> list[str]:
     lines = []
     bad = par.get("nonfinite")
     if bad:
-        lines.append(f"  non-finite values: {bad['tensor']} was the first tensor with NaN or inf, in the {bad['side']}")
+        lines.append(
+            f"  non-finite values: {bad['tensor']} was the first tensor with NaN or inf, in the "
+            f"{bad['side']}"
+        )
     if par.get("dropout"):
-        where = ", ".join(par["dropout"][:4]) + (f" and {len(par['dropout']) - 4} more" if len(par["dropout"]) > 4 else "")
-        lines.append(f"  dropout is on ({where}): masks are random, so the sharded and unsharded runs cannot agree; "
-                     "turn it off for a parity run (dropout 0 in the model's config, e.g. `dropout: 0` in a YAML "
-                     "config or config.attention_dropout=0 in a factory, or nn.Dropout(p=0))")
+        where = ", ".join(par["dropout"][:4]) + (
+            f" and {len(par['dropout']) - 4} more" if len(par["dropout"]) > 4 else ""
+        )
+        lines.append(
+            f"  dropout is on ({where}): masks are random, so the sharded and unsharded runs cannot "
+            "agree; "
+            "turn it off for a parity run (dropout 0 in the model's config, e.g. `dropout: 0` in a "
+            "YAML "
+            "config or config.attention_dropout=0 in a factory, or nn.Dropout(p=0))"
+        )
     return lines
 
 
@@ -76,8 +88,11 @@ def _quantities(par: dict) -> list[str]:
             continue
         mark = "ok" if d["ok"] else "FAIL"
         resolution = f"  resolution {d['resolution']:.2g}" if d.get("resolution") else ""
-        lines.append(f"  {q:<8} {mark:<4}  max abs {d['max_abs']:.3g}  max rel {d['max_rel']:.3g}  "
-                     f"margin {d['margin']:.2g}{resolution}  ({d['compared']} tensors; worst {d['worst'] or '-'})")
+        lines.append(
+            f"  {q:<8} {mark:<4}  max abs {d['max_abs']:.3g}  max rel {d['max_rel']:.3g}  "
+            f"margin {d['margin']:.2g}{resolution}  ({d['compared']} tensors; worst "
+            f"{d['worst'] or '-'})"
+        )
         lines += [f"           {p}" for p in d["problems"][:5]]
     return lines
 
@@ -94,14 +109,24 @@ def _low_precision(par: dict, dtype: str) -> list[str]:
         verdict = f"within {dtype}'s rounding"
     else:
         proof_holds = all(par[q]["ok"] for q in QUANTITIES) and par["nonfinite"] is None
-        why = ("the float32 run holds, so either the model takes another path in this dtype or the difference is "
-               "this dtype's precision (an MoE router whose top-k choice a rounding flips)" if proof_holds
-               else "the float32 run fails too")
-        verdict = (f"FAILED, beyond {dtype}'s rounding: margin {low[low['worst_quantity']]['margin']:.2g} at "
-                   f"{low['worst_tensor']}; {why}")
-    return [f"{dtype} run vs its unsharded {dtype} run: {verdict}  (the same rule in {dtype}: relative errors below "
-            f"{coarsest[0]:.2g} of a tensor ({coarsest[1]}) could pass it unseen, which is why float32 decides)"
-            ] + _quantities(low)
+        why = (
+            "the float32 run holds, so either the model takes another path in this dtype or the "
+            "difference is "
+            "this dtype's precision (an MoE router whose top-k choice a rounding flips)"
+            if proof_holds
+            else "the float32 run fails too"
+        )
+        verdict = (
+            f"FAILED, beyond {dtype}'s rounding: margin {low[low['worst_quantity']]['margin']:.2g} "
+            "at "
+            f"{low['worst_tensor']}; {why}"
+        )
+    return [
+        f"{dtype} run vs its unsharded {dtype} run: {verdict}  (the same rule in {dtype}: relative "
+        "errors below "
+        f"{coarsest[0]:.2g} of a tensor ({coarsest[1]}) could pass it unseen, which is why float32 "
+        "decides)"
+    ] + _quantities(low)
 
 
 def render(report: ApplyReport) -> str:
@@ -112,14 +137,17 @@ def render(report: ApplyReport) -> str:
     cfg = report.config
     lines = [
         f"dtp apply: {name}{version} ({plan['file']}) on {report.model}",
-        f"  mesh tp={mesh['tp']} dp={mesh['dp']} · {report.backend} · {cfg['dtype']} · batch {cfg['batch']} × "
+        f"  mesh tp={mesh['tp']} dp={mesh['dp']} · {report.backend} · {cfg['dtype']} · batch "
+        f"{cfg['batch']} × "
         f"seq {cfg['seq']} · {cfg['steps']} SGD steps · seed {cfg['seed']} · torch {report.torch}",
         "",
         f"parity vs unsharded reference: {'OK' if par['ok'] else 'FAILED'}  "
         f"({_rule(par['rule'], par.get('decided_in', cfg['dtype']))})",
     ]
     if par.get("decided_in"):
-        lines.append(f"  decided on a {par['decided_in']} run of the same plan; the {cfg['dtype']} run below")
+        lines.append(
+            f"  decided on a {par['decided_in']} run of the same plan; the {cfg['dtype']} run below"
+        )
     lines += [f"  compared: {s}" for s in par.get("shapes", [])]
     lines += _quantities(par) + _low_precision(par, cfg["dtype"])
     if not par["ok"]:
@@ -136,16 +164,21 @@ def render(report: ApplyReport) -> str:
         lines.append(f"  analytic schedule: not modeled ({analytic['not_modeled']})")
     elif analytic:
         same = all(analytic[k] == coll[k] for k in ("by_op", "forward", "backward", "bytes"))
-        lines.append(f"  analytic schedule: {analytic['total']} ({_ops(analytic['by_op'])}) — "
-                     + ("matches the measurement" if same else "DIFFERS from the measurement"))
+        lines.append(
+            f"  analytic schedule: {analytic['total']} ({_ops(analytic['by_op'])}) — "
+            + ("matches the measurement" if same else "DIFFERS from the measurement")
+        )
     per_rank = report.param_bytes_per_rank
     peaks = report.peak_memory_bytes
     lines += [
         "",
         f"parameters: {human_bytes(report.param_bytes_unsharded)} unsharded; per rank "
-        f"{', '.join(human_bytes(b) for b in per_rank)} (ideal {human_bytes(report.ideal_param_bytes_per_rank)})",
-        f"activations saved for backward per rank: {', '.join(human_bytes(b) for b in report.activation_bytes_per_rank)}",
-        f"peak memory ({report.peak_memory_kind}) per rank: {', '.join(human_bytes(b) for b in peaks)}",
+        f"{', '.join(human_bytes(b) for b in per_rank)} (ideal "
+        f"{human_bytes(report.ideal_param_bytes_per_rank)})",
+        "activations saved for backward per rank: "
+        f"{', '.join(human_bytes(b) for b in report.activation_bytes_per_rank)}",
+        f"peak memory ({report.peak_memory_kind}) per rank: "
+        f"{', '.join(human_bytes(b) for b in peaks)}",
         f"step time (median): {report.step_time_ms:.1f} ms · {report.tokens_per_s:.0f} tokens/s",
     ]
     return "\n".join(lines)

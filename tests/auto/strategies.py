@@ -1,11 +1,13 @@
-"""Hypothesis strategies drawing model structures for `dtp plan --auto` (tests/fixtures/auto_models.py).
+"""Hypothesis strategies drawing model structures for `dtp plan --auto`
+(tests/fixtures/auto_models.py).
 
-Every axis issue 21 names is drawn: fused ([q | k | v] or interleaved) or separate q/k/v; multi-head, grouped-query
-and multi-query attention; head counts from the tensor or from attributes; per-head q/k norms; SwiGLU, fused gate_up
-or GELU; sequential or parallel blocks; tied or untied head. Head counts and widths sometimes divide tp and
-sometimes do not (2 heads at tp 4, 66 hidden MLP features at tp 4, a vocabulary of 66), so the planner's refusals
-are drawn too.
+Every axis issue 21 names is drawn: fused ([q | k | v] or interleaved) or separate q/k/v;
+multi-head, grouped-query and multi-query attention; head counts from the tensor or from attributes;
+per-head q/k norms; SwiGLU, fused gate_up or GELU; sequential or parallel blocks; tied or untied
+head. Head counts and widths sometimes divide tp and sometimes do not (2 heads at tp 4, 66 hidden
+MLP features at tp 4, a vocabulary of 66), so the planner's refusals are drawn too.
 """
+
 from __future__ import annotations
 
 from fixtures.auto_models import HEADS_FROM, MLPS, QKV, Structure
@@ -16,7 +18,8 @@ from hypothesis import strategies as st
 def structures(draw: st.DrawFn) -> Structure:
     """One model structure within the fixture's limits (hidden ≤ 64, ≤ 2 layers, vocabulary ≤ 128)."""
     n_head = draw(st.sampled_from([4, 2, 8]))
-    n_kv_head = draw(st.sampled_from([d for d in (n_head, 2, 1) if n_head % d == 0]))  # MHA, GQA, MQA
+    # MHA, GQA, MQA
+    n_kv_head = draw(st.sampled_from([d for d in (n_head, 2, 1) if n_head % d == 0]))
     return Structure(
         qkv=draw(st.sampled_from(QKV)),
         n_head=n_head,

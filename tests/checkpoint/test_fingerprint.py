@@ -1,4 +1,5 @@
 """The checkpoint fingerprint does not depend on sharding, and moved or changed elements change it."""
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,11 @@ def _sharded(t: torch.Tensor, parts: int, dim: int) -> str:
 
 def test_fingerprint_is_independent_of_sharding_and_sees_moves_and_flips():
     g = torch.Generator().manual_seed(0)
-    for t in (torch.randn(257, 12, generator=g), torch.randn(3, 8, 5, generator=g, dtype=torch.float64),
-              torch.randn(10, generator=g).to(torch.bfloat16)):
+    for t in (
+        torch.randn(257, 12, generator=g),
+        torch.randn(3, 8, 5, generator=g, dtype=torch.float64),
+        torch.randn(10, generator=g).to(torch.bfloat16),
+    ):
         whole = fingerprint(t)
         for dim in range(t.dim()):
             for parts in (1, 2, 3, 4, 7):  # uneven chunks, and more chunks than rows of a small dim
@@ -32,6 +36,7 @@ def test_fingerprint_is_independent_of_sharding_and_sees_moves_and_flips():
         flipped = t.clone()
         flipped.view(-1)[3] = -flipped.view(-1)[3]
         assert fingerprint(flipped) != whole
-    # The packed view (K, out/K, in) and the model's (out, in) hold the same elements in the same order.
+    # The packed view (K, out/K, in) and the model's (out, in) hold the same elements in the same
+    # order.
     w = torch.randn(6, 4, generator=g)
     assert fingerprint(w.view(3, 2, 4)) == fingerprint(w)

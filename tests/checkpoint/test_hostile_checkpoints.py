@@ -1,6 +1,7 @@
-"""Hostile checkpoints are data: payloads that would `touch` a marker if loading ran code, malformed metadata,
-odd paths and two runs saving into one checkpoint all end in one paragraph (exit 2, or 1 from the ranks), with
-no traceback and nothing run."""
+"""Hostile checkpoints are data: payloads that would `touch` a marker if loading ran code, malformed
+metadata, odd paths and two runs saving into one checkpoint all end in one paragraph (exit 2, or 1
+from the ranks), with no traceback and nothing run."""
+
 from __future__ import annotations
 
 import io
@@ -23,15 +24,30 @@ from dtp.checkpoint.lock import held, lock_path
 from dtp.checkpoint.untrusted import MetadataUnpickler
 from dtp.cli import main
 
-TINY = ["plans/gpt2.tp", "gpt2-tiny", "--batch", "2", "--seq", "16", "--eval-every", "100", "--device", "cpu",
-        "--tp", "1"]
+TINY = [
+    "plans/gpt2.tp",
+    "gpt2-tiny",
+    "--batch",
+    "2",
+    "--seq",
+    "16",
+    "--eval-every",
+    "100",
+    "--device",
+    "cpu",
+    "--tp",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
-    """A real `dtp train` checkpoint of gpt2-tiny after one step (each test tampers with its own copy)."""
+    """A real `dtp train` checkpoint of gpt2-tiny after one step (each test tampers with its own
+    copy)."""
     root = tmp_path_factory.mktemp("hostile")
-    result = dtp_cli("train", *TINY, "--steps", "1", "--checkpoint", str(root / "ck"), "--out", str(root / "out"))
+    result = dtp_cli(
+        "train", *TINY, "--steps", "1", "--checkpoint", str(root / "ck"), "--out", str(root / "out")
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return root / "ck"
 
@@ -56,7 +72,8 @@ def _refused(argv: list[str], capsys, code: int = 2) -> str:
 
 
 class _Touch:
-    """Unpickling an instance runs `touch MARKER` through `how` (the payloads an attacker would write)."""
+    """Unpickling an instance runs `touch MARKER` through `how` (the payloads an attacker would
+    write)."""
 
     def __init__(self, how: str, marker: Path):
         self.how, self.marker = how, str(marker)
@@ -70,13 +87,16 @@ class _Touch:
 
 
 def _dotted(module: str, name: str, marker: Path) -> bytes:
-    """A pickle calling module.name('touch MARKER'): from protocol 4 on, pickle resolves a dotted name."""
+    """A pickle calling module.name('touch MARKER'): from protocol 4 on, pickle resolves a dotted
+    name."""
     return b"\x80\x04" + f"c{module}\n{name}\n(S'touch {marker}'\ntR.".encode()
 
 
 def _payloads(marker: Path) -> dict[str, bytes]:
     return {
-        "os.system via metadata module": _dotted("torch.distributed.checkpoint.metadata", "os.system", marker),
+        "os.system via metadata module": _dotted(
+            "torch.distributed.checkpoint.metadata", "os.system", marker
+        ),
         "torch.os.system": _dotted("torch", "os.system", marker),
         "posix.system": _dotted("posix", "system", marker),
         "subprocess.call": pickle.dumps(_Touch("subprocess", marker), protocol=2),
@@ -129,7 +149,9 @@ def test_a_bytes_entry_is_refused_before_dcp_reads_it(ck, tmp_path, capsys):
 def test_train_resume_refuses_payloads_before_any_rank(ck, tmp_path):
     marker = tmp_path / "MARKER"
     _bytes_entry(ck, marker)
-    result = dtp_cli("train", *TINY, "--steps", "2", "--resume", str(ck), "--out", str(tmp_path / "out"))
+    result = dtp_cli(
+        "train", *TINY, "--steps", "2", "--resume", str(ck), "--out", str(tmp_path / "out")
+    )
     assert result.returncode == 2 and not marker.exists()
     _one_paragraph(result.stderr)
     (ck / DCP_META).write_bytes(_payloads(marker)["torch.os.system"])
@@ -190,7 +212,9 @@ def _bad_key(meta: dict) -> str:
     return json.dumps(meta)
 
 
-@pytest.mark.parametrize("edit", [_deep, _bad_shape, _huge, _bad_key], ids=["deep", "shape", "huge", "key"])
+@pytest.mark.parametrize(
+    "edit", [_deep, _bad_shape, _huge, _bad_key], ids=["deep", "shape", "huge", "key"]
+)
 def test_a_malformed_dtp_json_is_one_paragraph(ck, tmp_path, capsys, edit):
     (ck / META).write_text(edit(json.loads((ck / META).read_text())))
     seal(ck)
@@ -216,7 +240,9 @@ def test_a_live_lock_refuses_a_second_save_and_its_work_survives(ck, tmp_path):
         lock_path(ck).write_text(json.dumps({"pid": other.pid, "host": socket.gethostname()}))
         theirs = ck.parent / "ck.tmp-theirs"
         theirs.mkdir()
-        result = dtp_cli("train", *TINY, "--steps", "1", "--checkpoint", str(ck), "--out", str(tmp_path / "out"))
+        result = dtp_cli(
+            "train", *TINY, "--steps", "1", "--checkpoint", str(ck), "--out", str(tmp_path / "out")
+        )
         assert result.returncode in (1, 2) and f"pid {other.pid}" in result.stderr
         assert "Traceback" not in result.stderr
         assert theirs.is_dir() and lock_path(ck).exists()

@@ -1,6 +1,7 @@
-"""The zoo's GPT and Llama export as Hugging Face classes (GPT2LMHeadModel, LlamaForCausalLM) that compute what
-the zoo model computes: logits equal to float32 rounding on the same tokens, and the whole CLI round trip
-(train → checkpoint → `dtp export --hf-dir` → `from_pretrained`)."""
+"""The zoo's GPT and Llama export as Hugging Face classes (GPT2LMHeadModel, LlamaForCausalLM) that
+compute what the zoo model computes: logits equal to float32 rounding on the same tokens, and the
+whole CLI round trip (train → checkpoint → `dtp export --hf-dir` → `from_pretrained`)."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,19 +20,32 @@ def _hf(config: dict) -> torch.nn.Module:
     return getattr(transformers, config["architectures"][0])(hf_config).eval()
 
 
-@pytest.mark.parametrize("spec, extra", [("gpt2-tiny", {}), ("gpt2-tiny", {"bias": False, "tie_embeddings": False}),
-                                         ("llama-tiny", {}), ("llama-tiny-packed", {"tie_embeddings": True})])
+@pytest.mark.parametrize(
+    "spec, extra",
+    [
+        ("gpt2-tiny", {}),
+        ("gpt2-tiny", {"bias": False, "tie_embeddings": False}),
+        ("llama-tiny", {}),
+        ("llama-tiny-packed", {"tie_embeddings": True}),
+    ],
+)
 def test_the_exported_class_computes_what_the_zoo_model_does(spec, extra):
     source = models.resolve(spec)
     if extra:
-        source = models.ModelSource(spec, source.family, type(source.config)(**{**vars(source.config), **extra}))
+        source = models.ModelSource(
+            spec, source.family, type(source.config)(**{**vars(source.config), **extra})
+        )
     torch.manual_seed(0)
     zoo = models.build(source, device="cpu").eval()
     config = zoo_hf_config(zoo)
     hf = _hf(config)
-    missing, unexpected = hf.load_state_dict(to_hf_state(type(zoo).__name__, config, zoo.state_dict()), strict=False)
+    missing, unexpected = hf.load_state_dict(
+        to_hf_state(type(zoo).__name__, config, zoo.state_dict()), strict=False
+    )
     assert unexpected == [] and set(missing) <= {"lm_head.weight"}  # a tied head is the embedding
-    ids = torch.randint(0, config["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        0, config["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1)
+    )
     with torch.no_grad():
         want, got = zoo(ids), hf(ids).logits
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
@@ -39,14 +53,26 @@ def test_the_exported_class_computes_what_the_zoo_model_does(spec, extra):
 
 def test_train_checkpoint_export_from_pretrained(tmp_path, repo):
     ck, out = tmp_path / "ck", tmp_path / "hf"
-    proc = dtp_cli("train", "plans/gpt2.tp", "gpt2-tiny", "--tp", "2", "--steps", "2", "--checkpoint", str(ck),
-                   "--out", str(tmp_path / "run"))
+    proc = dtp_cli(
+        "train",
+        "plans/gpt2.tp",
+        "gpt2-tiny",
+        "--tp",
+        "2",
+        "--steps",
+        "2",
+        "--checkpoint",
+        str(ck),
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert proc.returncode == 0, proc.stderr[-800:]
     assert dtp_cli("export", str(ck), "--hf-dir", str(out)).returncode == 0
     assert dtp_cli("export", str(ck), "-o", str(tmp_path / "plain.pt")).returncode == 0
     hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
     zoo = models.build("gpt2-tiny", device="cpu").eval()
-    zoo.load_state_dict(torch.load(tmp_path / "plain.pt", weights_only=True))  # the trained weights, dtp's layout
+    # the trained weights, dtp's layout
+    zoo.load_state_dict(torch.load(tmp_path / "plain.pt", weights_only=True))
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want, got = zoo(ids), hf(ids).logits

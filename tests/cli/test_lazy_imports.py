@@ -1,5 +1,6 @@
-"""`dtp fmt`, `dtp check PLAN` (no MODEL) and `dtp --help` never import torch: they must stay instant enough
-for an editor's save hook (torch alone takes seconds to import)."""
+"""`dtp fmt`, `dtp check PLAN` (no MODEL) and `dtp --help` never import torch: they must stay
+instant enough for an editor's save hook (torch alone takes seconds to import)."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ import sys
 
 import pytest
 
-# The console script's own path (`entry`: main, then the torchrun check on the way out); the modules loaded are
-# reported at interpreter exit, after everything the command did.
+# The console script's own path (`entry`: main, then the torchrun check on the way out); the modules
+# loaded are reported at interpreter exit, after everything the command did.
 PROBE = """
 import atexit, contextlib, io, json, sys
 from dtp.cli import entry
@@ -22,13 +23,21 @@ with contextlib.redirect_stdout(io.StringIO()):
 
 
 def _run(repo, *argv: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", PROBE, *argv], cwd=repo, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, *argv], cwd=repo, capture_output=True, text=True, timeout=60
+    )
     return {"code": done.returncode, **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
-@pytest.mark.parametrize("argv", [("fmt", "plans/gpt2.tp"), ("fmt", "--check", "plans/gpt2-sp.tp"),
-                                  ("check", "plans/llama.tp"), ("--help",)])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("fmt", "plans/gpt2.tp"),
+        ("fmt", "--check", "plans/gpt2-sp.tp"),
+        ("check", "plans/llama.tp"),
+        ("--help",),
+    ],
+)
 def test_command_does_not_import_torch(repo, argv):
     result = _run(repo, *argv)
     assert result == {"code": 0, "torch": []}

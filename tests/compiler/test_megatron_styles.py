@@ -1,7 +1,8 @@
 """dtp's Megatron styles, op by op, against DTensor's own styles on real gloo ranks (Megatron-LM's
-tests/unit_tests/tensor_parallel/test_mappings.py tests each mapping on its own): f and g, the column → row
-pair, the vocabulary-parallel embedding and head with the loss. Forward values, input and parameter gradients
-in float64, and the collectives each phase issues, counted at the dispatcher."""
+tests/unit_tests/tensor_parallel/test_mappings.py tests each mapping on its own): f and g, the
+column → row pair, the vocabulary-parallel embedding and head with the loss. Forward values, input
+and parameter gradients in float64, and the collectives each phase issues, counted at the
+dispatcher."""
 
 from __future__ import annotations
 
@@ -47,21 +48,27 @@ def _mappings(rank: int, world: int) -> dict:
     group = mesh.get_group(0)
     torch.manual_seed(0)
     x = torch.randn(3, 4, dtype=torch.float64)
-    weight = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))  # differs by rank
+    # differs by rank
+    weight = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
     out = {}
-    # f: identity forward, the gradient summed over ranks in backward; DTensor's Replicate → local with Partial grad
+    # f: identity forward, the gradient summed over ranks in backward; DTensor's Replicate → local
+    # with Partial grad
     ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
     y, out["f forward"] = _counted(lambda: copy_to_ranks(ours, group))
     out["f value"] = float((y - x).abs().max())
     _, out["f backward"] = _counted(lambda: (y * weight).sum().backward())
-    ref = DTensor.from_local(theirs, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+    ref = DTensor.from_local(theirs, mesh, [Replicate()], run_check=False).to_local(
+        grad_placements=[Partial()]
+    )
     (ref * weight).sum().backward()
     out["f grad"] = float((ours.grad - theirs.grad).abs().max())
     # g: the sum over ranks forward, identity backward; DTensor's Partial → Replicate
     partial = x * (rank + 1)
     ours, theirs = partial.clone().requires_grad_(), partial.clone().requires_grad_()
     y, out["g forward"] = _counted(lambda: sum_over_ranks(ours * 1, group))
-    ref = DTensor.from_local(theirs * 1, mesh, [Partial()], run_check=False).redistribute(placements=[Replicate()])
+    ref = DTensor.from_local(theirs * 1, mesh, [Partial()], run_check=False).redistribute(
+        placements=[Replicate()]
+    )
     out["g value"] = float((y - ref.to_local()).abs().max())
     _, out["g backward"] = _counted(lambda: (y * weight).sum().backward())
     (ref.to_local() * weight).sum().backward()
@@ -89,7 +96,9 @@ class MLP(nn.Module):
 def _step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict, dict]:
     """Output, forward and backward collective counts of one step on `x` (its gradient taken too)."""
     y, forward = _counted(lambda: model(x))
-    _, backward = _counted(lambda: (y * torch.arange(y.numel(), dtype=y.dtype).view_as(y)).sum().backward())
+    _, backward = _counted(
+        lambda: (y * torch.arange(y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+    )
     return y, forward, backward
 
 
@@ -100,9 +109,16 @@ def _pair(rank: int, world: int, leaves: bool) -> dict:
     theirs.load_state_dict(ours.state_dict())
     reference = copy.deepcopy(ours)
     params = LocalParams() if leaves else None
-    parallelize_module(ours, mesh, {
-        "up": MegatronColwise({"weight": ParamPlacement(0), "bias": ParamPlacement(0)}, params),
-        "down": MegatronRowwise({"weight": ParamPlacement(1), "bias": ParamPlacement()}, params)})
+    parallelize_module(
+        ours,
+        mesh,
+        {
+            "up": MegatronColwise({"weight": ParamPlacement(0), "bias": ParamPlacement(0)}, params),
+            "down": MegatronRowwise(
+                {"weight": ParamPlacement(1), "bias": ParamPlacement()}, params
+            ),
+        },
+    )
     parallelize_module(theirs, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
     x = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     xs = [x.clone().requires_grad_() for _ in range(3)]
@@ -111,17 +127,27 @@ def _pair(rank: int, world: int, leaves: bool) -> dict:
     z, out["torch forward"], out["torch backward"] = _step(theirs, xs[1])
     w, _, _ = _step(reference, xs[2])
     out["value"] = max(float((y - z).abs().max()), float((y - w).abs().max()))
-    out["input grad"] = max(float((xs[0].grad - xs[1].grad).abs().max()), float((xs[0].grad - xs[2].grad).abs().max()))
-    out["param grad"] = max(float((full_value(ours.get_parameter(n).grad) - p.grad).abs().max())
-                            for n, p in reference.named_parameters())
-    out["dtensor params"] = all(isinstance(p, DTensor) and isinstance(p.grad, DTensor) for p in ours.parameters())
-    out["placements"] = (ours.up.weight.placements, ours.down.weight.placements, ours.down.bias.placements)
+    out["input grad"] = max(
+        float((xs[0].grad - xs[1].grad).abs().max()), float((xs[0].grad - xs[2].grad).abs().max())
+    )
+    out["param grad"] = max(
+        float((full_value(ours.get_parameter(n).grad) - p.grad).abs().max())
+        for n, p in reference.named_parameters()
+    )
+    out["dtensor params"] = all(
+        isinstance(p, DTensor) and isinstance(p.grad, DTensor) for p in ours.parameters()
+    )
+    out["placements"] = (
+        ours.up.weight.placements,
+        ours.down.weight.placements,
+        ours.down.bias.placements,
+    )
     return out
 
 
 def test_column_row_pair_matches_torchs_styles_and_the_unsharded_mlp():
-    """One all-reduce forward (g) and one backward (f), as torch's ColwiseParallel/RowwiseParallel make; the
-    parameters stay DTensors with DTensor gradients (leaves or to_local())."""
+    """One all-reduce forward (g) and one backward (f), as torch's ColwiseParallel/RowwiseParallel
+    make; the parameters stay DTensors with DTensor gradients (leaves or to_local())."""
     for leaves in (True, False):
         for r in on_ranks(_pair, 2, leaves):
             assert r["classes"] == ("ColumnParallelLinear", "RowParallelLinear")
@@ -129,7 +155,10 @@ def test_column_row_pair_matches_torchs_styles_and_the_unsharded_mlp():
             assert r["dtensor params"]
             assert r["placements"] == ((Shard(0),), (Shard(1),), (Replicate(),))
             assert (r["ours forward"], r["ours backward"]) == ({"all_reduce": 1}, {"all_reduce": 1})
-            assert (r["torch forward"], r["torch backward"]) == ({"all_reduce": 1}, {"all_reduce": 1})
+            assert (r["torch forward"], r["torch backward"]) == (
+                {"all_reduce": 1},
+                {"all_reduce": 1},
+            )
 
 
 class Ends(nn.Module):
@@ -149,10 +178,17 @@ def _ends(rank: int, world: int) -> dict:
     theirs.load_state_dict(ours.state_dict())
     reference = copy.deepcopy(ours)
     params = LocalParams()
-    parallelize_module(ours, mesh, {"emb": VocabParallelEmbedding(params), "head": VocabParallelHead(params)})
-    parallelize_module(theirs, mesh, {
-        "emb": RowwiseParallel(input_layouts=Replicate()),
-        "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+    parallelize_module(
+        ours, mesh, {"emb": VocabParallelEmbedding(params), "head": VocabParallelHead(params)}
+    )
+    parallelize_module(
+        theirs,
+        mesh,
+        {
+            "emb": RowwiseParallel(input_layouts=Replicate()),
+            "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        },
+    )
     ids = torch.randint(0, 11, (2, 7), generator=torch.Generator().manual_seed(1))
     ids[0, 0] = 3  # the padding row
     inputs, targets = ids[:, :-1], ids[:, 1:].clone()
@@ -175,16 +211,20 @@ def _ends(rank: int, world: int) -> dict:
     plain.backward()
     out["loss"] = max(abs(loss.item() - ref_loss.item()), abs(loss.item() - plain.item()))
     out["logits are shards"] = ours(inputs).placements == (Shard(2),)
-    out["param grad"] = max(float((full_value(ours.get_parameter(n).grad) - p.grad).abs().max())
-                            for n, p in reference.named_parameters())
-    out["torch param grad"] = max(float((full_value(theirs.get_parameter(n).grad) - p.grad).abs().max())
-                                  for n, p in reference.named_parameters())
+    out["param grad"] = max(
+        float((full_value(ours.get_parameter(n).grad) - p.grad).abs().max())
+        for n, p in reference.named_parameters()
+    )
+    out["torch param grad"] = max(
+        float((full_value(theirs.get_parameter(n).grad) - p.grad).abs().max())
+        for n, p in reference.named_parameters()
+    )
     return out
 
 
 def test_vocabulary_ends_and_loss_match_torchs_styles_and_loss_parallel():
-    """Embedding: one all-reduce forward; head: its input's gradient all-reduced (f); loss: the three all-reduces
-    loss_parallel makes (row maxima, sums of exponentials, target logits)."""
+    """Embedding: one all-reduce forward; head: its input's gradient all-reduced (f); loss: the
+    three all-reduces loss_parallel makes (row maxima, sums of exponentials, target logits)."""
     for r in on_ranks(_ends, 2):
         assert r["classes"] == ("VocabParallelEmbedding", "VocabParallelLinear")
         assert r["loss"] < TOL and r["param grad"] < TOL and r["torch param grad"] < TOL
@@ -198,9 +238,18 @@ def _copied_and_compiled(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = MLP().double()
     reference = copy.deepcopy(model)
-    parallelize_module(model, mesh, {
-        "up": MegatronColwise({"weight": ParamPlacement(0), "bias": ParamPlacement(0)}, LocalParams()),
-        "down": MegatronRowwise({"weight": ParamPlacement(1), "bias": ParamPlacement()}, LocalParams())})
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "up": MegatronColwise(
+                {"weight": ParamPlacement(0), "bias": ParamPlacement(0)}, LocalParams()
+            ),
+            "down": MegatronRowwise(
+                {"weight": ParamPlacement(1), "bias": ParamPlacement()}, LocalParams()
+            ),
+        },
+    )
     twin = copy.deepcopy(model)  # an EMA copy: its own parameters, the same group
     with torch.no_grad():
         for p in twin.parameters():
@@ -211,8 +260,12 @@ def _copied_and_compiled(rank: int, world: int) -> dict:
         for p in doubled.parameters():
             p.mul_(2)
     compiled = torch.compile(model, backend="eager")
-    return {"twin": float((twin(x) - doubled(x)).abs().max()), "model": float((model(x) - reference(x)).abs().max()),
-            "compiled": float((compiled(x) - reference(x)).abs().max()), "same group": twin.up._tp is model.up._tp}
+    return {
+        "twin": float((twin(x) - doubled(x)).abs().max()),
+        "model": float((model(x) - reference(x)).abs().max()),
+        "compiled": float((compiled(x) - reference(x)).abs().max()),
+        "same group": twin.up._tp is model.up._tp,
+    }
 
 
 def test_a_deep_copy_computes_with_its_own_parameters_and_torch_compile_sees_through():

@@ -1,6 +1,7 @@
-"""What the compiler emits is what runs: no code under dtp/compiler or dtp/runtime removes hooks that torch
-installed, assigns a module's forward, or keeps a parameter's identity by `id()` (an id outlives its object and
-can be reused). The sources are read as text (ast), as tests/test_layers.py reads them."""
+"""What the compiler emits is what runs: no code under dtp/compiler or dtp/runtime removes hooks
+that torch installed, assigns a module's forward, or keeps a parameter's identity by `id()` (an id
+outlives its object and can be reused). The sources are read as text (ast), as tests/test_layers.py
+reads them."""
 
 from __future__ import annotations
 
@@ -9,12 +10,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("dtp/compiler", "dtp/runtime")
-HOOK_TABLES = {"_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
-               "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_hooks"}
+HOOK_TABLES = {
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_hooks",
+}
 
 
 def findings(source: str, where: str) -> list[str]:
-    """Every place in `source` that assigns `.forward`, touches a module's hook tables or calls `id()`."""
+    """Every place in `source` that assigns `.forward`, touches a module's hook tables or calls
+    `id()`."""
     out = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
@@ -30,11 +38,12 @@ def findings(source: str, where: str) -> list[str]:
 
 
 def test_the_scanner_sees_each_construct():
-    planted = ("module.forward = f\n"
-               "del module._forward_pre_hooks[k]\n"
-               "seen.add(id(p))\n")
-    assert findings(planted, "x.py") == ["x.py:1: assigns .forward", "x.py:2: reads _forward_pre_hooks",
-                                         "x.py:3: calls id()"]
+    planted = "module.forward = f\ndel module._forward_pre_hooks[k]\nseen.add(id(p))\n"
+    assert findings(planted, "x.py") == [
+        "x.py:1: assigns .forward",
+        "x.py:2: reads _forward_pre_hooks",
+        "x.py:3: calls id()",
+    ]
     assert findings("module.register_forward_hook(hook)\nlayer.forward(x)\n", "x.py") == []
 
 

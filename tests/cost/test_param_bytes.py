@@ -1,5 +1,7 @@
-"""One per-rank bytes function (dtp.cost.param_bytes) for explain, apply, train and the fuzzer, against the bytes
-ranks actually hold after the one build path (meta → shard → materialise), uneven vocabulary included."""
+"""One per-rank bytes function (dtp.cost.param_bytes) for explain, apply, train and the fuzzer,
+against the bytes ranks actually hold after the one build path (meta → shard → materialise), uneven
+vocabulary included."""
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +21,11 @@ ODD = "tests/fixtures/gpt-odd-vocab.yaml"  # 257 rows: rank 0 holds 129, rank 1 
 def _held(rank, world, plan, spec, dp=1):
     source = models.resolve(spec)
     checked = check(load(plan), models.build(source, device="meta"), world // dp)
-    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp")) if dp > 1 else \
-        init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    mesh = (
+        init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
+        if dp > 1
+        else init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    )
     applied = build_sharded(checked, source, mesh, seed=1, device=torch.device("cpu"), dp=dp)
     return local_param_bytes(applied.model)
 
@@ -35,14 +40,19 @@ def test_table_equals_what_ranks_hold_and_what_explain_prints(repo):
     assert param_bytes_per_rank(checked, meta, 1) == [unsharded]
     ex = explain(checked, meta, ODD, 2)
     assert (ex.bytes_unsharded, ex.bytes_per_rank, ex.ideal_bytes_per_rank) == (
-        unsharded, table[0], ideal_param_bytes(checked, meta, 2))
-    assert table[1] < ex.ideal_bytes_per_rank < table[0]  # ideal = replicated + sharded / 2, between the two
+        unsharded,
+        table[0],
+        ideal_param_bytes(checked, meta, 2),
+    )
+    # ideal = replicated + sharded / 2, between the two
+    assert table[1] < ex.ideal_bytes_per_rank < table[0]
     assert param_bytes_per_rank(checked, meta, 2, elem=2) == [b // 2 for b in table]
 
 
 def test_fsdp2_shards_are_counted_padded(repo):
-    # dp 2 × tp 2: tp rank 0's 129 vocabulary rows split 65 + 64 over dp; FSDP2 allocates both padded to 65
-    # rows (the table), while the second's local view holds 64 (measured): exactly one row apart, there only.
+    # dp 2 × tp 2: tp rank 0's 129 vocabulary rows split 65 + 64 over dp; FSDP2 allocates both
+    # padded to 65 rows (the table), while the second's local view holds 64 (measured): exactly one
+    # row apart, there only.
     meta = models.build(models.resolve(ODD), device="meta")
     table = param_bytes_per_rank(check(load("plans/gpt2.tp"), meta, 2), meta, 2, dp=2)
     held = launch_local(_held, 4, "plans/gpt2.tp", ODD, 2, timeout=120)

@@ -1,4 +1,5 @@
 """The fuzzer: a seeded CI budget, saved regressions, and planted defects it must find."""
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,8 @@ def test_ci_budget_of_random_plans_holds(pools):
 
 @pytest.mark.parametrize("path", REGRESSIONS, ids=[p.stem for p in REGRESSIONS])
 def test_saved_regression_case_passes(pools, path):
-    case, error = load_checked_case(str(path))  # as `dtp fuzz --replay` reads it: every field checked
+    # as `dtp fuzz --replay` reads it: every field checked
+    case, error = load_checked_case(str(path))
     assert error  # each was saved with the failure it once showed
     outcome = evaluate(case, pools)
     assert outcome.kind == "passed", outcome.message
@@ -47,7 +49,8 @@ def test_save_and_replay_round_trip(tmp_path, repo):
     assert load_checked_case(str(path)) == (case, "an error")
     assert json.loads(path.read_text())["plan"] == case.plan
     proc = dtp_cli("fuzz", "--replay", str(path))
-    # lm_head alone breaks its tie with wte: check rejects it before launch, which is what must happen
+    # lm_head alone breaks its tie with wte: check rejects it before launch, which is what must
+    # happen
     assert proc.returncode == 0
     assert "now: rejected" in proc.stdout
 
@@ -65,13 +68,17 @@ def test_parser_fuzz_budget():
 
 def _finds(pools, strategy, examples: int) -> str:
     summary = fuzz(strategy, examples=examples, seed=7, pools=pools, shrink=False)
-    assert summary.failure is not None, f"no failure in {summary.examples} examples: {dict(summary.counts)}"
+    assert summary.failure is not None, (
+        f"no failure in {summary.examples} examples: {dict(summary.counts)}"
+    )
     return summary.failure[1]
 
 
 def test_finds_model_that_depends_on_its_local_width(pools):
     plan = (REPO / "plans" / "gpt2.tp").read_text()
-    message = _finds(pools, user_cases(plan, "tests.fixtures.broken_models:width_dependent", max_world=2), 20)
+    message = _finds(
+        pools, user_cases(plan, "tests.fixtures.broken_models:width_dependent", max_world=2), 20
+    )
     assert message.startswith("parity failed")
 
 
@@ -80,15 +87,20 @@ def test_finds_compiler_that_drops_a_reduction(pools, monkeypatch):
 
     def no_all_reduce(m, module, leaves):
         if m.style == "rowwise":  # hands on partial sums as if they were the result
-            return RowwiseParallel(input_layouts=m.input, output_layouts=Partial(), use_local_output=True)
+            return RowwiseParallel(
+                input_layouts=m.input, output_layouts=Partial(), use_local_output=True
+            )
         return original(m, module, leaves)
 
     monkeypatch.setattr(dtp.compiler.compiler, "_style", no_all_reduce)
-    assert _finds(pools, zoo_cases(max_world=2), 30).startswith(("parity failed", "collectives differ"))
+    assert _finds(pools, zoo_cases(max_world=2), 30).startswith(
+        ("parity failed", "collectives differ")
+    )
 
 
 def test_finds_compiler_that_mispacks_qkv(pools, monkeypatch):
-    # contiguous rows instead of one slice of each of q, k and v: consistent gathering, wrong attention
+    # contiguous rows instead of one slice of each of q, k and v: consistent gathering, wrong
+    # attention
     monkeypatch.setattr(dtp.compiler.placed, "pack_parts", lambda t, parts, tp, dim=0: t)
     monkeypatch.setattr(dtp.compiler.placed, "unpack_parts", lambda t, parts, tp, dim=0: t)
     assert _finds(pools, zoo_cases(max_world=2), 30).startswith("parity failed")
@@ -99,13 +111,18 @@ def test_finds_off_by_one_in_uneven_vocabulary_shards(pools, monkeypatch):
         if self.shard_dim is None:
             return shape
         out = list(shape)
-        out[self.shard_dim] = shape[self.shard_dim] // tp + (1 if rank < shape[self.shard_dim] % tp - 1 else 0)
+        out[self.shard_dim] = shape[self.shard_dim] // tp + (
+            1 if rank < shape[self.shard_dim] % tp - 1 else 0
+        )
         return tuple(out)
 
     monkeypatch.setattr(ParamPlacement, "local_shape", floor_chunks)
     found = _finds(pools, zoo_cases(max_world=2), 30)
-    # torch 2.13 runs the mis-sized shards and the byte table differs; torch 2.11's DTensor fails on them first
-    assert "parameter bytes per rank" in found or ("the run failed" in found and "size" in found), found
+    # torch 2.13 runs the mis-sized shards and the byte table differs; torch 2.11's DTensor fails on
+    # them first
+    assert "parameter bytes per rank" in found or ("the run failed" in found and "size" in found), (
+        found
+    )
 
 
 def test_cli_summary(repo):
@@ -127,5 +144,7 @@ def test_replay_of_something_that_is_not_a_case_exits_2(repo, tmp_path):
 def test_a_user_model_too_large_for_memory_is_refused_before_any_rank(repo):
     proc = dtp_cli("fuzz", "plans/gpt2.tp", "megatron-8.3b", "--examples", "1", timeout=60)
     assert proc.returncode == 2
-    assert proc.stderr.startswith("error: this run needs about ") and "GiB is available" in proc.stderr
+    assert (
+        proc.stderr.startswith("error: this run needs about ") and "GiB is available" in proc.stderr
+    )
     assert "Traceback" not in proc.stderr and proc.stdout == ""

@@ -1,7 +1,9 @@
-"""Config variants of the Hugging Face families (dtp/hf/variant_list.py) that real checkpoints use, against the
-shipped plans/hf/*.tp: the ones that found bugs, and the knobs that change attention maths or module
-structure most, with parity and exact collective counts; clean refusals where the layout cannot serve the
-config. The full sweep (`python -m dtp.hf.variants`, bench/results/hf_variants.md) runs outside pytest."""
+"""Config variants of the Hugging Face families (dtp/hf/variant_list.py) that real checkpoints use,
+against the shipped plans/hf/*.tp: the ones that found bugs, and the knobs that change attention
+maths or module structure most, with parity and exact collective counts; clean refusals where the
+layout cannot serve the config. The full sweep (`python -m dtp.hf.variants`,
+bench/results/hf_variants.md) runs outside pytest."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,19 +24,32 @@ def _counts(forward: int, backward: int) -> dict:
     return {"forward": {"all_reduce": forward}, "backward": {"all_reduce": backward}}
 
 
-# variant → collectives per step at tp 2 (2 layers; 3 of the forward all-reduces are the vocab-parallel loss's)
+# variant → collectives per step at tp 2 (2 layers; 3 of the forward all-reduces are the
+# vocab-parallel loss's)
 TP2 = {
-    "phi/qk_layernorm": _counts(8, 13),  # bug: per-head q/k LayerNorm gradients were not summed (parity failed)
-    "phi/mqa": _counts(8, 13),  # bug: one key/value head was refused; now repeat(kv), + k/v weight and bias
-    "gpt2/reorder_upcast": _counts(8, 5),  # bug: the float64 truth crashed in HF's float32-only path
-    "bloom/slow_but_exact": {"forward": {"all_gather": 4, "all_reduce": 4}, "backward": {"all_reduce": 5}},  # bug:
-    # HF reads dense weight slices directly: crashed on sharded weights; now those stay whole, inputs gathered
-    "mixtral/ffn100": _counts(8, 7),  # bug: local expert slices of 50 broke grouped_mm's stride alignment
-    "gpt_oss/ffn100": _counts(8, 7),  # bug: its local activations of 50 (not a weight) broke the same alignment
-    "qwen2/sliding": _counts(8, 5),  # bug in the tiny configs: layer_types did not follow use_sliding_window
-    "qwen2_moe/bf16": {"forward": {"all_reduce": 10}, "backward": {"all_reduce": 9}},  # bytes in bfloat16
-    "mixtral/bf16": _counts(8, 7),  # routing weights' gradient summed in float32, as the schedule says
-    "gemma2/softcap": _counts(8, 5),  # attention and final-logit soft-capping on vocab-sharded logits
+    # bug: per-head q/k LayerNorm gradients were not summed (parity failed)
+    "phi/qk_layernorm": _counts(8, 13),
+    # bug: one key/value head was refused; now repeat(kv), + k/v weight and bias
+    "phi/mqa": _counts(8, 13),
+    # bug: the float64 truth crashed in HF's float32-only path
+    "gpt2/reorder_upcast": _counts(8, 5),
+    "bloom/slow_but_exact": {
+        "forward": {"all_gather": 4, "all_reduce": 4},
+        "backward": {"all_reduce": 5},
+    },  # bug:
+    # HF reads dense weight slices directly: crashed on sharded weights; now those stay whole,
+    # inputs gathered bug: local expert slices of 50 broke grouped_mm's stride alignment
+    "mixtral/ffn100": _counts(8, 7),
+    # bug: its local activations of 50 (not a weight) broke the same alignment
+    "gpt_oss/ffn100": _counts(8, 7),
+    # bug in the tiny configs: layer_types did not follow use_sliding_window
+    "qwen2/sliding": _counts(8, 5),
+    # bytes in bfloat16
+    "qwen2_moe/bf16": {"forward": {"all_reduce": 10}, "backward": {"all_reduce": 9}},
+    # routing weights' gradient summed in float32, as the schedule says
+    "mixtral/bf16": _counts(8, 7),
+    # attention and final-logit soft-capping on vocab-sharded logits
+    "gemma2/softcap": _counts(8, 5),
     "gemma/2b": _counts(8, 9),  # head_dim ≠ hidden/heads with one key/value head
     "qwen3/mqa_head_dim32": _counts(8, 13),  # q/k norms + repeated k/v: 4 + 4 gradient all-reduces
     "opt/350m": _counts(8, 5),  # post-LN, project_in / project_out stay replicated
@@ -43,7 +58,8 @@ TP2 = {
     "llama/sdpa": _counts(8, 5),
 }
 TP4 = {
-    "qwen2_moe/moe_ffn24": {"forward": {"all_reduce": 10}, "backward": {"all_reduce": 17}},  # bug: 6 a rank
+    # bug: 6 a rank
+    "qwen2_moe/moe_ffn24": {"forward": {"all_reduce": 10}, "backward": {"all_reduce": 17}},
     "phi/gqa": _counts(8, 13),  # bug: 2 key/value heads at tp 4 were refused
     "gemma/2b": _counts(8, 9),
 }
@@ -74,32 +90,56 @@ def test_variants_at_tp4():
 
 
 def test_refusals_name_the_heads_and_the_working_tp():
-    out = precheck(BY_NAME["llama/kv3"], 2)  # 6 query heads over 3 key/value heads: tp 2 cannot split either way
+    # 6 query heads over 3 key/value heads: tp 2 cannot split either way
+    out = precheck(BY_NAME["llama/kv3"], 2)
     assert out.kind == "refused"
-    assert "llama.tp:15:27: model.layers.0.self_attn.k_proj (and 1 more module): 3 key/value heads (head size 16, " \
-           "config.num_key_value_heads) do not divide by tp=2; each rank must hold whole heads; tp values that " \
-           "work: 1, 3" in out.detail
+    assert (
+        "llama.tp:15:27: model.layers.0.self_attn.k_proj (and 1 more module): 3 key/value heads "
+        "(head size 16, "
+        "config.num_key_value_heads) do not divide by tp=2; each rank must hold whole heads; tp "
+        "values that "
+        "work: 1, 3" in out.detail
+    )
     out = precheck(BY_NAME["qwen2/heads14"], 4)  # Qwen2-0.5B's 14 heads
-    assert out.kind == "refused" and "14 attention heads (head size 16, config.num_attention_heads) do not divide " \
-                                     "by tp=4; each rank must hold whole heads; tp values that work: 1, 2, 7, 14" in out.detail
-    out = precheck(BY_NAME["gpt_neox/heads6"], 4)  # q, k, v fused per head: whole heads must divide, not 18 blocks
-    assert ("query_key_value (and 1 more module): 6 attention heads (3 fused blocks each) (head size 16, "
-            "config.num_attention_heads) do not divide by tp=4; each rank must hold whole heads; tp values that "
-            "work: 1, 2, 3, 6;") in out.detail
+    assert (
+        out.kind == "refused"
+        and "14 attention heads (head size 16, config.num_attention_heads) do not divide "
+        "by tp=4; each rank must hold whole heads; tp values that work: 1, 2, 7, 14"
+        in out.detail
+    )
+    # q, k, v fused per head: whole heads must divide, not 18 blocks
+    out = precheck(BY_NAME["gpt_neox/heads6"], 4)
+    assert (
+        "query_key_value (and 1 more module): 6 attention heads (3 fused blocks each) (head size "
+        "16, "
+        "config.num_attention_heads) do not divide by tp=4; each rank must hold whole heads; tp "
+        "values that "
+        "work: 1, 2, 3, 6;"
+    ) in out.detail
 
 
 def test_phi_plan_admits_tp_by_key_value_heads():
     plan = load(str(PLANS / "phi.tp"))
-    assert check(plan, hf.build("phi", num_key_value_heads=1, qk_layernorm=True)).admissible_tp == (1, 2, 4)
+    assert check(plan, hf.build("phi", num_key_value_heads=1, qk_layernorm=True)).admissible_tp == (
+        1,
+        2,
+        4,
+    )
     with pytest.raises(PlanError, match="3 key/value heads"):
-        check(plan, hf.build("phi", hidden_size=96, num_attention_heads=6, num_key_value_heads=3), 2)
+        check(
+            plan, hf.build("phi", hidden_size=96, num_attention_heads=6, num_key_value_heads=3), 2
+        )
 
 
 def test_tiny_configs_derive_fields_as_a_checkpoint_does():
     cfg = hf.config("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
-    assert cfg.layer_types == ["full_attention", "sliding_attention"]  # not the 24-layer default list
+    # not the 24-layer default list
+    assert cfg.layer_types == ["full_attention", "sliding_attention"]
     assert hf.config("gpt_neox", rotary_pct=0.5).rope_parameters["partial_rotary_factor"] == 0.5
-    assert (hf.config("gpt2", n_embd=96, n_head=6).hidden_size, hf.config("bloom", n_head=8).num_attention_heads) == (96, 8)
+    assert (
+        hf.config("gpt2", n_embd=96, n_head=6).hidden_size,
+        hf.config("bloom", n_head=8).num_attention_heads,
+    ) == (96, 8)
     assert hf.config("llama", attn_implementation="sdpa")._attn_implementation == "sdpa"
     assert hf.config("llama")._attn_implementation == "eager"
 

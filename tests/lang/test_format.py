@@ -1,4 +1,5 @@
 """`dtp fmt`: canonical text, comments kept, idempotent; format → parse is the identity on the IR."""
+
 from __future__ import annotations
 
 import shutil
@@ -79,7 +80,9 @@ def test_shipped_plan_is_canonical():
 def test_formats_messy_plan_keeping_comments():
     assert fmt(MESSY) == MESSY_FORMATTED
     assert parse(MESSY_FORMATTED) == parse(MESSY)
-    assert [c.text for c in parse(MESSY_FORMATTED).comments] == [c.text for c in parse(MESSY).comments]
+    assert [c.text for c in parse(MESSY_FORMATTED).comments] == [
+        c.text for c in parse(MESSY).comments
+    ]
 
 
 def test_idempotent():
@@ -89,7 +92,8 @@ def test_idempotent():
 
 
 def test_empty_block_and_bare_plan():
-    assert fmt("dtp 1\na { }\n") == "dtp 1\n\na {\n}\n"  # a blank line always separates header and body
+    # a blank line always separates header and body
+    assert fmt("dtp 1\na { }\n") == "dtp 1\n\na {\n}\n"
     assert fmt("\n\ndtp 1\n\n\n") == "dtp 1\n"
     assert fmt("dtp 1\nmesh tp\n") == "dtp 1\nmesh tp\n"  # an explicit `mesh tp` is kept
 
@@ -154,12 +158,15 @@ def test_cli_fmt_reports_plan_errors(tmp_path, capsys):
     bad = tmp_path / "bad.tp"
     bad.write_text("dtp 1\na: colwise rowwise\n", encoding="utf-8")
     assert cli.main(["fmt", "--write", str(bad)]) == 2
-    assert capsys.readouterr().err == (f"{bad}:2:12: error: unexpected 'rowwise': a statement must end at the end "
-                                       "of its line\n    a: colwise rowwise\n               ^~~~~~~\n")
+    assert capsys.readouterr().err == (
+        f"{bad}:2:12: error: unexpected 'rowwise': a statement must end at the end "
+        "of its line\n    a: colwise rowwise\n               ^~~~~~~\n"
+    )
     assert bad.read_text(encoding="utf-8") == "dtp 1\na: colwise rowwise\n"
 
 
 # ---- properties ----------------------------------------------------------------------------------------
+
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(plans())
@@ -175,7 +182,8 @@ _ALPHABET = st.sampled_from(PIECES + list("abc_.*?:{}()[]=,+-/#0123456789 \t\n")
 
 
 def test_comment_after_a_form_feed_survives_fmt():
-    # str.splitlines() breaks lines at a form feed, the grammar does not: comments follow the grammar
+    # str.splitlines() breaks lines at a form feed, the grammar does not: comments follow the
+    # grammar
     plan = parse("dtp 1\x0c\na: colwise  # trailing\n")
     assert format_plan(plan, plan.source) == "dtp 1\n\na: colwise  # trailing\n"
 
@@ -187,7 +195,8 @@ def _parse_or_plan_error(text: str) -> None:
         assert err.diagnostics
         err.render()  # rendering a diagnostic never fails either
         return
-    # Whatever parses also formats, to text that parses back to the same plan with the same comments.
+    # Whatever parses also formats, to text that parses back to the same plan with the same
+    # comments.
     text = format_plan(plan, plan.source)
     again = parse(text)
     assert again == plan
@@ -202,7 +211,12 @@ def test_mutated_plans_only_raise_plan_error(text):
 
 
 @settings(max_examples=250, deadline=None)
-@given(st.one_of(st.text(max_size=200), st.lists(_ALPHABET, max_size=60).map("".join),
-                 st.lists(_ALPHABET, max_size=60).map(lambda parts: "dtp 1\n" + "".join(parts))))
+@given(
+    st.one_of(
+        st.text(max_size=200),
+        st.lists(_ALPHABET, max_size=60).map("".join),
+        st.lists(_ALPHABET, max_size=60).map(lambda parts: "dtp 1\n" + "".join(parts)),
+    )
+)
 def test_arbitrary_text_only_raises_plan_error(text):
     _parse_or_plan_error(text)

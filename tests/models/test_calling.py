@@ -1,5 +1,6 @@
-"""How dtp calls a model the field wrote (dtp/models/calling.py), the copies its references are (clone.py), and
-casts that keep complex buffers (spec.cast)."""
+"""How dtp calls a model the field wrote (dtp/models/calling.py), the copies its references are
+(clone.py), and casts that keep complex buffers (spec.cast)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,9 +18,9 @@ IDS = torch.randint(0, field_models.VOCAB, (2, 8), generator=torch.Generator().m
 
 
 def test_nanogpt_is_called_with_targets_and_stopped_at_its_head():
-    """Without targets nanoGPT returns the last position's logits only; with them, (logits, loss): dtp calls it
-    with targets, takes output[0], and ends the forward at lm_head so its own loss (which would view the sharded
-    logits whole) never runs."""
+    """Without targets nanoGPT returns the last position's logits only; with them, (logits, loss):
+    dtp calls it with targets, takes output[0], and ends the forward at lm_head so its own loss
+    (which would view the sharded logits whole) never runs."""
     torch.manual_seed(0)
     model = field_models.nanogpt()
     forward = calling.discover(model, field_models.VOCAB, "nanogpt")
@@ -29,10 +30,17 @@ def test_nanogpt_is_called_with_targets_and_stopped_at_its_head():
 
 
 def test_positions_dict_and_plain_outputs():
-    assert calling.discover(field_models.gptfast(), field_models.VOCAB, "g") == calling.Forward(positions="input_pos")
-    assert calling.discover(field_models.partial_bound(), field_models.VOCAB, "p").path == ("logits",)
-    # minGPT gives every position's logits without targets: output[0], and the forward runs to its end
-    assert calling.discover(field_models.mingpt(), field_models.VOCAB, "m") == calling.Forward(path=(0,))
+    assert calling.discover(field_models.gptfast(), field_models.VOCAB, "g") == calling.Forward(
+        positions="input_pos"
+    )
+    assert calling.discover(field_models.partial_bound(), field_models.VOCAB, "p").path == (
+        "logits",
+    )
+    # minGPT gives every position's logits without targets: output[0], and the forward runs to its
+    # end
+    assert calling.discover(field_models.mingpt(), field_models.VOCAB, "m") == calling.Forward(
+        path=(0,)
+    )
     model = field_models.gptfast()
     out = calling.discover(model, field_models.VOCAB, "g")(model, IDS)
     assert torch.equal(out, model(IDS, input_pos=torch.arange(8)))
@@ -58,14 +66,17 @@ def test_a_dataclass_output_and_a_last_position_only_model():
     assert calling.discover(_Dataclass(), 64, "d").path == ("scores",)
     with pytest.raises(UsageError) as err:
         calling.discover(_Dataclass(last_only=True), 64, "last")
-    assert str(err.value) == ("model last returns logits for only some positions (output.scores has shape (2, 1, 64) "
-                              "for 2×4 token ids); dtp compares the logits of every position, so make the forward "
-                              "return them (nanoGPT returns them when it is given targets)")
+    assert str(err.value) == (
+        "model last returns logits for only some positions (output.scores has shape (2, 1, 64) "
+        "for 2×4 token ids); dtp compares the logits of every position, so make the forward "
+        "return them (nanoGPT returns them when it is given targets)"
+    )
 
 
 def test_clone_follows_lambdas_partials_and_bound_methods():
-    """minGPT's `self.mlpf` lambda, a `functools.partial` over a ModuleDict and a bound method held by another
-    module: deepcopy would leave each calling the original's weights; the clone calls its own."""
+    """minGPT's `self.mlpf` lambda, a `functools.partial` over a ModuleDict and a bound method held
+    by another module: deepcopy would leave each calling the original's weights; the clone calls its
+    own."""
     for factory, x in ((field_models.mingpt, IDS), (field_models.partial_bound, IDS)):
         torch.manual_seed(0)
         model = factory()
@@ -77,7 +88,8 @@ def test_clone_follows_lambdas_partials_and_bound_methods():
         after = calling.candidates(model(x), field_models.VOCAB)[0][1]
         changed = calling.candidates(twin(x), field_models.VOCAB)[0][1]
         assert torch.equal(before, after)  # the original is untouched by the twin's weights
-        assert not torch.allclose(changed, before)  # the twin runs its own (every path: lambda, partial, method)
+        # the twin runs its own (every path: lambda, partial, method)
+        assert not torch.allclose(changed, before)
     model = field_models.partial_bound()
     twin = clone(model)
     assert twin.project.__self__ is twin.heads and twin.steps[0].args[0] is twin.blocks["block0"]
@@ -91,5 +103,8 @@ def test_cast_keeps_complex_buffers_complex():
     model = field_models.titan()
     before = model.freqs_cis.clone()
     cast(model, torch.float64)
-    assert model.freqs_cis.dtype == torch.complex128 and model.tok_embeddings.weight.dtype == torch.float64
+    assert (
+        model.freqs_cis.dtype == torch.complex128
+        and model.tok_embeddings.weight.dtype == torch.float64
+    )
     assert torch.equal(model.freqs_cis.imag.float(), before.imag) and before.imag.abs().max() > 0.5

@@ -1,4 +1,5 @@
 """The MODEL argument: the zoo, YAML configs and `package.module:factory`."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,17 @@ from dtp.models.gpt import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "dtp" / "models" / "configs"
-GPT_ZOO = ["gpt2", "gpt2-large", "gpt2-medium", "gpt2-tiny", "gpt2-xl",
-           "megatron-1.2b", "megatron-2.5b", "megatron-4.2b", "megatron-8.3b"]
+GPT_ZOO = [
+    "gpt2",
+    "gpt2-large",
+    "gpt2-medium",
+    "gpt2-tiny",
+    "gpt2-xl",
+    "megatron-1.2b",
+    "megatron-2.5b",
+    "megatron-4.2b",
+    "megatron-8.3b",
+]
 ZOO = sorted(p.stem for p in CONFIGS.glob("*.yaml"))  # every shipped config, whatever its family
 KNOWN_KEYS = "n_layer, n_head, n_embd, vocab_size, block_size, dropout, bias, tie_embeddings"
 
@@ -30,6 +40,7 @@ def n_params(cfg: GPTConfig) -> int:
 
 
 # ---- the zoo -------------------------------------------------------------------------------------------
+
 
 def test_zoo_names_are_the_shipped_configs():
     assert models.zoo_names() == ZOO
@@ -60,15 +71,41 @@ def test_gpt2_small_has_gpt2_parameter_count():
 
 def test_module_names_are_gpt2s():
     model = models.build("gpt2-tiny")
-    block = ["", ".ln_1", ".attn", ".attn.c_attn", ".attn.c_proj", ".attn.resid_dropout", ".ln_2", ".mlp",
-             ".mlp.c_fc", ".mlp.gelu", ".mlp.c_proj", ".mlp.dropout"]
-    expected = (["", "transformer", "transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h"]
-                + [f"transformer.h.{i}{s}" for i in range(2) for s in block]
-                + ["transformer.ln_f", "lm_head"])
+    block = [
+        "",
+        ".ln_1",
+        ".attn",
+        ".attn.c_attn",
+        ".attn.c_proj",
+        ".attn.resid_dropout",
+        ".ln_2",
+        ".mlp",
+        ".mlp.c_fc",
+        ".mlp.gelu",
+        ".mlp.c_proj",
+        ".mlp.dropout",
+    ]
+    expected = (
+        [
+            "",
+            "transformer",
+            "transformer.wte",
+            "transformer.wpe",
+            "transformer.drop",
+            "transformer.h",
+        ]
+        + [f"transformer.h.{i}{s}" for i in range(2) for s in block]
+        + ["transformer.ln_f", "lm_head"]
+    )
     assert [n for n, _ in model.named_modules()] == expected
     kinds = {n: type(m).__name__ for n, m in model.named_modules()}
-    assert (kinds["transformer.wte"], kinds["transformer.h.1.attn.c_attn"], kinds["transformer.h.0.ln_2"],
-            kinds["transformer.ln_f"], kinds["lm_head"]) == ("Embedding", "Linear", "LayerNorm", "LayerNorm", "Linear")
+    assert (
+        kinds["transformer.wte"],
+        kinds["transformer.h.1.attn.c_attn"],
+        kinds["transformer.h.0.ln_2"],
+        kinds["transformer.ln_f"],
+        kinds["lm_head"],
+    ) == ("Embedding", "Linear", "LayerNorm", "LayerNorm", "Linear")
     c_attn = model.transformer.h[0].attn.c_attn
     assert (c_attn.in_features, c_attn.out_features) == (64, 192)
     assert model.transformer.h[0].attn.head_dim == 16
@@ -84,7 +121,9 @@ def test_lm_head_is_tied_to_wte_by_default():
 
 def test_untied_config(tmp_path):
     path = tmp_path / "untied.yaml"
-    path.write_text("n_layer: 1\nn_head: 2\nn_embd: 8\nvocab_size: 16\nblock_size: 4\ntie_embeddings: false\n")
+    path.write_text(
+        "n_layer: 1\nn_head: 2\nn_embd: 8\nvocab_size: 16\nblock_size: 4\ntie_embeddings: false\n"
+    )
     model = models.build(str(path))
     assert model.lm_head.weight is not model.transformer.wte.weight
     assert sum(p.numel() for p in model.parameters()) == n_params(model.config) + 16 * 8
@@ -100,13 +139,22 @@ def test_vocab_and_heads_helpers():
 
 # ---- YAML configs ----------------------------------------------------------------------------------------
 
+
 def test_yaml_missing_keys_take_gpt2_defaults(tmp_path):
     path = tmp_path / "small.yaml"
     path.write_text("# just one layer\nn_layer: 1\n")
     family, cfg = models.read_config(path)
     assert family == "gpt"
-    assert cfg == GPTConfig(n_layer=1, n_head=12, n_embd=768, vocab_size=50257, block_size=1024, dropout=0.0,
-                            bias=True, tie_embeddings=True)
+    assert cfg == GPTConfig(
+        n_layer=1,
+        n_head=12,
+        n_embd=768,
+        vocab_size=50257,
+        block_size=1024,
+        dropout=0.0,
+        bias=True,
+        tie_embeddings=True,
+    )
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
     assert models.read_config(empty) == ("gpt", GPTConfig())
@@ -118,17 +166,22 @@ def test_yaml_unknown_key_names_file_and_key(tmp_path):
     path.write_text("n_layers: 2\n")
     with pytest.raises(UsageError) as info:
         models.resolve(str(path))
-    assert str(info.value) == f"model config {path}: unknown key 'n_layers'; known keys: {KNOWN_KEYS}"
+    assert (
+        str(info.value) == f"model config {path}: unknown key 'n_layers'; known keys: {KNOWN_KEYS}"
+    )
 
 
-@pytest.mark.parametrize("text, message", [
-    ("family: mamba\n", "unknown family 'mamba'; known: {families}"),
-    ("n_head: 5\n", "n_embd=768 is not a multiple of n_head=5"),
-    ("n_layer: 0\n", "n_layer must be a positive integer, got 0"),
-    ("n_layer: two\n", "n_layer must be a positive integer, got 'two'"),
-    ("vocab_size: true\n", "vocab_size must be a positive integer, got True"),
-    ("dropout: 1.5\n", "dropout must be in [0, 1), got 1.5"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("family: mamba\n", "unknown family 'mamba'; known: {families}"),
+        ("n_head: 5\n", "n_embd=768 is not a multiple of n_head=5"),
+        ("n_layer: 0\n", "n_layer must be a positive integer, got 0"),
+        ("n_layer: two\n", "n_layer must be a positive integer, got 'two'"),
+        ("vocab_size: true\n", "vocab_size must be a positive integer, got True"),
+        ("dropout: 1.5\n", "dropout must be in [0, 1), got 1.5"),
+    ],
+)
 def test_yaml_bad_values(tmp_path, text, message):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
@@ -160,9 +213,11 @@ def test_yaml_not_a_mapping_or_not_yaml(tmp_path):
 def test_unknown_model_spec(tmp_path):
     with pytest.raises(UsageError) as info:
         models.resolve("gpt3")
-    assert str(info.value) == (f"unknown model 'gpt3': give a zoo name ({', '.join(ZOO)}), a path to a model YAML "
-                               "file, package.module:factory, or a Hugging Face model directory (config.json + "
-                               "safetensors)")
+    assert str(info.value) == (
+        f"unknown model 'gpt3': give a zoo name ({', '.join(ZOO)}), a path to a model YAML "
+        "file, package.module:factory, or a Hugging Face model directory (config.json + "
+        "safetensors)"
+    )
     with pytest.raises(UsageError) as info:
         models.resolve(str(tmp_path / "absent.yaml"))
     assert str(info.value) == f"model config {tmp_path / 'absent.yaml'} does not exist"
@@ -172,7 +227,7 @@ def test_unknown_model_spec(tmp_path):
 
 # ---- factories -----------------------------------------------------------------------------------------------
 
-FACTORY_SOURCE = '''
+FACTORY_SOURCE = """
 import torch.nn as nn
 
 CONST = 3
@@ -192,7 +247,7 @@ def boom():
 
 def notmodule():
     return {"a": 1}
-'''
+"""
 
 
 @pytest.fixture
@@ -201,7 +256,8 @@ def factory_module(tmp_path, monkeypatch):
     name = f"dtp_test_factories_{uuid.uuid4().hex[:12]}"
     (tmp_path / f"{name}.py").write_text(FACTORY_SOURCE)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # `build` puts the working directory on sys.path
+    # `build` puts the working directory on sys.path
+    monkeypatch.setattr(sys, "path", list(sys.path))
     yield name
     sys.modules.pop(name, None)
 
@@ -217,13 +273,17 @@ def test_factory_builds_on_meta(factory_module):
     assert isinstance(nested, nn.Linear) and nested.weight.is_meta
 
 
-@pytest.mark.parametrize("func, message", [
-    ("nothere", "model factory {m}:nothere: module '{m}' has no attribute 'nothere'"),
-    ("ns.nothere", "model factory {m}:ns.nothere: module '{m}' has no attribute 'ns.nothere'"),
-    ("CONST", "model factory {m}:CONST is not callable"),
-    ("boom", "model factory {m}:boom raised RuntimeError: kaboom"),
-    ("notmodule", "model factory {m}:notmodule returned dict, not an nn.Module"),
-], ids=["missing", "missing-nested", "not-callable", "raises", "not-a-module"])
+@pytest.mark.parametrize(
+    "func, message",
+    [
+        ("nothere", "model factory {m}:nothere: module '{m}' has no attribute 'nothere'"),
+        ("ns.nothere", "model factory {m}:ns.nothere: module '{m}' has no attribute 'ns.nothere'"),
+        ("CONST", "model factory {m}:CONST is not callable"),
+        ("boom", "model factory {m}:boom raised RuntimeError: kaboom"),
+        ("notmodule", "model factory {m}:notmodule returned dict, not an nn.Module"),
+    ],
+    ids=["missing", "missing-nested", "not-callable", "raises", "not-a-module"],
+)
 def test_factory_errors_are_usage_errors(factory_module, func, message):
     with pytest.raises(UsageError) as info:
         models.build(f"{factory_module}:{func}")
@@ -233,18 +293,25 @@ def test_factory_errors_are_usage_errors(factory_module, func, message):
 def test_factory_bad_module(factory_module):
     with pytest.raises(UsageError) as info:
         models.build("dtp_no_such_module_xyz:make")
-    assert str(info.value) == ("cannot import 'dtp_no_such_module_xyz' for model factory dtp_no_such_module_xyz:make: "
-                               "No module named 'dtp_no_such_module_xyz'")
+    assert str(info.value) == (
+        "cannot import 'dtp_no_such_module_xyz' for model factory dtp_no_such_module_xyz:make: "
+        "No module named 'dtp_no_such_module_xyz'"
+    )
     with pytest.raises(UsageError) as info:
         models.build("dtp.no_such_sub:make")
-    assert str(info.value) == ("cannot import 'dtp.no_such_sub' for model factory dtp.no_such_sub:make: "
-                               "No module named 'dtp.no_such_sub'")
+    assert str(info.value) == (
+        "cannot import 'dtp.no_such_sub' for model factory dtp.no_such_sub:make: "
+        "No module named 'dtp.no_such_sub'"
+    )
 
 
 def test_factory_errors_through_the_cli(factory_module, capsys):
     plan = str(ROOT / "plans" / "gpt2.tp")
     assert cli.main(["check", plan, f"{factory_module}:boom", "--tp", "2"]) == 2
-    assert capsys.readouterr() == ("", f"error: model factory {factory_module}:boom raised RuntimeError: kaboom\n")
+    assert capsys.readouterr() == (
+        "",
+        f"error: model factory {factory_module}:boom raised RuntimeError: kaboom\n",
+    )
     assert cli.main(["check", plan, f"{factory_module}:good"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"{plan}:8:1: error: pattern 'transformer.wte' matches no module")

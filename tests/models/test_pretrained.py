@@ -1,6 +1,8 @@
-"""A save_pretrained directory as MODEL: `check` from its config, `apply` from its weights, `train` at tp 2 from
-its own weights (each rank reading its slices; first-step loss equal to the unsharded model's) and `export
---hf-dir` back bit-exact; a directory that ships code or misses a tensor is exit 2 before any rank starts."""
+"""A save_pretrained directory as MODEL: `check` from its config, `apply` from its weights, `train`
+at tp 2 from its own weights (each rank reading its slices; first-step loss equal to the unsharded
+model's) and `export --hf-dir` back bit-exact; a directory that ships code or misses a tensor is
+exit 2 before any rank starts."""
+
 from __future__ import annotations
 
 import json
@@ -21,16 +23,31 @@ TINY = dict(vocab_size=256, max_position_embeddings=64)
 
 
 def _save(tmp_path: Path, family: str) -> Path:
-    """A tiny pretrained model of `family` (llama: GQA, untied; llama_tied: the head is the embedding, absent
-    from the file; gpt2: packed Conv1D qkv sharded on dim 1, tied head)."""
+    """A tiny pretrained model of `family` (llama: GQA, untied; llama_tied: the head is the
+    embedding, absent from the file; gpt2: packed Conv1D qkv sharded on dim 1, tied head)."""
     torch.manual_seed(0)
     if family.startswith("llama"):
-        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2,
-                                          tie_word_embeddings=family == "llama_tied", **TINY)
+        config = transformers.LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=family == "llama_tied",
+            **TINY,
+        )
     else:
-        config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=256,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # the reference: eval
+        config = transformers.GPT2Config(
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            vocab_size=256,
+            # the reference: eval
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(tmp_path / family, safe_serialization=True)
     return tmp_path / family
@@ -46,19 +63,50 @@ def tokens(tmp_path) -> Path:
 def test_check_and_apply_read_a_pretrained_directory(repo, tmp_path):
     model = str(_save(tmp_path, "llama"))
     assert main(["check", "plans/hf/llama.tp", model, "--tp", "2"]) == 0
-    assert main(["apply", "plans/hf/llama.tp", model, "--tp", "2", "--steps", "1"]) == 0  # parity OK
+    # parity OK
+    assert main(["apply", "plans/hf/llama.tp", model, "--tp", "2", "--steps", "1"]) == 0
 
 
 # gpt2: a packed Conv1D c_attn, sharded on its dim 1, stored as (in, 3, out/3)
 @pytest.mark.parametrize("family,export", [("llama", True), ("llama_tied", True), ("gpt2", True)])
-def test_train_at_tp_2_starts_from_the_files_and_exports_back_bit_exact(repo, tmp_path, tokens, family, export):
+def test_train_at_tp_2_starts_from_the_files_and_exports_back_bit_exact(
+    repo, tmp_path, tokens, family, export
+):
     model = _save(tmp_path, family)
     out, ckpt, back = tmp_path / "out", tmp_path / "ckpt", tmp_path / "back"
-    plan = f"hf/{family.removesuffix('_tied')}"  # a shipped plan's name: the ranks must find its file too
-    # lr 1e-30 moves no float32 weight (far below half an ulp): the checkpoint holds the initial weights
-    assert main(["train", plan, str(model), "--tp", "2", "--steps", "1", "--batch", "2", "--seq", "16",
-                 "--warmup", "0", "--lr", "1e-30", "--min-lr", "0", "--data", str(tokens), "--out", str(out),
-                 *(["--checkpoint", str(ckpt)] if export else [])]) == 0
+    # a shipped plan's name: the ranks must find its file too
+    plan = f"hf/{family.removesuffix('_tied')}"
+    # lr 1e-30 moves no float32 weight (far below half an ulp): the checkpoint holds the initial
+    # weights
+    assert (
+        main(
+            [
+                "train",
+                plan,
+                str(model),
+                "--tp",
+                "2",
+                "--steps",
+                "1",
+                "--batch",
+                "2",
+                "--seq",
+                "16",
+                "--warmup",
+                "0",
+                "--lr",
+                "1e-30",
+                "--min-lr",
+                "0",
+                "--data",
+                str(tokens),
+                "--out",
+                str(out),
+                *(["--checkpoint", str(ckpt)] if export else []),
+            ]
+        )
+        == 0
+    )
     loss = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["loss"]
 
     reference = transformers.AutoModelForCausalLM.from_pretrained(model)  # transformers' own loader
@@ -70,12 +118,21 @@ def test_train_at_tp_2_starts_from_the_files_and_exports_back_bit_exact(repo, tm
     if not export:
         return
     assert main(["export", str(ckpt), "--hf-dir", str(back)]) == 0
-    original, exported = load_file(model / "model.safetensors"), load_file(back / "model.safetensors")
+    original, exported = (
+        load_file(model / "model.safetensors"),
+        load_file(back / "model.safetensors"),
+    )
     assert original.keys() <= exported.keys()  # a tied head is written under both names
-    for name, value in original.items():  # a weight of 0 (GPT-2's biases) moves by lr itself: 1e-30, no more
+    # a weight of 0 (GPT-2's biases) moves by lr itself: 1e-30, no more
+    for name, value in original.items():
         got, zero = exported[name], value == 0
-        assert torch.equal(got[~zero], value[~zero]) and bool((got[zero].abs() <= 1e-29).all()), name
-    assert type(transformers.AutoModelForCausalLM.from_pretrained(back)).__name__ == type(reference).__name__
+        assert torch.equal(got[~zero], value[~zero]) and bool((got[zero].abs() <= 1e-29).all()), (
+            name
+        )
+    assert (
+        type(transformers.AutoModelForCausalLM.from_pretrained(back)).__name__
+        == type(reference).__name__
+    )
 
 
 def test_a_directory_that_ships_code_is_refused(repo, tmp_path, capsys):
@@ -104,7 +161,9 @@ def test_a_missing_tensor_is_exit_2_before_any_rank(repo, tmp_path, tokens, caps
     save_file(state, model / "model.safetensors", metadata={"format": "pt"})
     capsys.readouterr()  # save_pretrained's progress bar
     extra = ["--data", str(tokens), "--out", str(tmp_path / "out")] if command == "train" else []
-    assert main([command, "plans/hf/llama.tp", str(model), "--tp", "2", "--steps", "1", *extra]) == 2
+    assert (
+        main([command, "plans/hf/llama.tp", str(model), "--tp", "2", "--steps", "1", *extra]) == 2
+    )
     err = capsys.readouterr().err.strip()
     assert "model.layers.1.mlp.up_proj.weight" in err and len(err.splitlines()) == 1
     # check reads the config alone: it still plans the model

@@ -1,6 +1,8 @@
-"""One job, one pre-flight, one launch (dtp/runtime/job.py, dtp/runtime/preflight.py): a job is validated once with
-one message per condition, `dtp apply` and `dtp train` refuse the same input in the same words, the ranks run the
-text the parent checked, and a command parses its plan once per process and checks it once."""
+"""One job, one pre-flight, one launch (dtp/runtime/job.py, dtp/runtime/preflight.py): a job is
+validated once with one message per condition, `dtp apply` and `dtp train` refuse the same input in
+the same words, the ranks run the text the parent checked, and a command parses its plan once per
+process and checks it once."""
+
 from __future__ import annotations
 
 import math
@@ -24,44 +26,64 @@ from dtp.verify.apply import prepare_apply, run_prepared
 from dtp.verify.rank import RunConfig
 
 TINY = "dtp 1\nplan tiny\n"  # a plan text for jobs that are never run
-TORCHRUN = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
-BROKEN = "dtp 1\ntransformer.h.*.mlp.c_fc: colwse\n"  # what the plan file says once the parent has checked it
+TORCHRUN = {
+    "WORLD_SIZE": "2",
+    "RANK": "0",
+    "LOCAL_RANK": "0",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+}
+# what the plan file says once the parent has checked it
+BROKEN = "dtp 1\ntransformer.h.*.mlp.c_fc: colwse\n"
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"tp": 0}, "--tp must be a positive integer, got 0"),
-    ({"dp": True}, "--dp must be a positive integer, got True"),
-    ({"batch": 2.0}, "--batch must be a positive integer, got 2.0"),
-    ({"seq": -1}, "--seq must be a positive integer, got -1"),
-    ({"batch": 3, "dp": 2}, "--batch 3 (the global batch) must divide by --dp 2"),
-    ({"seed": -1}, f"--seed must be an integer between 0 and {MAX_SEED}, got -1"),
-    ({"dtype": "float16"}, "--dtype must be one of float32, bfloat16, float64, got 'float16'"),
-    ({"device": "tpu"}, "--device must be one of auto, cpu, cuda, got 'tpu'"),
-    ({"timeout": math.nan}, f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT:.0f}], got nan"),
-    ({"timeout": 0}, f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT:.0f}], got 0"),
-    ({"model": " "}, "MODEL must name a model (a zoo name, a model YAML, package.module:factory or a "
-                     "save_pretrained directory), got ' '"),
-    ({"plan_text": b"dtp 1\n"}, "the plan's text must be a string, got bytes"),
-    ({"plan": "missing.tp", "plan_text": None}, "plan file missing.tp does not exist"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"tp": 0}, "--tp must be a positive integer, got 0"),
+        ({"dp": True}, "--dp must be a positive integer, got True"),
+        ({"batch": 2.0}, "--batch must be a positive integer, got 2.0"),
+        ({"seq": -1}, "--seq must be a positive integer, got -1"),
+        ({"batch": 3, "dp": 2}, "--batch 3 (the global batch) must divide by --dp 2"),
+        ({"seed": -1}, f"--seed must be an integer between 0 and {MAX_SEED}, got -1"),
+        ({"dtype": "float16"}, "--dtype must be one of float32, bfloat16, float64, got 'float16'"),
+        ({"device": "tpu"}, "--device must be one of auto, cpu, cuda, got 'tpu'"),
+        (
+            {"timeout": math.nan},
+            f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT:.0f}], got nan",
+        ),
+        ({"timeout": 0}, f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT:.0f}], got 0"),
+        (
+            {"model": " "},
+            "MODEL must name a model (a zoo name, a model YAML, package.module:factory or a "
+            "save_pretrained directory), got ' '",
+        ),
+        ({"plan_text": b"dtp 1\n"}, "the plan's text must be a string, got bytes"),
+        ({"plan": "missing.tp", "plan_text": None}, "plan file missing.tp does not exist"),
+    ],
+)
 def test_a_job_refuses_each_bad_field_with_its_own_message(repo, fields, message):
     with pytest.raises(UsageError) as info:
         Job(**{"plan": "tiny.tp", "plan_text": TINY, "model": "gpt2-tiny", **fields})
     assert str(info.value) == message
 
 
-@pytest.mark.parametrize("config, fields, message", [
-    (RunConfig, {"steps": 0}, "--steps must be a positive integer, got 0"),
-    (RunConfig, {"max_seq": 0}, "--max-seq must be a positive integer, got 0"),
-    (TrainConfig, {"dtype": "float64"}, "--dtype float64: dtp train runs float32 or bfloat16"),
-    (TrainConfig, {"lr": math.inf}, "--lr must be a finite number > 0, got inf"),
-    (TrainConfig, {"clip": -1.0}, "--clip must be a finite number ≥ 0, got -1.0"),
-    (TrainConfig, {"min_lr": 1.0}, "--min-lr 1.0 is above --lr 0.003"),
-    (TrainConfig, {"warmup": 201}, "--warmup 201 is longer than --steps 200"),
-    (TrainConfig, {"save_every": 5}, "--save-every needs --checkpoint DIR (where to save)"),
-    (TrainConfig, {"convert": True}, "--convert applies to --resume DIR only"),
-    (TrainConfig, {"batch": 3, "dp": 2}, "--batch 3 (the global batch) must divide by --dp 2"),  # the Job's own
-])
+@pytest.mark.parametrize(
+    "config, fields, message",
+    [
+        (RunConfig, {"steps": 0}, "--steps must be a positive integer, got 0"),
+        (RunConfig, {"max_seq": 0}, "--max-seq must be a positive integer, got 0"),
+        (TrainConfig, {"dtype": "float64"}, "--dtype float64: dtp train runs float32 or bfloat16"),
+        (TrainConfig, {"lr": math.inf}, "--lr must be a finite number > 0, got inf"),
+        (TrainConfig, {"clip": -1.0}, "--clip must be a finite number ≥ 0, got -1.0"),
+        (TrainConfig, {"min_lr": 1.0}, "--min-lr 1.0 is above --lr 0.003"),
+        (TrainConfig, {"warmup": 201}, "--warmup 201 is longer than --steps 200"),
+        (TrainConfig, {"save_every": 5}, "--save-every needs --checkpoint DIR (where to save)"),
+        (TrainConfig, {"convert": True}, "--convert applies to --resume DIR only"),
+        # the Job's own
+        (TrainConfig, {"batch": 3, "dp": 2}, "--batch 3 (the global batch) must divide by --dp 2"),
+    ],
+)
 def test_the_commands_configs_are_jobs_validated_once(config, fields, message):
     with pytest.raises(UsageError) as info:
         config(plan="tiny.tp", plan_text=TINY, model="gpt2-tiny", **fields)
@@ -75,7 +97,8 @@ def test_a_job_reads_its_plan_once_and_keeps_the_text(tmp_path):
     path.unlink()  # never read again: not by a copy, not by a rank
     again = replace(job, tp=4)
     assert job.plan_text == again.plan_text == TINY and again.plan == str(path)
-    assert job.warmup == 20 and "plan_text" not in job.to_json()  # reports name the plan; the text ran
+    # reports name the plan; the text ran
+    assert job.warmup == 20 and "plan_text" not in job.to_json()
 
 
 def _refusal(capsys, *argv: str) -> str:
@@ -83,18 +106,36 @@ def _refusal(capsys, *argv: str) -> str:
     return capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, env, message", [
-    (["plans/gpt2.tp", "gpt2-tiny", "--tp", "4"], TORCHRUN,
-     "error: --tp 4 × --dp 1 = 4 ranks, but torchrun started WORLD_SIZE=2\n"),
-    (["plans/gpt2.tp", "tests.fixtures.hostile_models:no_embedding"], {},
-     "error: model tests.fixtures.hostile_models:no_embedding has no nn.Embedding and no config.vocab_size: dtp "
-     "feeds it token ids, so it must know the vocabulary size\n"),
-    (["plans/gpt2.tp", "gpt2-tiny", "--seq", "65"], {}, "error: --seq 65 exceeds the model's block_size 64\n"),
-    (["plans/gpt2.tp", "gpt2-tiny", "--batch", "3", "--dp", "2"], {},
-     "error: --batch 3 (the global batch) must divide by --dp 2\n"),
-])
-def test_apply_and_train_refuse_the_same_input_in_the_same_words(repo, tmp_path, capsys, monkeypatch, argv, env,
-                                                                 message):
+@pytest.mark.parametrize(
+    "argv, env, message",
+    [
+        (
+            ["plans/gpt2.tp", "gpt2-tiny", "--tp", "4"],
+            TORCHRUN,
+            "error: --tp 4 × --dp 1 = 4 ranks, but torchrun started WORLD_SIZE=2\n",
+        ),
+        (
+            ["plans/gpt2.tp", "tests.fixtures.hostile_models:no_embedding"],
+            {},
+            "error: model tests.fixtures.hostile_models:no_embedding has no nn.Embedding and no "
+            "config.vocab_size: dtp "
+            "feeds it token ids, so it must know the vocabulary size\n",
+        ),
+        (
+            ["plans/gpt2.tp", "gpt2-tiny", "--seq", "65"],
+            {},
+            "error: --seq 65 exceeds the model's block_size 64\n",
+        ),
+        (
+            ["plans/gpt2.tp", "gpt2-tiny", "--batch", "3", "--dp", "2"],
+            {},
+            "error: --batch 3 (the global batch) must divide by --dp 2\n",
+        ),
+    ],
+)
+def test_apply_and_train_refuse_the_same_input_in_the_same_words(
+    repo, tmp_path, capsys, monkeypatch, argv, env, message
+):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     applied = _refusal(capsys, "apply", *argv)
@@ -104,14 +145,16 @@ def test_apply_and_train_refuse_the_same_input_in_the_same_words(repo, tmp_path,
 
 @pytest.fixture
 def counted(monkeypatch, tmp_path):
-    """Count every call of the parser and the checker, in this process and in the ranks it forks (a log line
-    per call, by process id): patched wherever dtp imported them."""
+    """Count every call of the parser and the checker, in this process and in the ranks it forks (a
+    log line per call, by process id): patched wherever dtp imported them."""
     log = tmp_path / "calls.log"
     for fn, kind in ((dtp.lang.parse.parse, "parse"), (dtp.checks.checker.check, "check")):
+
         def wrapper(*args, _fn=fn, _kind=kind, **kwargs):
             with open(log, "a") as f:
                 f.write(f"{_kind} {os.getpid()}\n")
             return _fn(*args, **kwargs)
+
         for name, module in list(sys.modules.items()):
             if name.startswith("dtp"):
                 for attr, value in list(vars(module).items()):
@@ -122,17 +165,37 @@ def counted(monkeypatch, tmp_path):
         """{"parent": Counter(parse=…, check=…), "ranks": Counter over every rank}"""
         calls = [line.split() for line in log.read_text().splitlines()] if log.exists() else []
         me = str(os.getpid())
-        return {"parent": Counter(k for k, pid in calls if pid == me),
-                "ranks": Counter(k for k, pid in calls if pid != me)}
+        return {
+            "parent": Counter(k for k, pid in calls if pid == me),
+            "ranks": Counter(k for k, pid in calls if pid != me),
+        }
+
     return counts
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_apply_parses_once_per_process_and_checks_once(repo, capsys, counted, dtype):
-    assert main(["apply", "plans/gpt2.tp", "gpt2-tiny", "--tp", "2", "--steps", "1", "--seq", "8",
-                 "--dtype", dtype]) == 0
+    assert (
+        main(
+            [
+                "apply",
+                "plans/gpt2.tp",
+                "gpt2-tiny",
+                "--tp",
+                "2",
+                "--steps",
+                "1",
+                "--seq",
+                "8",
+                "--dtype",
+                dtype,
+            ]
+        )
+        == 0
+    )
     assert "parity vs unsharded reference: OK" in capsys.readouterr().out
-    # before: 3 parses and 3 checks (5 and 5 in bfloat16: each rank re-read and re-checked the file per run)
+    # before: 3 parses and 3 checks (5 and 5 in bfloat16: each rank re-read and re-checked the file
+    # per run)
     assert counted() == {"parent": Counter(parse=1, check=1), "ranks": Counter(parse=2)}
 
 
@@ -140,7 +203,8 @@ def test_apply_ranks_run_the_text_the_parent_checked(repo, tmp_path, counted):
     path = tmp_path / "gpt2.tp"
     path.write_text((repo / "plans/gpt2.tp").read_text())
     prepared = prepare_apply(RunConfig(plan=str(path), model="gpt2-tiny", tp=2, seq=8, steps=1))
-    path.write_text(BROKEN)  # edited after the check: a rank that read the file would fail to parse it
+    # edited after the check: a rank that read the file would fail to parse it
+    path.write_text(BROKEN)
     report = run_prepared(prepared)
     assert report.ok and report.plan["name"] == "gpt2-megatron" and report.plan["file"] == str(path)
     assert report.collectives["by_op"] == {"all_reduce": 13}  # Megatron's count for gpt2.tp at tp 2
@@ -149,13 +213,24 @@ def test_apply_ranks_run_the_text_the_parent_checked(repo, tmp_path, counted):
         prepare(RunConfig(plan=str(path), model="gpt2-tiny"))
 
 
-def test_train_ranks_run_the_text_the_parent_checked_and_the_summary_checks_nothing(repo, tmp_path, counted):
+def test_train_ranks_run_the_text_the_parent_checked_and_the_summary_checks_nothing(
+    repo, tmp_path, counted
+):
     path = tmp_path / "gpt2.tp"
     path.write_text((repo / "plans/gpt2.tp").read_text())
     text = tmp_path / "corpus.txt"
     text.write_text("def f(x):\n    return x + 1\n" * 400)
-    cfg = TrainConfig(plan=str(path), model="gpt2-tiny", tp=2, batch=2, seq=16, steps=2, eval_every=2,
-                      eval_batches=1, out=str(tmp_path / "out"))
+    cfg = TrainConfig(
+        plan=str(path),
+        model="gpt2-tiny",
+        tp=2,
+        batch=2,
+        seq=16,
+        steps=2,
+        eval_every=2,
+        eval_batches=1,
+        out=str(tmp_path / "out"),
+    )
     prepared = prepare(cfg, weights=False)
     path.write_text(BROKEN)
     corpus = data.prepare(str(text), tmp_path / "cache", model_vocab=prepared.vocab)
@@ -163,4 +238,5 @@ def test_train_ranks_run_the_text_the_parent_checked_and_the_summary_checks_noth
     s = summary(prepared, corpus, results)
     assert len(s["losses"]) == 2 and all(math.isfinite(loss) for loss in s["losses"])
     assert s["collectives"]["by_op"] == {"all_reduce": 13} and s["config"]["plan"] == str(path)
-    assert counted() == {"parent": Counter(parse=1, check=1), "ranks": Counter(parse=2)}  # before: 4 and 4
+    # before: 4 and 4
+    assert counted() == {"parent": Counter(parse=1, check=1), "ranks": Counter(parse=2)}

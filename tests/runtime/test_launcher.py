@@ -1,7 +1,9 @@
-"""The local launcher: a rank that cannot join the process group restarts the launch once, nothing else does;
-a timeout names where each stuck rank was."""
+"""The local launcher: a rank that cannot join the process group restarts the launch once, nothing
+else does; a timeout names where each stuck rank was."""
+
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,9 @@ def _flaky_join(marks: Path, fail_times: int):
             tries = len(list(marks.iterdir()))
             (marks / f"try-{tries}").touch()
             if tries < fail_times:
-                raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer")
+                raise RuntimeError(
+                    "Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer"
+                )
         real(rank, world, port, device, timeout, threads)
 
     return init_rank
@@ -42,7 +46,9 @@ def test_a_failed_rendezvous_starts_the_ranks_once_more(tmp_path, monkeypatch, c
     assert launch_local(_sum_of_ranks, 2, str(calls), timeout=60) == [1.0, 1.0]
     assert len(list(marks.iterdir())) == 2
     err = capsys.readouterr().err
-    assert err.startswith("warning: the run failed on rank 1 in rendezvous: RuntimeError: Gloo connectFullMesh")
+    assert err.startswith(
+        "warning: the run failed on rank 1 in rendezvous: RuntimeError: Gloo connectFullMesh"
+    )
     assert err.endswith("; the ranks were started again\n")
 
 
@@ -50,7 +56,9 @@ def test_a_rendezvous_that_fails_twice_is_the_error(tmp_path, monkeypatch):
     (marks := tmp_path / "marks").mkdir()
     (calls := tmp_path / "calls").mkdir()
     monkeypatch.setattr(launcher, "init_rank", _flaky_join(marks, 2))
-    with pytest.raises(RunError, match=r"^the run failed on rank 1 in rendezvous: RuntimeError: Gloo") as info:
+    with pytest.raises(
+        RunError, match=r"^the run failed on rank 1 in rendezvous: RuntimeError: Gloo"
+    ) as info:
         launch_local(_sum_of_ranks, 2, str(calls), timeout=60)
     assert info.value.rank == 1 and len(list(marks.iterdir())) == 2
 
@@ -64,10 +72,18 @@ def _fails_on_rank1(rank, world):
 def test_a_failure_after_the_rendezvous_is_never_retried(tmp_path, monkeypatch, capsys):
     (marks := tmp_path / "marks").mkdir()
     monkeypatch.setattr(launcher, "init_rank", _flaky_join(marks, 0))  # counts the starts of rank 1
-    with pytest.raises(RunError, match=r"^the run failed on rank 1 in start-up: ValueError: the model's own error"):
+    with pytest.raises(
+        RunError, match=r"^the run failed on rank 1 in start-up: ValueError: the model's own error"
+    ):
         launch_local(_fails_on_rank1, 2, timeout=60)
     assert len(list(marks.iterdir())) == 1
     assert "warning" not in capsys.readouterr().err
+
+
+def _line_of(fn, text: str) -> int:
+    """The file line of `fn`'s first source line holding `text`."""
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, line in enumerate(lines) if text in line)
 
 
 def _stuck_on_rank0(rank, world):
@@ -82,9 +98,14 @@ def test_a_timeout_says_where_each_rank_was(tmp_path):
     with pytest.raises(RunError) as info:
         launch_local(_stuck_on_rank0, 2, timeout=10)
     message = str(info.value)
-    assert message.startswith("the run did not finish within --timeout 10 s; every rank was stopped")
+    assert message.startswith(
+        "the run did not finish within --timeout 10 s; every rank was stopped"
+    )
     where = message.split("; where each rank was: ")[1]
-    assert where.startswith("rank 0: test_launcher.py:77 _stuck_on_rank0 <- launcher.py:"), message
+    line = _line_of(_stuck_on_rank0, "time.sleep(3600)")
+    assert where.startswith(f"rank 0: test_launcher.py:{line} _stuck_on_rank0 <- launcher.py:"), (
+        message
+    )
     assert "rank 1" not in where  # it returned its result
 
 
@@ -112,21 +133,39 @@ entry()
 
 @pytest.mark.parametrize("torchrun", [True, False])
 def test_a_torchrun_rank_leaves_without_finalising_the_interpreter(repo, tmp_path, torchrun):
-    # Finalising can abort a rank whose run succeeded (gloo's worker thread still holds the last collective's
-    # tensors); a torchrun rank must skip it, and keep its exit status.
+    # Finalising can abort a rank whose run succeeded (gloo's worker thread still holds the last
+    # collective's tensors); a torchrun rank must skip it, and keep its exit status.
     import os
     import subprocess
     import sys
 
     bad = tmp_path / "bad.tp"
     bad.write_text((repo / "plans/gpt2.tp").read_text().replace("colwise", "colwize", 1))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "TORCHELASTIC_RUN_ID",
+        )
+    }
     if torchrun:  # the full set torchrun exports (a partial one is a stray variable, not a launch)
-        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+        env.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500"
+        )
     for plan, code in ((repo / "plans/gpt2.tp", 0), (bad, 2)):
-        proc = subprocess.run([sys.executable, "-c", _FINALISING, str(plan)], env=env, capture_output=True,
-                              text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-c", _FINALISING, str(plan)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == code, proc.stderr
         assert ("finalised" in proc.stdout) is not torchrun
 

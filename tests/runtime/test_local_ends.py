@@ -1,6 +1,8 @@
-"""The vocabulary-parallel ends on local tensors (dtp.compiler.vocab_parallel.py) and the parameters' local leaves
-(dtp/compiler/local_params.py), on real gloo ranks against independent references: F.cross_entropy in float64
-on the whole logits, torch's own `loss_parallel`, and the unsharded model trained step by step."""
+"""The vocabulary-parallel ends on local tensors (dtp.compiler.vocab_parallel.py) and the
+parameters' local leaves (dtp/compiler/local_params.py), on real gloo ranks against independent
+references: F.cross_entropy in float64 on the whole logits, torch's own `loss_parallel`, and the
+unsharded model trained step by step."""
+
 from __future__ import annotations
 
 import torch
@@ -52,24 +54,35 @@ def _losses(rank: int, world: int, vocab: int) -> dict:
     full, targets = _logits_and_targets(vocab)
     full.requires_grad_()
     truth = F.cross_entropy(full.flatten(0, 1), targets.flatten())
-    truth_grad, = torch.autograd.grad(truth, full)
+    (truth_grad,) = torch.autograd.grad(truth, full)
     out = {"truth": truth.item()}
     for name in ("local", "torch"):
         logits = distribute_tensor(full.detach().float(), mesh, [Shard(-1)]).requires_grad_()
         fwd, bwd = CommCounter(), CommCounter()
         with loss_parallel() if name == "torch" else torch.enable_grad():
             with fwd:
-                loss = cross_entropy(logits, targets) if name == "local" else \
-                    F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-            with bwd:  # the gradient itself: accumulating an uneven Shard into a leaf DTensor gathers it on torch 2.11
-                grad, = torch.autograd.grad(loss, logits)
+                loss = (
+                    cross_entropy(logits, targets)
+                    if name == "local"
+                    else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                )
+            # the gradient itself: accumulating an uneven Shard into a leaf DTensor gathers it on
+            # torch 2.11
+            with bwd:
+                (grad,) = torch.autograd.grad(loss, logits)
         loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
         grad = grad.full_tensor().double()
-        out[name] = {"loss": loss.item(), "grad_err": float((grad - truth_grad).abs().max()),
-                     "forward": (dict(fwd.counts), dict(fwd.comm_bytes)), "backward": dict(bwd.counts)}
+        out[name] = {
+            "loss": loss.item(),
+            "grad_err": float((grad - truth_grad).abs().max()),
+            "forward": (dict(fwd.counts), dict(fwd.comm_bytes)),
+            "backward": dict(bwd.counts),
+        }
     half = distribute_tensor(full.detach().to(torch.bfloat16), mesh, [Shard(-1)])
     out["bf16"] = cross_entropy(half, targets).item()
-    out["bf16_truth"] = F.cross_entropy(full.to(torch.bfloat16).double().flatten(0, 1), targets.flatten()).item()
+    out["bf16_truth"] = F.cross_entropy(
+        full.to(torch.bfloat16).double().flatten(0, 1), targets.flatten()
+    ).item()
     return out
 
 
@@ -77,14 +90,21 @@ def test_local_cross_entropy_matches_float64_truth_and_loss_parallel_collectives
     for world, vocab in ((2, 12), (3, 11)):  # 11 over 3 ranks: rows 4, 4, 3 (torch.chunk's split)
         results = on_ranks(_losses, world, vocab)
         r = results[0]
-        assert all(abs(x["local"]["loss"] - r["local"]["loss"]) == 0 for x in results)  # one value on every rank
+        # one value on every rank
+        assert all(abs(x["local"]["loss"] - r["local"]["loss"]) == 0 for x in results)
         assert abs(r["local"]["loss"] - r["truth"]) <= 1e-6 * abs(r["truth"])
         assert r["local"]["grad_err"] <= 1e-7 and r["torch"]["grad_err"] <= 1e-7
         assert abs(r["local"]["loss"] - r["torch"]["loss"]) <= 1e-6 * abs(r["truth"])
-        # loss_parallel's collectives exactly: 3 all-reduces of (15, 1) float32 forward, none in backward
-        assert r["local"]["forward"] == r["torch"]["forward"] == ({"all_reduce": 3}, {"all_reduce": 3 * 15 * 4})
+        # loss_parallel's collectives exactly: 3 all-reduces of (15, 1) float32 forward, none in
+        # backward
+        assert (
+            r["local"]["forward"]
+            == r["torch"]["forward"]
+            == ({"all_reduce": 3}, {"all_reduce": 3 * 15 * 4})
+        )
         assert r["local"]["backward"] == r["torch"]["backward"] == {}
-        assert abs(r["bf16"] - r["bf16_truth"]) <= 1e-5 * abs(r["bf16_truth"])  # read in float32, not bf16
+        # read in float32, not bf16
+        assert abs(r["bf16"] - r["bf16_truth"]) <= 1e-5 * abs(r["bf16_truth"])
 
 
 def _sharded_and_reference(mesh, tied: bool, vocab: int = 12) -> tuple[nn.Module, nn.Module]:
@@ -103,7 +123,10 @@ def _inputs_and_targets(rows: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _grad_error(model: nn.Module, ref: nn.Module) -> float:
     """The largest gradient difference between the sharded model and its unsharded twin."""
-    return max(float((full_value(model.get_parameter(n).grad) - p.grad).abs().max()) for n, p in ref.named_parameters())
+    return max(
+        float((full_value(model.get_parameter(n).grad) - p.grad).abs().max())
+        for n, p in ref.named_parameters()
+    )
 
 
 def _train(rank: int, world: int, vocab: int, tied: bool) -> dict:
@@ -118,7 +141,11 @@ def _train(rank: int, world: int, vocab: int, tied: bool) -> dict:
 
     def step(m, ids, local: bool) -> torch.Tensor:
         logits = m(ids[:, :-1])
-        return cross_entropy(logits, ids[:, 1:]) if local else F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        return (
+            cross_entropy(logits, ids[:, 1:])
+            if local
+            else F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        )
 
     for i, ids in enumerate(batches):
         counter = CommCounter()
@@ -141,8 +168,14 @@ def _train(rank: int, world: int, vocab: int, tied: bool) -> dict:
     ref.double()
     ids = batches[0][:, :-1]
     moved = float((model(ids).full_tensor() - ref(ids)).abs().max())
-    return {"grad_err": errors, "param_err": param_err, "pad_grad": pad_grad, "counts": counts, "moved": moved,
-            "tied": model.head.weight is model.emb.weight}
+    return {
+        "grad_err": errors,
+        "param_err": param_err,
+        "pad_grad": pad_grad,
+        "counts": counts,
+        "moved": moved,
+        "tied": model.head.weight is model.emb.weight,
+    }
 
 
 def test_vocab_parallel_ends_train_like_the_unsharded_model():
@@ -150,8 +183,10 @@ def test_vocab_parallel_ends_train_like_the_unsharded_model():
         r = on_ranks(_train, world, vocab, tied)[0]
         assert r["tied"] == tied
         assert max(r["grad_err"]) <= 1e-6 and r["param_err"] <= 1e-6
-        assert tied or r["pad_grad"] == 0.0  # the padding row (on rank 1 of 3) gets no gradient from the lookup
-        # embedding: 1 (forward); head: 1 (its input gradient, backward); loss: 3; tanh layer replicated
+        # the padding row (on rank 1 of 3) gets no gradient from the lookup
+        assert tied or r["pad_grad"] == 0.0
+        # embedding: 1 (forward); head: 1 (its input gradient, backward); loss: 3; tanh layer
+        # replicated
         assert r["counts"] == [{"all_reduce": 5}] * 4
         assert r["moved"] <= 1e-12
 
@@ -170,8 +205,12 @@ def _twin(rank: int, world: int) -> dict:
         twin.head.weight.zero_()
     out = twin(ids)
     cross_entropy(out, ids).backward()
-    return {"twin": float(out.full_tensor().abs().max()), "original": float((model(ids).full_tensor() - before).abs().max()),
-            "twin_grad": twin.head.weight.grad is not None, "original_grad": model.head.weight.grad is None}
+    return {
+        "twin": float(out.full_tensor().abs().max()),
+        "original": float((model(ids).full_tensor() - before).abs().max()),
+        "twin_grad": twin.head.weight.grad is not None,
+        "original_grad": model.head.weight.grad is None,
+    }
 
 
 def test_a_deep_copy_computes_with_its_own_parameters():
@@ -184,8 +223,8 @@ def _observed(rank: int, world: int) -> dict:
     model, ref = _sharded_and_reference(mesh, tied=False)
     x, y = _inputs_and_targets()
     errors = {}
-    # what happens to the logits between the head and the loss: the loss reads the head's own local tensor
-    # only when nothing can have happened to them
+    # what happens to the logits between the head and the loss: the loss reads the head's own local
+    # tensor only when nothing can have happened to them
     for case in ("untouched", "scaled in place", "retained", "hooked"):
         logits, ref_logits = model(x), ref(x)
         if case == "scaled in place":
@@ -199,8 +238,10 @@ def _observed(rank: int, world: int) -> dict:
             ref_logits.register_hook(lambda g: g * 3)
         cross_entropy(logits, y).backward()
         F.cross_entropy(ref_logits.flatten(0, 1), y.flatten()).backward()
-        err = max(float((model.head.weight.grad.full_tensor() - ref.head.weight.grad).abs().max()),
-                  float((model.mid.weight.grad - ref.mid.weight.grad).abs().max()))
+        err = max(
+            float((model.head.weight.grad.full_tensor() - ref.head.weight.grad).abs().max()),
+            float((model.mid.weight.grad - ref.mid.weight.grad).abs().max()),
+        )
         if case == "retained":
             err = max(err, float((logits.grad.full_tensor() - ref_logits.grad).abs().max()))
         errors[case] = err
@@ -220,17 +261,21 @@ def _accumulated(rank: int, world: int, create_graph: bool) -> dict:
     for tied in (False, True):
         model, ref = _sharded_and_reference(mesh, tied)
         x, y = _inputs_and_targets(rows=3)
-        for part in range(3):  # gradients accumulated over three micro-batches, no zero_grad between
-            cross_entropy(model(x[part:part + 1]), y[part:part + 1]).backward(create_graph=create_graph)
-            F.cross_entropy(ref(x[part:part + 1]).flatten(0, 1), y[part:part + 1].flatten()).backward(
-                create_graph=create_graph)
+        # gradients accumulated over three micro-batches, no zero_grad between
+        for part in range(3):
+            cross_entropy(model(x[part : part + 1]), y[part : part + 1]).backward(
+                create_graph=create_graph
+            )
+            F.cross_entropy(
+                ref(x[part : part + 1]).flatten(0, 1), y[part : part + 1].flatten()
+            ).backward(create_graph=create_graph)
         errors[tied] = _grad_error(model, ref)
     return errors
 
 
 def test_gradients_accumulate_over_backward_passes_as_unsharded():
-    """Three backward passes into the same gradients, plain and under create_graph (where autograd accumulates
-    out of place, into a new tensor each time): every gradient as the unsharded model's."""
+    """Three backward passes into the same gradients, plain and under create_graph (where autograd
+    accumulates out of place, into a new tensor each time): every gradient as the unsharded model's."""
     for create_graph in (False, True):
         for r in on_ranks(_accumulated, 2, create_graph):
             assert max(r.values()) <= 1e-6, (create_graph, r)
@@ -244,7 +289,8 @@ def _after_a_failed_backward(rank: int, world: int) -> dict:
     def fail(grad: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("out of memory (planted)")
 
-    # the head's leaf accumulates, then the pass raises before it ends (before the embedding's gradient)
+    # the head's leaf accumulates, then the pass raises before it ends (before the embedding's
+    # gradient)
     hidden = model.mid(model.emb(x))
     hidden.register_hook(fail)
     raised = False
@@ -268,12 +314,15 @@ def _checkpointed(rank: int, world: int) -> dict:
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     errors = {}
-    for reentrant in (False, True):  # reentrant: the recomputation's backward is a pass of its own, nested
+    # reentrant: the recomputation's backward is a pass of its own, nested
+    for reentrant in (False, True):
         model, ref = _sharded_and_reference(mesh, tied=True)
         x, y = _inputs_and_targets()
         for _ in range(2):
             hidden = model.emb(x)
-            logits = checkpoint(lambda t: model.head(torch.tanh(model.mid(t))), hidden, use_reentrant=reentrant)
+            logits = checkpoint(
+                lambda t: model.head(torch.tanh(model.mid(t))), hidden, use_reentrant=reentrant
+            )
             cross_entropy(logits, y).backward()
             F.cross_entropy(ref(x).flatten(0, 1), y.flatten()).backward()
         errors[reentrant] = _grad_error(model, ref)
@@ -281,7 +330,7 @@ def _checkpointed(rank: int, world: int) -> dict:
 
 
 def test_checkpointed_recomputation_accumulates_as_unsharded():
-    """The head recomputed in backward (a forward inside a backward pass, reading the gradients accumulated so
-    far), twice without zero_grad, with torch's two checkpoint implementations."""
+    """The head recomputed in backward (a forward inside a backward pass, reading the gradients
+    accumulated so far), twice without zero_grad, with torch's two checkpoint implementations."""
     for r in on_ranks(_checkpointed, 2):
         assert max(r.values()) <= 1e-6, r

@@ -1,5 +1,7 @@
-"""Replica consistency (dtp.runtime.replicas): a replicated tensor that differs on one rank is named, with the
-size of the difference, on every rank; sharded parameters are not compared; equal replicas give nothing."""
+"""Replica consistency (dtp.runtime.replicas): a replicated tensor that differs on one rank is
+named, with the size of the difference, on every rank; sharded parameters are not compared; equal
+replicas give nothing."""
+
 from __future__ import annotations
 
 import torch
@@ -45,7 +47,8 @@ def test_a_drifted_parameter_and_buffer_are_named_on_every_rank():
     assert found["transformer.h.0.ln_1.weight"][0] == "parameter"
     assert abs(found["transformer.h.0.ln_1.weight"][1] - 0.25) < 1e-6
     assert found["transformer.h.0.ln_1.weight"][2] == (1,)
-    assert found["running"][2] == (1,)  # rank 0's copy is the yardstick: rank 1 is the one that differs
+    # rank 0's copy is the yardstick: rank 1 is the one that differs
+    assert found["running"][2] == (1,)
 
 
 def test_fingerprint_sees_one_bit_and_a_swap():
@@ -66,12 +69,15 @@ def _names_under_fsdp(rank: int, world: int) -> list[str]:
 
     source = models.resolve("gpt2-tiny")
     checked = checked_for(load("plans/gpt2.tp"), models.build(source, device="meta"), 2)
-    applied = build_sharded(checked, source, make_mesh(2, 2), seed=0, device=torch.device("cpu"), dp=2)
+    applied = build_sharded(
+        checked, source, make_mesh(2, 2), seed=0, device=torch.device("cpu"), dp=2
+    )
     return [n for _, n, _ in replicated_tensors(applied.model)]
 
 
 def test_fsdp_over_dp_keeps_tp_replicas_in_the_check():
-    # FSDP2 puts a parameter tp left whole on the dp mesh alone: every tp rank still holds the same dp shard
+    # FSDP2 puts a parameter tp left whole on the dp mesh alone: every tp rank still holds the same
+    # dp shard
     names = on_ranks(_names_under_fsdp, 4)[0]
     assert "transformer.wpe.weight" in names and "transformer.h.1.ln_2.bias" in names
     assert "transformer.h.0.attn.c_attn.weight" not in names

@@ -1,5 +1,6 @@
-"""The token cache of `dtp train` under processes that prepare it at the same moment (under torchrun every
-rank runs the preflight): none fails, none reads half a file, all see the same tokens."""
+"""The token cache of `dtp train` under processes that prepare it at the same moment (under torchrun
+every rank runs the preflight): none fails, none reads half a file, all see the same tokens."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -22,15 +23,22 @@ def _prepare(corpus: str, cache: str, tokenizer: str, vocab: int, start, out) ->
 
 
 @pytest.mark.parametrize("tokenizer,vocab", [("bytes", 256), ("bpe", 300)])
-def test_ranks_preparing_one_cache_at_once_all_succeed_with_the_same_tokens(tmp_path, tokenizer, vocab):
+def test_ranks_preparing_one_cache_at_once_all_succeed_with_the_same_tokens(
+    tmp_path, tokenizer, vocab
+):
     pytest.importorskip("tokenizers") if tokenizer == "bpe" else None
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 400)
     ctx = mp.get_context("fork")
     for round_ in range(ROUNDS):
         start, out = ctx.Event(), ctx.Queue()
-        procs = [ctx.Process(target=_prepare, args=(str(corpus), str(tmp_path / f"cache{round_}"), tokenizer, vocab,
-                                                    start, out)) for _ in range(RANKS)]
+        procs = [
+            ctx.Process(
+                target=_prepare,
+                args=(str(corpus), str(tmp_path / f"cache{round_}"), tokenizer, vocab, start, out),
+            )
+            for _ in range(RANKS)
+        ]
         for p in procs:
             p.start()
         start.set()
@@ -40,4 +48,5 @@ def test_ranks_preparing_one_cache_at_once_all_succeed_with_the_same_tokens(tmp_
         errors = [r for r in results if isinstance(r, str)]
         assert errors == [], errors
         assert all(r == results[0] for r in results) and len(results[0]) > 1000
-        assert not list((tmp_path / f"cache{round_}").glob("*tmp*"))  # no temporary file left behind
+        # no temporary file left behind
+        assert not list((tmp_path / f"cache{round_}").glob("*tmp*"))

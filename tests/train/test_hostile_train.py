@@ -1,6 +1,7 @@
-"""`dtp train` under hostile inputs (issue 20): refused with exit 2 before any rank starts, in bounded time
-and memory — too many ranks, too much memory, an unbuildable model, --data that is not a regular file or
-too large by its size — and SIGTERM mid-train is 143, as for apply."""
+"""`dtp train` under hostile inputs (issue 20): refused with exit 2 before any rank starts, in
+bounded time and memory — too many ranks, too much memory, an unbuildable model, --data that is not
+a regular file or too large by its size — and SIGTERM mid-train is 143, as for apply."""
+
 from __future__ import annotations
 
 import os
@@ -26,20 +27,34 @@ TRAIN = ["train", "plans/gpt2.tp", "gpt2-tiny", "--steps", "1", "--device", "cpu
 @pytest.fixture
 def no_ranks(monkeypatch):
     """Fail the test if any rank would start."""
+
     def launch(*args, **kwargs):
         raise AssertionError("a rank was started")
+
     monkeypatch.setattr(session, "launch", launch)
     monkeypatch.setattr(apply, "launch", launch)
 
 
-@pytest.mark.parametrize("argv,message", [
-    (TRAIN + ["--tp", str(TOO_MANY)], f"tp × dp = {TOO_MANY} ranks is far more than this machine's"),
-    (TRAIN + ["--batch", "1000000"], "--batch 1000000 × --seq 64 this run needs about 1.1 TiB of memory"),
-    (["train", "plans/gpt2.tp", "megatron-8.3b", "--init", "keyed", "--device", "cpu"],
-     "(parameters, gradients and AdamW state 124.0 GiB, activations 10.3 GiB"),
-])
-def test_a_run_the_machine_cannot_host_is_refused_before_any_rank(repo, tmp_path, capsys, monkeypatch, no_ranks,
-                                                                  argv, message):
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            TRAIN + ["--tp", str(TOO_MANY)],
+            f"tp × dp = {TOO_MANY} ranks is far more than this machine's",
+        ),
+        (
+            TRAIN + ["--batch", "1000000"],
+            "--batch 1000000 × --seq 64 this run needs about 1.1 TiB of memory",
+        ),
+        (
+            ["train", "plans/gpt2.tp", "megatron-8.3b", "--init", "keyed", "--device", "cpu"],
+            "(parameters, gradients and AdamW state 124.0 GiB, activations 10.3 GiB",
+        ),
+    ],
+)
+def test_a_run_the_machine_cannot_host_is_refused_before_any_rank(
+    repo, tmp_path, capsys, monkeypatch, no_ranks, argv, message
+):
     for module in (preflight, budget):  # the same verdict on any host
         monkeypatch.setattr(module, "available_bytes", lambda: 16 * 2**30)
     start = time.monotonic()
@@ -55,7 +70,9 @@ def test_a_model_too_large_to_describe_is_a_usage_error(repo, tmp_path, capsys, 
     model = tmp_path / "huge.yaml"
     model.write_text("n_layer: 1\nn_head: 2\nn_embd: 2147483648\nvocab_size: 96\nblock_size: 32\n")
     extra = ["--out", str(tmp_path / "out")] if command == "train" else []
-    assert main([command, "plans/gpt2.tp", str(model), "--steps", "1", "--device", "cpu", *extra]) == 2
+    assert (
+        main([command, "plans/gpt2.tp", str(model), "--steps", "1", "--device", "cpu", *extra]) == 2
+    )
     err = capsys.readouterr().err
     assert "is too large for any machine: one of its tensors would hold more than 2^63 bytes" in err
     assert "Traceback" not in err
@@ -67,15 +84,23 @@ def _fifo(tmp_path, name: str = "fifo.txt"):
     return path
 
 
-@pytest.mark.parametrize("make,message", [
-    (lambda t: _fifo(t), "is a FIFO"),
-    (lambda t: _fifo(t, "ids.bin"), "is a FIFO"),
-    (lambda t: "/dev/zero", "is a character device"),
-    (lambda t: (t / "dir").mkdir() or _fifo(t / "dir") and t / "dir", "is a FIFO"),  # a directory holding one
-    (lambda t: (t / "zero.txt").symlink_to("/dev/zero") or t / "zero.txt", "is a character device"),
-])
-def test_data_that_is_not_a_regular_file_is_refused_without_reading(repo, tmp_path, capsys, no_ranks, make,
-                                                                      message):
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda t: _fifo(t), "is a FIFO"),
+        (lambda t: _fifo(t, "ids.bin"), "is a FIFO"),
+        (lambda t: "/dev/zero", "is a character device"),
+        # a directory holding one
+        (lambda t: (t / "dir").mkdir() or _fifo(t / "dir") and t / "dir", "is a FIFO"),
+        (
+            lambda t: (t / "zero.txt").symlink_to("/dev/zero") or t / "zero.txt",
+            "is a character device",
+        ),
+    ],
+)
+def test_data_that_is_not_a_regular_file_is_refused_without_reading(
+    repo, tmp_path, capsys, no_ranks, make, message
+):
     data = make(tmp_path)
     start = time.monotonic()
     assert main([*TRAIN, "--data", str(data), "--out", str(tmp_path / "out")]) == 2
@@ -90,7 +115,8 @@ def test_a_sparse_giant_is_refused_by_its_size(repo, tmp_path, capsys, no_ranks)
     os.truncate(giant, 2 * 2**30)  # 2 GiB that take no disk: refused by st_size, not by reading it
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     assert main([*TRAIN, "--data", str(giant), "--out", str(tmp_path / "out")]) == 2
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 * 1024  # KiB: nothing read
+    # KiB: nothing read
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 * 1024
     assert "more than 512 MiB of text" in capsys.readouterr().err
 
 
@@ -98,9 +124,29 @@ def test_sigterm_during_train_exits_143_and_leaves_no_rank(repo, tmp_path):
     mark = uuid.uuid4().hex
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DTP_TEST_MARK": mark}
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "dtp", *TRAIN[:3], "--steps", "100000", "--tp", "2",
-                             "--device", "cpu", "--out", str(out), "--eval-every", "100000"], cwd=repo, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dtp",
+            *TRAIN[:3],
+            "--steps",
+            "100000",
+            "--tp",
+            "2",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+            "--eval-every",
+            "100000",
+        ],
+        cwd=repo,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline, metrics = time.monotonic() + 90, out / "metrics.jsonl"
     while not (metrics.is_file() and metrics.read_text()):  # until training has taken a step
         assert time.monotonic() < deadline and proc.poll() is None

@@ -1,5 +1,6 @@
-"""dtp's AdamW runs torch's foreach kernels on local tensors: the same update and the same state as torch's AdamW,
-and the clip scales without reading the norm on the host."""
+"""dtp's AdamW runs torch's foreach kernels on local tensors: the same update and the same state as
+torch's AdamW, and the clip scales without reading the norm on the host."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,10 +11,14 @@ from dtp.train.optim import adamw, clip_
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
+    )
 
 
-def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, clip: float | None = None) -> list[float]:
+def _steps(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, clip: float | None = None
+) -> list[float]:
     norms = []
     for s in range(3):
         x = torch.randn(5, 8, generator=torch.Generator().manual_seed(s))
@@ -28,9 +33,14 @@ def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, clip: float | Non
 def test_local_adamw_is_torchs_adamw():
     ours, theirs = _model(), _model()
     opt = adamw(ours, 1e-2, 0.1)
-    ref = torch.optim.AdamW([
-        {"params": [p for p in theirs.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-        {"params": [p for p in theirs.parameters() if p.dim() < 2], "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.95))
+    ref = torch.optim.AdamW(
+        [
+            {"params": [p for p in theirs.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in theirs.parameters() if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+    )
     _steps(ours, opt)
     _steps(theirs, ref)
     for a, b in zip(ours.parameters(), theirs.parameters()):
@@ -52,8 +62,8 @@ def test_clip_scales_to_the_norm():
 
 
 def _sgd_runs(rank: int = 0, world: int = 1) -> list[float]:
-    """LocalSGD and torch's SGD from the same parameters and gradients (DTensors sharded on dim 0 when `world` >
-    1): the largest parameter difference after 3 steps, per momentum configuration."""
+    """LocalSGD and torch's SGD from the same parameters and gradients (DTensors sharded on dim 0
+    when `world` > 1): the largest parameter difference after 3 steps, per momentum configuration."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -70,8 +80,12 @@ def _sgd_runs(rank: int = 0, world: int = 1) -> list[float]:
         return t.full_tensor() if isinstance(t, DTensor) else t
 
     out = []
-    for kw in ({}, {"momentum": 0.9, "weight_decay": 0.1}, {"momentum": 0.9, "dampening": 0.5},
-               {"momentum": 0.8, "nesterov": True}):
+    for kw in (
+        {},
+        {"momentum": 0.9, "weight_decay": 0.1},
+        {"momentum": 0.9, "dampening": 0.5},
+        {"momentum": 0.8, "nesterov": True},
+    ):
         runs = []
         for make in (LocalSGD, lambda ps, **k: torch.optim.SGD(ps, foreach=False, **k)):
             params = [torch.nn.Parameter(tensor(s, i)) for i, s in enumerate(shapes)]

@@ -1,4 +1,6 @@
-"""`dtp train --compare-tp --dtype bfloat16`: the measured band holds for correct sharding and fails a wrong one."""
+"""`dtp train --compare-tp --dtype bfloat16`: the measured band holds for correct sharding and fails
+a wrong one."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +12,22 @@ import pytest
 from dtp.cli import main
 from dtp.train.parity import BANDS, compare
 
-SHORT = ["--steps", "20", "--batch", "4", "--seq", "32", "--warmup", "4", "--eval-every", "20",
-         "--dtype", "bfloat16", "--device", "cpu"]
+SHORT = [
+    "--steps",
+    "20",
+    "--batch",
+    "4",
+    "--seq",
+    "32",
+    "--warmup",
+    "4",
+    "--eval-every",
+    "20",
+    "--dtype",
+    "bfloat16",
+    "--device",
+    "cpu",
+]
 
 
 def _run(losses: list[float], val: float) -> dict:
@@ -21,7 +37,21 @@ def _run(losses: list[float], val: float) -> dict:
 def test_bf16_curves_stay_in_the_band_and_a_wrong_plan_leaves_it(repo, tmp_path, capsys):
     band = BANDS["bfloat16"]
     out = tmp_path / "ok"
-    assert main(["train", "plans/gpt2.tp", "gpt2-tiny", "--compare-tp", "1,2", *SHORT, "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "plans/gpt2.tp",
+                "gpt2-tiny",
+                "--compare-tp",
+                "1,2",
+                *SHORT,
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     good = json.loads((out / "compare.json").read_text())
     assert good["ok"] and good["problems"] == [] and good["dtype"] == "bfloat16"
     assert [r["steps"] for r in good["rows"]] == [20, 20]
@@ -30,14 +60,29 @@ def test_bf16_curves_stay_in_the_band_and_a_wrong_plan_leaves_it(repo, tmp_path,
     assert good["rows"][1]["val_rel_diff"] <= band.val
     assert "convergence parity: OK" in capsys.readouterr().out
 
-    # A planted sharding bug the checker accepts: gpt2's fused q, k, v sharded as one matrix (no packed=3),
-    # so at tp 2 a rank's "heads" mix query, key and value columns. tp 1 is the same model either way.
+    # A planted sharding bug the checker accepts: gpt2's fused q, k, v sharded as one matrix (no
+    # packed=3), so at tp 2 a rank's "heads" mix query, key and value columns. tp 1 is the same
+    # model either way.
     broken = tmp_path / "unpacked.tp"
     text = Path("plans/gpt2.tp").read_text()
     assert "colwise(packed=3)" in text
     broken.write_text(text.replace("colwise(packed=3)", "colwise"))
     bad_out = tmp_path / "bad"
-    assert main(["train", str(broken), "gpt2-tiny", "--compare-tp", "1,2", *SHORT, "--out", str(bad_out)]) == 1
+    assert (
+        main(
+            [
+                "train",
+                str(broken),
+                "gpt2-tiny",
+                "--compare-tp",
+                "1,2",
+                *SHORT,
+                "--out",
+                str(bad_out),
+            ]
+        )
+        == 1
+    )
     bad = json.loads((bad_out / "compare.json").read_text())
     assert not bad["ok"] and bad["problems"][0].startswith("tp=2 leaves the band at step ")
     assert bad["worst_margin"] > 2.0  # measured 6×: well outside, not a borderline call
@@ -54,9 +99,12 @@ def test_the_verdict_fails_what_it_cannot_compare():
     assert bf16(_run([5.0] * 29 + [5.0 * (1 + 0.14)], 4.0)).ok
     early = bf16(_run([5.0, 5.0 * (1 + 2e-3)] + [5.0] * 28, 4.0))
     assert not early.ok and early.worst_at == (2, 2) and early.worst_margin == pytest.approx(2.0)
-    assert early.problems == ["tp=2 leaves the band at step 2: |Δloss| / loss 2.00e-03 > 0.001 (1 of 30 steps out)"]
+    assert early.problems == [
+        "tp=2 leaves the band at step 2: |Δloss| / loss 2.00e-03 > 0.001 (1 of 30 steps out)"
+    ]
     assert not bf16(_run([5.0] * 29 + [5.0 * (1 + 0.16)], 4.0)).ok
-    assert not bf16(_run([5.0] * 30, 4.0 * (1 + 2.1e-2))).ok  # final validation loss off by more than 2e-2
+    # final validation loss off by more than 2e-2
+    assert not bf16(_run([5.0] * 30, 4.0 * (1 + 2.1e-2))).ok
     nan = bf16(_run([5.0] * 10 + [math.nan] + [5.0] * 19, 4.0))
     assert not nan.ok and nan.worst_margin == math.inf
     assert not bf16(_run([5.0] * 30, math.nan)).ok
@@ -68,10 +116,31 @@ def test_the_verdict_fails_what_it_cannot_compare():
 
 def test_a_plan_error_at_any_compared_tp_is_exit_2_before_a_rank_starts(repo, tmp_path, capsys):
     plan = tmp_path / "unpaired.tp"
-    plan.write_text(Path("plans/gpt2.tp").read_text().replace("    mlp.c_proj: rowwise", "    mlp.c_proj: replicate"))
-    assert main(["train", str(plan), "gpt2-tiny", "--compare-tp", "1,2", "--steps", "3", "--out", str(tmp_path / "o")]) == 2
+    plan.write_text(
+        Path("plans/gpt2.tp")
+        .read_text()
+        .replace("    mlp.c_proj: rowwise", "    mlp.c_proj: replicate")
+    )
+    assert (
+        main(
+            [
+                "train",
+                str(plan),
+                "gpt2-tiny",
+                "--compare-tp",
+                "1,2",
+                "--steps",
+                "3",
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
-    assert f"{plan}:13:15: error: transformer.h.0.mlp.c_fc (and 1 more module): colwise output" in err
+    assert (
+        f"{plan}:13:15: error: transformer.h.0.mlp.c_fc (and 1 more module): colwise output" in err
+    )
     assert not (tmp_path / "o" / "tp1").exists()  # checked for tp 2 before tp 1 trained
 
 
@@ -80,4 +149,7 @@ def test_compare_tp_needs_two_distinct_sizes(value, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["train", "plans/gpt2.tp", "gpt2-tiny", "--compare-tp", value])
     assert exit_.value.code == 2
-    assert f"argument --compare-tp: expected two or more distinct positive tp sizes, got '{value}'" in capsys.readouterr().err
+    assert (
+        f"argument --compare-tp: expected two or more distinct positive tp sizes, got '{value}'"
+        in capsys.readouterr().err
+    )

@@ -1,7 +1,8 @@
-"""`dtp train` checks that the tp ranks' replicated tensors stay equal: a planted attention whose per-channel
-query gain sits under plain `replicate` (a plan `dtp check` accepts; the gain's gradient is each rank's partial
-sum) stops the run with exit 1 naming the tensor and the step, also under --compare-tp and before a checkpoint;
-correct plans train and the summary says what was checked."""
+"""`dtp train` checks that the tp ranks' replicated tensors stay equal: a planted attention whose
+per-channel query gain sits under plain `replicate` (a plan `dtp check` accepts; the gain's gradient
+is each rank's partial sum) stops the run with exit 1 naming the tensor and the step, also under
+--compare-tp and before a checkpoint; correct plans train and the summary says what was checked."""
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,8 @@ TINY = ["--batch", "2", "--seq", "16", "--warmup", "0", "--eval-every", "100", "
 
 @pytest.fixture
 def plans(repo, tmp_path):
-    """(the drifting plan, the correct one, the flags every run shares): a small text corpus, tiny batches."""
+    """(the drifting plan, the correct one, the flags every run shares): a small text corpus, tiny
+    batches."""
     text = tmp_path / "text.txt"
     text.write_text((repo / "README.md").read_text(encoding="utf-8")[:20000], encoding="utf-8")
     (tmp_path / "drift.tp").write_text(DRIFT_PLAN)
@@ -33,32 +35,76 @@ def plans(repo, tmp_path):
 def test_drifting_replicas_stop_the_run_with_the_tensor_and_the_step(plans, tmp_path, capsys):
     drift, _, args = plans
     out = tmp_path / "out"
-    assert main(["train", drift, DRIFTING, "--tp", "2", "--steps", "8", "--out", str(out), *args]) == 1
+    assert (
+        main(["train", drift, DRIFTING, "--tp", "2", "--steps", "8", "--out", str(out), *args]) == 1
+    )
     err = capsys.readouterr().err
-    # the most drifted tensor first: one of the gains (the others move only through the clipped norm they share)
-    assert re.match(r"error: the tp ranks' copies of replicated tensors diverged at step 1 \(the first check of "
-                    r"this run\): parameter blocks\.[01]\.attn\.q_gain differs on rank\(s\) 1 from the first tp "
-                    r"rank's copy by up to \S+ \(\S+ of its largest value\); \d+ other replicated tensor", err)
+    # the most drifted tensor first: one of the gains (the others move only through the clipped norm
+    # they share)
+    assert re.match(
+        r"error: the tp ranks' copies of replicated tensors diverged at step 1 \(the first check of "
+        r"this run\): parameter blocks\.[01]\.attn\.q_gain differs on rank\(s\) 1 from the first tp "
+        r"rank's copy by up to \S+ \(\S+ of its largest value\); \d+ other replicated tensor",
+        err,
+    )
     assert "replicate(reduce_grad=true)" in err and "sharded_norm" in err and err.count("\n") == 1
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1]
-    assert {f"blocks.{i}.attn.q_gain" for i in (0, 1)} <= {d.split()[1] for d in rows[0]["replica_divergences"]}
+    assert {f"blocks.{i}.attn.q_gain" for i in (0, 1)} <= {
+        d.split()[1] for d in rows[0]["replica_divergences"]
+    }
     assert not (out / "summary.json").exists()
 
 
 def test_no_checkpoint_of_drifted_replicas_is_saved(plans, tmp_path, capsys):
     drift, _, args = plans
     ck = tmp_path / "ck"
-    assert main(["train", drift, DRIFTING, "--tp", "2", "--steps", "3", "--check-replicas", "0",
-                 "--checkpoint", str(ck), "--out", str(tmp_path / "out"), *args]) == 1
-    assert "diverged at step 3 (the first check of this run)" in capsys.readouterr().err  # 0: at the end only
+    assert (
+        main(
+            [
+                "train",
+                drift,
+                DRIFTING,
+                "--tp",
+                "2",
+                "--steps",
+                "3",
+                "--check-replicas",
+                "0",
+                "--checkpoint",
+                str(ck),
+                "--out",
+                str(tmp_path / "out"),
+                *args,
+            ]
+        )
+        == 1
+    )
+    # 0: at the end only
+    assert "diverged at step 3 (the first check of this run)" in capsys.readouterr().err
     assert not ck.exists()
 
 
 def test_compare_tp_fails_a_plan_whose_replicas_drift(plans, tmp_path, capsys):
     drift, _, args = plans
     out = tmp_path / "cmp"
-    assert main(["train", drift, DRIFTING, "--compare-tp", "1,2", "--steps", "4", "--out", str(out), *args]) == 1
+    assert (
+        main(
+            [
+                "train",
+                drift,
+                DRIFTING,
+                "--compare-tp",
+                "1,2",
+                "--steps",
+                "4",
+                "--out",
+                str(out),
+                *args,
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert "\nerror: at tp=2: the tp ranks' copies of replicated tensors diverged at step 1" in err
     assert not (out / "compare.json").exists()
@@ -67,13 +113,37 @@ def test_compare_tp_fails_a_plan_whose_replicas_drift(plans, tmp_path, capsys):
 def test_a_correct_plan_trains_and_the_summary_records_the_checks(plans, tmp_path, capsys):
     _, planted, args = plans
     out = tmp_path / "ok"
-    assert main(["train", planted, PLANTED, "--tp", "2", "--steps", "7", "--check-replicas", "3",
-                 "--out", str(out), *args]) == 0
+    assert (
+        main(
+            [
+                "train",
+                planted,
+                PLANTED,
+                "--tp",
+                "2",
+                "--steps",
+                "7",
+                "--check-replicas",
+                "3",
+                "--out",
+                str(out),
+                *args,
+            ]
+        )
+        == 0
+    )
     replicas = json.loads((out / "summary.json").read_text())["replicas"]
-    assert replicas["steps"] == [1, 3, 6, 7] and replicas["divergences"] == [] and replicas["rtol"] == 0.0
-    assert replicas["tensors"] == 2 * 5 + 1  # per block: 2 norms, the gate, the scale, down.bias; the final norm
-    assert ("replicas: 11 replicated tensors equal across the tp ranks (bitwise) at steps 1, 3, 6, 7"
-            in capsys.readouterr().out)
+    assert (
+        replicas["steps"] == [1, 3, 6, 7]
+        and replicas["divergences"] == []
+        and replicas["rtol"] == 0.0
+    )
+    # per block: 2 norms, the gate, the scale, down.bias; the final norm
+    assert replicas["tensors"] == 2 * 5 + 1
+    assert (
+        "replicas: 11 replicated tensors equal across the tp ranks (bitwise) at steps 1, 3, 6, 7"
+        in capsys.readouterr().out
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "replicas_checked" in r] == [1, 3, 6, 7]
 
@@ -83,17 +153,37 @@ def test_qwen3_per_head_norms_with_reduce_grad_stay_equal(repo, plans, tmp_path)
     import numpy as np
 
     tokens = tmp_path / "tokens.bin"
-    (np.arange(8192) * 7 % 127).astype(np.uint16).tofile(tokens)  # the tiny model's vocabulary is 128
+    # the tiny model's vocabulary is 128
+    (np.arange(8192) * 7 % 127).astype(np.uint16).tofile(tokens)
     out = tmp_path / "qwen3"
-    assert main(["train", "plans/hf/qwen3.tp", "dtp.models.hf:qwen3", "--tp", "2", "--steps", "4",
-                 "--out", str(out), "--data", str(tokens), *TINY]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "plans/hf/qwen3.tp",
+                "dtp.models.hf:qwen3",
+                "--tp",
+                "2",
+                "--steps",
+                "4",
+                "--out",
+                str(out),
+                "--data",
+                str(tokens),
+                *TINY,
+            ]
+        )
+        == 0
+    )
     replicas = json.loads((out / "summary.json").read_text())["replicas"]
     assert replicas["steps"] == [1, 4] and replicas["divergences"] == []
-    assert replicas["tensors"] == 2 * 4 + 1 + 2  # per layer 2 norms, q_norm, k_norm; the final norm; 2 rotary buffers
+    # per layer 2 norms, q_norm, k_norm; the final norm; 2 rotary buffers
+    assert replicas["tensors"] == 2 * 4 + 1 + 2
 
 
 def _tolerance(rank, world, bump):
-    """A CUDA-like check (rtol > 0) on gloo: rank 1's copy of a replicated weight moved by `bump` (relative)."""
+    """A CUDA-like check (rtol > 0) on gloo: rank 1's copy of a replicated weight moved by `bump`
+    (relative)."""
     torch.manual_seed(0)
     mesh = make_mesh(world)
     model = torch.nn.Sequential(torch.nn.LayerNorm(8))
@@ -126,7 +216,8 @@ def _one_group_drifts(rank, world):
 
 def test_every_rank_stops_when_any_tp_group_drifts():
     results = launch_local(_one_group_drifts, 4, timeout=60)
-    assert [ok for ok, _ in results] == [False] * 4  # rank 0's group is fine, and stops too: no rank hangs
+    # rank 0's group is fine, and stops too: no rank hangs
+    assert [ok for ok, _ in results] == [False] * 4
     assert [found for _, found in results] == [[], [], ["0.weight"], ["0.weight"]]
 
 

@@ -1,6 +1,7 @@
-"""Parity beyond the steps' one shape (issue 19): each planted model is right at batch 2 × seq 16, train mode,
-float32, 3 steps, and wrong elsewhere; each must fail, naming the mode, shape or tensor, beside a correct twin
-that passes. The models are in tests/fixtures/blind_spots.py."""
+"""Parity beyond the steps' one shape (issue 19): each planted model is right at batch 2 × seq 16,
+train mode, float32, 3 steps, and wrong elsewhere; each must fail, naming the mode, shape or tensor,
+beside a correct twin that passes. The models are in tests/fixtures/blind_spots.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,18 +21,27 @@ def _apply(tmp_path, factory: str, extra: str = "", **kw) -> dict:
 
 
 def _failing(parity: dict) -> dict[str, str]:
-    return {q: parity[q]["worst"] for q in ("logits", "loss", "grads", "params", "buffers", "probes", "replicas")
-            if not parity[q]["ok"]}
+    return {
+        q: parity[q]["worst"]
+        for q in ("logits", "loss", "grads", "params", "buffers", "probes", "replicas")
+        if not parity[q]["ok"]
+    }
 
 
 def test_the_probes_and_their_shapes_are_stated(tmp_path, repo):
     parity = _apply(tmp_path, "chunked")
     assert parity["ok"], _failing(parity)
     assert parity["shapes"] == [
-        "train, 2×16: 3 steps (logits, loss, gradients, parameters, buffers; replicas on every rank)",
-        "eval, 2×16: logits", "eval, 1×64: logits", "train, 1×64: logits"]  # 64: the config's maximum
+        "train, 2×16: 3 steps (logits, loss, gradients, parameters, buffers; replicas on every "
+        "rank)",
+        # 64: the config's maximum
+        "eval, 2×16: logits",
+        "eval, 1×64: logits",
+        "train, 1×64: logits",
+    ]
     assert parity["probes"]["compared"] == 3
-    assert parity["buffers"]["compared"] == 4 * 4  # 2 floating + 2 integer buffers, after 3 steps and the probes
+    # 2 floating + 2 integer buffers, after 3 steps and the probes
+    assert parity["buffers"]["compared"] == 4 * 4
 
 
 def test_case_1_a_path_above_32_tokens_fails_at_the_longest_sequence(tmp_path, repo):
@@ -40,8 +50,11 @@ def test_case_1_a_path_above_32_tokens_fails_at_the_longest_sequence(tmp_path, r
     assert "probes   FAIL" in proc.stdout
     assert "worst: logits (train, 1×64) (probes)" in proc.stdout
     assert "logits   ok" in proc.stdout  # the steps at seq 16 saw nothing
-    # --max-seq 32 keeps the probes on the usual path: the bug is out of sight again, and the report says so
-    proc = dtp_cli("apply", str(_plan_file(tmp_path)), f"{MODELS}:long_path", "--tp", "2", "--max-seq", "32")
+    # --max-seq 32 keeps the probes on the usual path: the bug is out of sight again, and the report
+    # says so
+    proc = dtp_cli(
+        "apply", str(_plan_file(tmp_path)), f"{MODELS}:long_path", "--tp", "2", "--max-seq", "32"
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "compared: eval, 1×32: logits" in proc.stdout
 
@@ -55,16 +68,19 @@ def _plan_file(tmp_path, extra: str = ""):
 def test_case_2_a_set_that_halves_a_window_fails_beyond_it(tmp_path, repo):
     parity = _apply(tmp_path, "window", "set attention.window = window / tp")
     failing = _failing(parity)
-    assert set(failing) == {"probes"} and failing["probes"].endswith(", 1×64)")  # invisible at 16 tokens
+    # invisible at 16 tokens
+    assert set(failing) == {"probes"} and failing["probes"].endswith(", 1×64)")
     assert _apply(tmp_path, "window")["ok"]  # the window untouched: right
 
 
 def test_case_3_bfloat16_is_decided_on_a_float32_run(tmp_path, repo):
     parity = _apply(tmp_path, "softcap", "set attention.softcap = softcap / 2", dtype="bfloat16")
     assert not parity["ok"] and parity["decided_in"] == "float32"
-    assert {"logits", "grads", "probes"} <= set(_failing(parity))  # float32 sees the halved cap everywhere
+    # float32 sees the halved cap everywhere
+    assert {"logits", "grads", "probes"} <= set(_failing(parity))
     low = parity["low_precision"]
-    assert low["rule"]["eps"] == 2 ** -7  # bfloat16's own check ran beside it, with its coarser resolution
+    # bfloat16's own check ran beside it, with its coarser resolution
+    assert low["rule"]["eps"] == 2**-7
     assert low["grads"]["resolution"] > 100 * parity["grads"]["resolution"]
     control = _apply(tmp_path, "softcap", dtype="bfloat16")
     assert control["ok"], _failing(control)
@@ -88,9 +104,16 @@ def test_case_4_an_eval_branch_fails_in_eval_mode(tmp_path, repo):
 def test_case_5_a_buffer_from_a_sharded_activation_fails_at_step_1(tmp_path, repo):
     parity = _apply(tmp_path, "running_hidden")
     failing = _failing(parity)
-    assert set(failing) == {"buffers", "replicas"}  # outputs are right: the statistic is used after 4 steps
-    assert any(p.startswith("buffer layers.0.mlp.mean differs across the ranks that replicate it (rank 1 vs the "
-                            "first)") and p.endswith("(after step 1)") for p in parity["replicas"]["problems"])
+    # outputs are right: the statistic is used after 4 steps
+    assert set(failing) == {"buffers", "replicas"}
+    assert any(
+        p.startswith(
+            "buffer layers.0.mlp.mean differs across the ranks that replicate it (rank 1 vs the "
+            "first)"
+        )
+        and p.endswith("(after step 1)")
+        for p in parity["replicas"]["problems"]
+    )
     assert parity["buffers"]["max_rel"] > 1e-2
     assert _apply(tmp_path, "running_input")["ok"]
 

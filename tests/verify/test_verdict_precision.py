@@ -1,6 +1,7 @@
-"""Low-precision parity can fail: planted sharding defects fail in bfloat16 as in float32, correct plans pass
-in both, and bfloat16 training moves its weights (float32 master copies). Real gloo ranks, forked; the
-defects are planted by monkeypatching torch's styles inside the ranks."""
+"""Low-precision parity can fail: planted sharding defects fail in bfloat16 as in float32, correct
+plans pass in both, and bfloat16 training moves its weights (float32 master copies). Real gloo
+ranks, forked; the defects are planted by monkeypatching torch's styles inside the ranks."""
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,12 @@ def _drop_f(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
 
 
 def _local_norm(monkeypatch) -> None:
-    """Megatron-SP's trap: the norms run on local sequence shards with local, unreduced weight gradients."""
-    original, apply = SequenceParallelFromReplicated._prepare_input_fn, SequenceParallelFromReplicated._apply
+    """Megatron-SP's trap: the norms run on local sequence shards with local, unreduced weight
+    gradients."""
+    original, apply = (
+        SequenceParallelFromReplicated._prepare_input_fn,
+        SequenceParallelFromReplicated._apply,
+    )
 
     def local_params(self, module, mesh):
         module = apply(self, module, mesh)
@@ -42,10 +47,20 @@ def _local_norm(monkeypatch) -> None:
         return module
 
     monkeypatch.setattr(SequenceParallelFromReplicated, "_apply", local_params)
-    monkeypatch.setattr(SequenceParallelFromReplicated, "_prepare_input_fn",
-                        staticmethod(lambda s, mod, inputs, mesh: original(s, mod, inputs, mesh).to_local()))
-    monkeypatch.setattr(SequenceParallelFromReplicated, "_prepare_output_fn", staticmethod(
-        lambda use_local, mod, out, mesh: DTensor.from_local(out, mesh, [Shard(1)], run_check=False)))
+    monkeypatch.setattr(
+        SequenceParallelFromReplicated,
+        "_prepare_input_fn",
+        staticmethod(lambda s, mod, inputs, mesh: original(s, mod, inputs, mesh).to_local()),
+    )
+    monkeypatch.setattr(
+        SequenceParallelFromReplicated,
+        "_prepare_output_fn",
+        staticmethod(
+            lambda use_local, mod, out, mesh: DTensor.from_local(
+                out, mesh, [Shard(1)], run_check=False
+            )
+        ),
+    )
 
 
 def _verdicts(rank: int, world: int, plan: str, defect: str) -> dict:
@@ -58,15 +73,25 @@ def _verdicts(rank: int, world: int, plan: str, defect: str) -> dict:
             with pytest.MonkeyPatch.context() as mp:
                 if planted and defect == "f":  # in torch's colwise style and in dtp's local f alike
                     mp.setattr(ColwiseParallel, "_prepare_input_fn", staticmethod(_drop_f))
-                    mp.setattr(_CopyToRanks, "backward", staticmethod(lambda ctx, grad: (grad, None)))
+                    mp.setattr(
+                        _CopyToRanks, "backward", staticmethod(lambda ctx, grad: (grad, None))
+                    )
                 if planted and defect == "norm":
                     _local_norm(mp)
-                cfg = RunConfig(plan=plan, model="gpt2-tiny", tp=world, batch=2, seq=8, steps=1, dtype=dtype)
+                cfg = RunConfig(
+                    plan=plan, model="gpt2-tiny", tp=world, batch=2, seq=8, steps=1, dtype=dtype
+                )
                 report = run(cfg)
             if report is not None:
                 p = report.parity
-                out[(dtype, planted)] = (p["ok"], p["grads"]["ok"], p["grads"]["margin"], p["worst_tensor"])
-    out["rng untouched"] = torch.equal(before, torch.get_rng_state())  # dtp.verify.rank seeds only its own copy
+                out[(dtype, planted)] = (
+                    p["ok"],
+                    p["grads"]["ok"],
+                    p["grads"]["margin"],
+                    p["worst_tensor"],
+                )
+    # dtp.verify.rank seeds only its own copy
+    out["rng untouched"] = torch.equal(before, torch.get_rng_state())
     return out
 
 
@@ -78,8 +103,8 @@ def test_dropped_f_all_reduce_fails_in_bfloat16_and_float32(repo):
         ok, _, margin, _ = verdicts[(dtype, False)]
         assert ok and margin <= 1, (dtype, verdicts)
         ok, grads_ok, margin, worst = verdicts[(dtype, True)]
-        # every colwise input gradient misses the other rank's half: the weights' gradients are wrong
-        # (measured margins: 24 in bfloat16, 6e5 in float32; the correct plan's are below 0.4)
+        # every colwise input gradient misses the other rank's half: the weights' gradients are
+        # wrong (measured margins: 24 in bfloat16, 6e5 in float32; the correct plan's are below 0.4)
         assert not ok and not grads_ok and margin > 5, (dtype, verdicts)
         assert worst.startswith("transformer."), worst
 
@@ -108,5 +133,7 @@ def test_bfloat16_weights_move_through_float32_masters():
         opt.step()
         opt.zero_grad()
     master = opt.masters["weight"]
-    assert master.dtype == torch.float32 and abs(master.item() - 0.99) < 1e-5  # 100 float32 roundings
-    assert model.weight.dtype == torch.bfloat16 and model.weight.item() == 0.98828125  # the bfloat16 nearest 0.99
+    # 100 float32 roundings
+    assert master.dtype == torch.float32 and abs(master.item() - 0.99) < 1e-5
+    # the bfloat16 nearest 0.99
+    assert model.weight.dtype == torch.bfloat16 and model.weight.item() == 0.98828125
