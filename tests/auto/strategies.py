@@ -1,7 +1,7 @@
 """Hypothesis strategies drawing model structures for `dtp plan --auto`
 (tests/fixtures/auto_models.py).
 
-Every axis issue 21 names is drawn: fused ([q | k | v] or interleaved) or separate q/k/v;
+Every axis of a model family is drawn: fused ([q | k | v] or interleaved) or separate q/k/v;
 multi-head, grouped-query and multi-query attention; head counts from the tensor or from attributes;
 per-head q/k norms; SwiGLU, fused gate_up or GELU; sequential or parallel blocks; tied or untied
 head. Head counts and widths sometimes divide tp and sometimes do not (2 heads at tp 4, 66 hidden

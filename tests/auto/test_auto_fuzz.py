@@ -1,4 +1,4 @@
-"""`dtp plan --auto` never writes a plan that fails parity (issue 21).
+"""`dtp plan --auto` never writes a plan that fails parity.
 
 Hypothesis draws model structures (tests/auto/strategies.py: fused or separate q/k/v, MHA/GQA/MQA,
 head counts from the tensor or from attributes, q/k norms, SwiGLU/gate_up/GELU, sequential or

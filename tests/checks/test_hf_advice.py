@@ -1,4 +1,4 @@
-"""`check` on plausible wrong plans for real Hugging Face models (issue 19): it describes only data
+"""`check` on plausible wrong plans for real Hugging Face models: it describes only data
 flow the model's forward has, points kv-head refusals at `repeat(kv)`, and names the rule that fixes
 a multi-query fused qkv, an ALiBi input and an attention that views with a head-count attribute.
 Exact messages and positions."""

@@ -1,4 +1,4 @@
-"""Issue 20: outputs never clobber what is not a regular file, user YAML/JSON goes through one
+"""Outputs never clobber what is not a regular file, user YAML/JSON goes through one
 bounded loader, imported HF plans are data, and flags are bounded — each refusal exit 2, one short
 paragraph, no traceback."""
 

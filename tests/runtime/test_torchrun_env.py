@@ -1,4 +1,4 @@
-"""torchrun detection that a stray variable cannot fake (issue 20): only TORCHELASTIC_RUN_ID or the
+"""torchrun detection that a stray variable cannot fake: only TORCHELASTIC_RUN_ID or the
 full, coherent set of WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT is a launch; a
 partial set is ignored with one warning (the ranks start here, on loopback), an incoherent full set
 is exit 2 at once — never a rendezvous that hangs past --timeout, never a store listening beyond

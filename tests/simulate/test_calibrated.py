@@ -1,4 +1,4 @@
-"""A calibrated CPU profile's mechanisms (issue 22, this machine's step time), checked on the
+"""A calibrated CPU profile's mechanisms (this machine's step time), checked on the
 model's arithmetic with a fixed synthetic profile (no timing here), and the FSDP × TP rows of
 torchtitan's async-TP benchmark."""
 

@@ -1,4 +1,4 @@
-"""Issue 22: published rows the simulator was not fitted on (A100 Megatron, torchtitan FSDP on
+"""Published rows the simulator was not fitted on (A100 Megatron, torchtitan FSDP on
 H100), FSDP's sharded memory and its collectives, recompute policies, attention kernels, and the
 --reproduce command."""
 
@@ -67,7 +67,7 @@ def test_torchtitan_a100_70b_fsdp_within_15_percent(repo):
         ("plans/llama-sp.tp", "op", False, True),
         ("plans/llama-sp.tp", "op", True, True),
         ("plans/llama-sp.tp", "selective", True, True),
-        # issue 22's 178 GiB: no sequence parallelism, whole norms
+        # the 178 GiB of the first prediction: no sequence parallelism, whole norms
         ("plans/llama.tp", "selective", False, False),
     ],
 )

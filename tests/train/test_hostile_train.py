@@ -1,4 +1,4 @@
-"""`dtp train` under hostile inputs (issue 20): refused with exit 2 before any rank starts, in
+"""`dtp train` under hostile inputs: refused with exit 2 before any rank starts, in
 bounded time and memory — too many ranks, too much memory, an unbuildable model, --data that is not
 a regular file or too large by its size — and SIGTERM mid-train is 143, as for apply."""
 

@@ -1,4 +1,4 @@
-"""The token cache is trusted by its content (issue 20): a planted file of ids outside the
+"""The token cache is trusted by its content: a planted file of ids outside the
 vocabulary, tokens that are not the ones recorded, a cache with no record, a truncated or foreign
 BPE file — each is rebuilt from the corpus with one warning, never trained on, never a traceback."""
 

@@ -1,4 +1,4 @@
-"""Parity beyond the steps' one shape (issue 19): each planted model is right at batch 2 × seq 16,
+"""Parity beyond the steps' one shape: each planted model is right at batch 2 × seq 16,
 train mode, float32, 3 steps, and wrong elsewhere; each must fail, naming the mode, shape or tensor,
 beside a correct twin that passes. The models are in tests/fixtures/blind_spots.py."""
 

@@ -1,4 +1,4 @@
-"""Model code as the field writes it (issue 33): torchtitan-, gpt-fast-, nanoGPT- and minGPT-style
+"""Model code as the field writes it: torchtitan-, gpt-fast-, nanoGPT- and minGPT-style
 models (tests/fixtures/field_models.py) with each codebase's own layout (tests/fixtures/field/*.tp)
 pass `dtp check`, reach parity in `dtp apply` with Megatron's collective count, and `dtp plan
 --auto` splits what the hand plans do.
