@@ -8,7 +8,6 @@ optimizer.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import math
@@ -25,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from dtp import models
+from dtp.compiler.layer import layer_class
 from dtp.compiler.vocab_parallel import cross_entropy
 from dtp.cost.fsdp import units
 from dtp.cost.param_bytes import local_param_bytes
@@ -110,18 +110,24 @@ class TrainConfig(Job):
 COMM_SAMPLE = 10
 
 
-def _checkpoint_blocks(model: torch.nn.Module) -> list[str]:
-    """Recompute each block's forward in backward (torch.utils.checkpoint), keeping parameter names.
+class Recomputed:
+    """The forward of a block whose activations are recomputed in backward (torch.utils.checkpoint).
 
     early_stop=False recomputes the whole block as Megatron does, so every forward collective of a
     block runs again in backward (torch's early stop would skip the last one, whose output nothing
     saves)."""
+
+    def forward(self, *args, **kwargs):  # noqa: D102 - the class says it
+        return checkpoint(super().forward, *args, use_reentrant=False, early_stop=False, **kwargs)
+
+
+def _checkpoint_blocks(model: torch.nn.Module) -> list[str]:
+    """Make each block `Recomputed` (a subclass, as dtp's styles make their layers: the block's own
+    forward and parameter names stay), and return their paths."""
     blocks = units(model)
     for path in blocks:
         block = model.get_submodule(path)
-        block.forward = functools.partial(
-            checkpoint, block.forward, use_reentrant=False, early_stop=False
-        )
+        block.__class__ = layer_class(Recomputed, type(block))
     return blocks
 
 
