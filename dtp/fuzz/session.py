@@ -128,7 +128,6 @@ def fuzz_command(
             print(f"  saved as {path}; rerun with: dtp fuzz --replay {path}")
         return 1
     finally:
-        sys.unraisablehook = sys.__unraisablehook__
         pools.close()
 
 
@@ -154,14 +153,12 @@ def _draw(
 
     def interrupt(signum, frame) -> None:
         interrupted.append(signum)
-        raise KeyboardInterrupt
 
-    # Ctrl-C is remembered as well as raised: one that lands in a finalizer is swallowed there
-    # ("Exception ignored in …") and the fuzz would run on; the next example's end raises it again.
-    signal.signal(signal.SIGINT, interrupt)
-    sys.unraisablehook = lambda u: (
-        None if isinstance(u.exc_value, KeyboardInterrupt) else sys.__unraisablehook__(u)
-    )
+    # Ctrl-C is remembered, and raised where the example ends (progress). Raised in the handler it
+    # lands wherever Python runs next: inside a torch dispatch rule called from C++ it cannot
+    # unwind and the process aborts with a C++ stack; inside a finalizer it is swallowed. Ranks
+    # ignore SIGINT, and every example has a timeout, so the wait is bounded.
+    previous = signal.signal(signal.SIGINT, interrupt)
 
     def progress(outcome) -> None:
         if interrupted:
@@ -169,8 +166,13 @@ def _draw(
         bar.update(1)
         bar.set_postfix_str(outcome.kind)
 
-    summary = fuzz(
-        strategy, examples, seed, pools, shrink=shrink, progress=progress, timeout=timeout
-    )
-    bar.close()
+    try:
+        summary = fuzz(
+            strategy, examples, seed, pools, shrink=shrink, progress=progress, timeout=timeout
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        bar.close()
+    if interrupted:  # the last example ended after the Ctrl-C
+        raise KeyboardInterrupt
     return summary
