@@ -24,6 +24,7 @@ from dtp.layout.attention import Heads, fused_parts, heads, module_heads
 from dtp.layout.forward_source import forward_facts
 from dtp.layout.modules import features, forward_inputs
 from dtp.layout.norms import is_norm, norm_width
+from dtp.layout.styles import Style
 
 _SIZE_NAMES = ("head_dim", "head_size")
 _PRIORITY = (
@@ -156,7 +157,7 @@ def _fused(module: nn.Module, name: str, info: Heads, kv: str | None, tp: int):
         why,
         local_kv,
         weight_info,
-        (reads if layout == "interleaved" and style == "colwise" else frozenset()),
+        (reads if layout == "interleaved" and style == Style.COLWISE else frozenset()),
     )
 
 
@@ -241,7 +242,7 @@ def _separate(module: nn.Module, firsts: tuple[str, ...], info: Heads, kv: str |
         else:
             return f"{name} makes {width} features, neither the query ({q_width}) nor key/value ({kv_width}) width"
     if not any(
-        w == "colwise" and features(module.get_submodule(n))[1] == q_width for n, w, _ in out
+        w == Style.COLWISE and features(module.get_submodule(n))[1] == q_width for n, w, _ in out
     ):
         return "no projection makes the query heads"
     local = info.n_kv_head // tp if kv == "split" or info.n_kv_head == info.n_head else 1

@@ -32,6 +32,7 @@ from dtp.lang.parse import parse
 from dtp.lang.vocabulary import packed
 from dtp.layout.modules import is_conv1d
 from dtp.layout.resolve import resolve
+from dtp.layout.styles import Style
 
 
 def packed_parts(plan_text: str, model: nn.Module) -> dict[str, int]:
@@ -41,7 +42,7 @@ def packed_parts(plan_text: str, model: nn.Module) -> dict[str, int]:
     out: dict[str, int] = {}
     for path, rule in res.claims.items():
         parts = packed(rule.style)
-        if rule.style.name == "colwise" and parts > 1:
+        if rule.style.name == Style.COLWISE and parts > 1:
             for name, _ in res.modules[path].named_parameters(recurse=False):
                 out[f"{path}.{name}"] = parts
     return out
@@ -54,7 +55,9 @@ def packed_dims(plan_text: str, model: nn.Module) -> dict[str, int]:
     return {
         f"{path}.weight": 1
         for path, rule in res.claims.items()
-        if rule.style.name == "colwise" and packed(rule.style) > 1 and is_conv1d(res.modules[path])
+        if rule.style.name == Style.COLWISE
+        and packed(rule.style) > 1
+        and is_conv1d(res.modules[path])
     }
 
 

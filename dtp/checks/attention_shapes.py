@@ -19,6 +19,7 @@ from dtp.layout.forward_source import forward_facts, is_self_attribute, method_a
 from dtp.layout.modules import features, forward_inputs
 from dtp.layout.parts import try_parts
 from dtp.layout.resolve import Resolution, generic_path
+from dtp.layout.styles import Style
 
 ALIBI_INPUTS = ("alibi", "position_bias")  # Bloom, Falcon-RW; MPT
 _SIZE_NAMES = ("head_dim", "head_size")  # a head's size does not change when heads are split
@@ -58,7 +59,7 @@ def _alibi(
         return
     rule = res.claims.get(path)
     sliced = (
-        slice_names(rule.style) if rule is not None and rule.style.name == "slice_input" else ()
+        slice_names(rule.style) if rule is not None and rule.style.name == Style.SLICE_INPUT else ()
     )
     if (bias or "attention_mask") in sliced:
         return

@@ -34,6 +34,7 @@ from dtp.layout.blocks import blocks
 from dtp.layout.forward_source import branch_sources
 from dtp.layout.norms import is_norm
 from dtp.layout.resolve import Resolution
+from dtp.layout.styles import Style
 from dtp.layout.trace import Trace, branch_flow
 
 Report = Callable[[Pos, int, str, str], None]  # (position, length, module path, message)
@@ -49,9 +50,11 @@ def _execution_order(leaves: list[str], style_of: Callable[[str], str | None]) -
     k_norm follow o_proj): it runs after them, so it is walked right after the last one."""
     inner = ("colwise", "sharded_norm")
     cols = [i for i, p in enumerate(leaves) if style_of(p) in inner]
-    rows = [i for i, p in enumerate(leaves) if style_of(p) == "rowwise"]
+    rows = [i for i, p in enumerate(leaves) if style_of(p) == Style.ROWWISE]
     norms_after = (
-        any(style_of(p) == "sharded_norm" for p in leaves[rows[0] :]) if len(rows) == 1 else False
+        any(style_of(p) == Style.SHARDED_NORM for p in leaves[rows[0] :])
+        if len(rows) == 1
+        else False
     )
     if len(rows) != 1 or not cols or (rows[0] > cols[0] and not norms_after):
         return leaves
@@ -79,7 +82,7 @@ class _Walk:
             (
                 r
                 for r in sorted(res.claims.values(), key=lambda r: (r.pos.line, r.pos.column))
-                if r.style.name == "sequence_parallel"
+                if r.style.name == Style.SEQUENCE_PARALLEL
             ),
             None,
         )
@@ -122,15 +125,15 @@ class _Walk:
         style = self.style(path)
         src = f"{self.rel(got.producer, path)}" if got.producer else "the model's own computation"
         hint = ""
-        if style == "rowwise" and want == "shard(-1)" and got.layout == "replicate":
+        if style == Style.ROWWISE and want == "shard(-1)" and got.layout == Style.REPLICATE:
             hint = (
                 "; no colwise layer before it slices the features: shard the layer that produces "
                 "its input "
                 "colwise, or use rowwise(input=replicate)"
             )
-            if got.producer and self.style(got.producer) == "colwise":
+            if got.producer and self.style(got.producer) == Style.COLWISE:
                 hint = f"; drop output=replicate from {src} (rowwise consumes its slice) or use rowwise(input=replicate)"
-        elif got.layout == "replicate" and want == "shard(1)":
+        elif got.layout == Style.REPLICATE and want == "shard(1)":
             hint = "; it is not sequence-sharded here: drop input=shard(1), or shard the sequence before it"
         self.fail(
             path,
@@ -142,7 +145,7 @@ class _Walk:
 
     def _plain(self, path: str, got: Act) -> bool:
         """A module no rule shards takes only the full activation as a plain tensor."""
-        if not got.dtensor and got.layout == "replicate":
+        if not got.dtensor and got.layout == Style.REPLICATE:
             return True
         module = self.res.modules[path]
         kind = type(module).__name__
@@ -171,7 +174,12 @@ class _Walk:
                 src,
                 path,
             )
-        elif got.layout == "shard(-1)" and src and self.style(src) == "colwise" and is_norm(module):
+        elif (
+            got.layout == "shard(-1)"
+            and src
+            and self.style(src) == Style.COLWISE
+            and is_norm(module)
+        ):
             self.fail(
                 src,
                 f"colwise output ({got.describe()}) reaches {where} ({kind}, not sharded, so it "
@@ -182,7 +190,7 @@ class _Walk:
                 src,
                 path,
             )
-        elif got.layout == "shard(-1)" and src and self.style(src) == "colwise":
+        elif got.layout == "shard(-1)" and src and self.style(src) == Style.COLWISE:
             self.fail(
                 src,
                 f"colwise output ({got.describe()}) reaches {where} ({kind}, not sharded), which "
@@ -213,24 +221,24 @@ class _Walk:
             if isinstance(module, nn.Dropout):
                 return got  # elementwise: any layout passes through
             return PLAIN if self._plain(path, got) else None
-        if m.style == "vocab_parallel" and m.embedding:
+        if m.style == Style.VOCAB_PARALLEL and m.embedding:
             return Act(layout_text(m.output), not m.local, path)
         # normalises the colwise slice it reads, hands on the same slice
-        if m.style == "sharded_norm":
+        if m.style == Style.SHARDED_NORM:
             return Act("shard(-1)", False, path) if self._expect(path, "shard(-1)", got) else None
-        if m.style == "sequence_parallel":  # a plain input is read as the full sequence
+        if m.style == Style.SEQUENCE_PARALLEL:  # a plain input is read as the full sequence
             return Act("shard(1)", True, path) if self._expect(path, "replicate", got) else None
         # replicate(reduce_grad=true) runs on whatever arrives (a per-head norm on local heads)
         if m.input is None:
             return got
         if not self._expect(path, layout_text(m.input), got):
             return None
-        if m.style == "vocab_parallel":
+        if m.style == Style.VOCAB_PARALLEL:
             return Act("shard(-1)", True, path)
         out = Act(layout_text(m.output), not m.local, path)
         parent = path.rpartition(".")[0]
         if (
-            m.style == "colwise"
+            m.style == Style.COLWISE
             and out.dtensor
             and "." in path
             and attention_like(self.res.modules[parent])
@@ -280,7 +288,7 @@ class _Walk:
         parallelism, else plain."""
         if (
             got.dtensor == self.sp
-            and (self.sp or got.layout == "replicate")
+            and (self.sp or got.layout == Style.REPLICATE)
             and got.layout != "partial"
         ):
             return
@@ -314,7 +322,7 @@ class _Walk:
                 "tensor: a DTensor and a local tensor cannot be added; drop local=false",
                 src,
             )
-        elif got.layout == "shard(-1)" and src and self.style(src) == "colwise":
+        elif got.layout == "shard(-1)" and src and self.style(src) == Style.COLWISE:
             self.fail(
                 src,
                 f"colwise output unconsumed: {where}, with no rowwise to reduce it first; make the "
@@ -341,7 +349,7 @@ class _Walk:
         got, sibling_input = start, None
         for path in leaves:
             if (
-                self.style(path) == "colwise"
+                self.style(path) == Style.COLWISE
                 and sibling_input is not None
                 and got.producer
                 and got.producer.rpartition(".")[0] == path.rpartition(".")[0]
@@ -363,8 +371,8 @@ class _Walk:
                     return
                 continue
             # a sharded norm of q leaves k, v reading q's input
-            if self.style(path) != "sharded_norm":
-                sibling_input = got if self.style(path) == "colwise" else None
+            if self.style(path) != Style.SHARDED_NORM:
+                sibling_input = got if self.style(path) == Style.COLWISE else None
             got = self.step(path, got)
             if got is None:
                 return
@@ -431,7 +439,7 @@ class _Walk:
 
     def _enter(self, block: str, stream: Act) -> bool:
         """The residual stream must reach the first block as every branch will hand it back."""
-        if stream.dtensor == self.sp and (self.sp or stream.layout == "replicate"):
+        if stream.dtensor == self.sp and (self.sp or stream.layout == Style.REPLICATE):
             return True
         src = stream.producer
         if self.sp:
@@ -484,7 +492,7 @@ class _Walk:
         if (stream.layout, stream.dtensor) == ("replicate", False) or (
             stream.dtensor
             and src
-            and self.style(src) == "vocab_parallel"
+            and self.style(src) == Style.VOCAB_PARALLEL
             and not self.layouts[src].embedding
         ):
             return

@@ -8,6 +8,7 @@ from typing import Protocol
 
 from dtp.checks.activations import Act
 from dtp.layout.forward_source import BranchSources
+from dtp.layout.styles import Style
 
 
 class Walk(Protocol):
@@ -55,7 +56,7 @@ def _meet(
     )
     a_path, b_path = paths[0], odd
     a_style, b_style = walk.style(a_path), walk.style(b_path)
-    if a_style == b_style == "colwise":  # q/k/v, gate/up: colwise siblings must hand on alike
+    if a_style == b_style == Style.COLWISE:  # q/k/v, gate/up: colwise siblings must hand on alike
         walk.fail(
             b_path,
             f"colwise siblings hand on different layouts: {outs[b_path].describe()} here, "

@@ -24,10 +24,11 @@ from dtp.checks.rank_shapes import check_rank_shapes
 from dtp.errors import NOWHERE, Diagnostic, did_you_mean
 from dtp.lang import conditions, ir
 from dtp.lang.expr import ExprError, evaluate
-from dtp.lang.vocabulary import STYLES
 from dtp.layout.lower import module_layout
 from dtp.layout.placement import ParamPlacement
 from dtp.layout.resolve import Resolution, int_attributes, resolve, set_target, written_length
+from dtp.layout.styles import SPECS
+from dtp.layout.styles.spec import LayoutContext
 from dtp.layout.trace import model_trace
 from dtp.models import vocab_size
 
@@ -85,7 +86,7 @@ def _check_ties(res: Resolution, model: nn.Module, diags: list[Diagnostic]) -> N
             owners.setdefault(id(param), []).append((path, name, placements[name], rule))
     for group in owners.values():
         if len({str(p) for _, _, p, _ in group}) <= 1 or any(
-            r and r.style.name not in STYLES for *_, r in group
+            r and r.style.name not in SPECS for *_, r in group
         ):
             continue  # an unknown style is reported already
         (path_a, name_a, pl_a, rule_a), (path_b, name_b, pl_b, rule_b) = group[0], group[1]
@@ -158,6 +159,7 @@ def _check_flow(res: Resolution, model: nn.Module, rep: Reporter) -> None:
     layouts = {
         path: m
         for path, rule in res.claims.items()
-        if (m := module_layout(rule.style, res.modules[path], sp)) is not None
+        # the activations' layouts only: no parameter placements, no heads
+        if (m := module_layout(rule.style, res.modules[path], LayoutContext(sp, {}))) is not None
     }
     flow.analyse(res, sp, layouts, vocab_size(model), rep.add, model_trace(model))

@@ -9,22 +9,21 @@ import torch.nn as nn
 from dtp.checks import heads, norms, parts, slices
 from dtp.checks.messages import MAX_TP_SHOWN, Reporter, working_tp
 from dtp.lang import ir, vocabulary
-from dtp.lang.vocabulary import STYLES
 from dtp.layout import attention
 from dtp.layout.modules import features, is_experts, is_linear
 from dtp.layout.norms import is_norm
-from dtp.layout.placement import sharded_sizes
 from dtp.layout.resolve import Resolution
+from dtp.layout.styles import SPECS, Style
 from dtp.models import vocab_size
 
 
 def module_fits(style: str, module: nn.Module, vocab: int | None) -> str | None:
     """None when `style` can apply to `module`, else what the style needs."""
-    if style in ("colwise", "rowwise"):
+    if style in (Style.COLWISE, Style.ROWWISE):
         return (
             None if is_linear(module) else f"{style} applies to nn.Linear or transformers' Conv1D"
         )
-    if style == "experts":
+    if style == Style.EXPERTS:
         return (
             None
             if is_experts(module)
@@ -36,7 +35,7 @@ def module_fits(style: str, module: nn.Module, vocab: int | None) -> str | None:
                 "down_proj_bias (E, H), and no other parameters of its own"
             )
         )
-    if style == "vocab_parallel":
+    if style == Style.VOCAB_PARALLEL:
         if isinstance(module, nn.Embedding):
             return None
         if isinstance(module, nn.Linear):
@@ -48,11 +47,11 @@ def module_fits(style: str, module: nn.Module, vocab: int | None) -> str | None:
                 f"size {vocab}), not one with out_features={module.out_features}"
             )
         return "vocab_parallel applies to nn.Embedding or the output nn.Linear"
-    if style == "sequence_parallel":
+    if style == Style.SEQUENCE_PARALLEL:
         if is_norm(module) or isinstance(module, nn.Dropout):
             return None
         return "sequence_parallel applies to LayerNorm, RMSNorm or Dropout"
-    if style == "sharded_norm":
+    if style == Style.SHARDED_NORM:
         weight = getattr(module, "weight", None)
         if is_norm(module) and isinstance(weight, nn.Parameter) and weight.dim() == 1:
             return None
@@ -92,7 +91,7 @@ def check_modules(
     fits = True
     for path, rule in res.claims.items():
         module, style = res.modules[path], rule.style
-        if style.name not in STYLES:
+        if style.name not in SPECS:
             continue
         length = len(style.name)
         problem = module_fits(style.name, module, vocab)
@@ -100,14 +99,14 @@ def check_modules(
             rep.add(style.pos, length, path, f"{problem}; this module is {type(module).__name__}")
             fits = False
             continue
-        if style.name == "slice_input":
+        if style.name == Style.SLICE_INPUT:
             slices.check_slice_input(path, style, module, res.modules[""], tp, rep, sizes)
             continue
-        if style.name == "slice_params":
+        if style.name == Style.SLICE_PARAMS:
             slices.check_slice_params(path, style, module, res, tp, rep)
             continue
         # an RMS norm over colwise-sharded features (dtp/checks/norms.py)
-        if style.name == "sharded_norm":
+        if style.name == Style.SHARDED_NORM:
             before = len(rep.groups)
             norms.check_sharded_norm(res, path, style, rep)
             if len(rep.groups) != before:
@@ -122,11 +121,11 @@ def check_modules(
             continue
         packed = vocabulary.packed(style)
         fan_in, fan_out = features(module) if is_linear(module) else (0, 0)
-        owner = _attention_of(res, path) if style.name in ("colwise", "rowwise") else None
+        owner = _attention_of(res, path) if style.name in (Style.COLWISE, Style.ROWWISE) else None
         info = attention.heads(model, *owner) if owner else None
         if (
             info
-            and style.name == "colwise"
+            and style.name == Style.COLWISE
             and not heads.check_fused_parts(path, style, owner[1], module, info, rep, tp)
         ):
             continue
@@ -138,8 +137,8 @@ def check_modules(
                 f"packed={packed} needs out_features={fan_out} to split into {packed} equal parts",
             )
             continue
-        for what, size in sharded_sizes(style.name, module, packed):
-            if style.name == "vocab_parallel":
+        for what, size in SPECS[style.name].sizes(module, packed):
+            if style.name == Style.VOCAB_PARALLEL:
                 _check_vocab(style, path, what, size, tp, rep)
                 continue
             sizes.append(size)
@@ -152,6 +151,6 @@ def check_modules(
                     f"tp values that work: {working_tp(size)}",
                 )
         if info:
-            width = fan_out // packed if style.name == "colwise" else fan_in
+            width = fan_out // packed if style.name == Style.COLWISE else fan_in
             heads.check_whole_heads(path, style, info, width, packed, tp, rep, sizes, owner[1])
     return fits

@@ -14,6 +14,7 @@ from dtp.layout.norms import epsilon, is_norm, rms_norm
 from dtp.layout.parts import equal_parts
 from dtp.layout.placement import ParamPlacement
 from dtp.layout.resolve import generic_path, sharded_colwise
+from dtp.layout.styles import Style
 
 if TYPE_CHECKING:
     from dtp.lang import ir
@@ -78,7 +79,7 @@ def check_sharded_norm(res: Resolution, path: str, style: ir.Style, rep) -> None
         p
         for p, r in res.claims.items()
         if p.rpartition(".")[0] == parent
-        and r.style.name == "colwise"
+        and r.style.name == Style.COLWISE
         and getattr(res.modules[p], "out_features", None) == _width(module)
     ]
     layout = _parts(mine, _width(module))
@@ -114,7 +115,7 @@ def check_unsharded_norms(res: Resolution, rep) -> None:
     colwise = sharded_colwise(res)
     for path, module in res.modules.items():
         rule = res.claims.get(path)
-        if not is_norm(module) or (rule and rule.style.name != "replicate") or "." not in path:
+        if not is_norm(module) or (rule and rule.style.name != Style.REPLICATE) or "." not in path:
             continue
         parent = path.rpartition(".")[0]
         weight = getattr(module, "weight", None)

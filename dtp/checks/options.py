@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from dtp.errors import Diagnostic, did_you_mean
 from dtp.lang import ir
-from dtp.lang.vocabulary import OPTIONS, STYLES, parts_option_ok
+from dtp.lang.vocabulary import OPTIONS, parts_option_ok
 
 
 def check_style(style: ir.Style, diags: list[Diagnostic]) -> None:
     """An unknown style, and unknown, repeated or ill-typed options of a known one."""
-    if style.name not in STYLES:
+    if style.name not in OPTIONS:
         diags.append(
             Diagnostic(
                 style.pos,
-                f"unknown style '{style.name}'{did_you_mean(style.name, list(STYLES))}",
+                f"unknown style '{style.name}'{did_you_mean(style.name, list(OPTIONS))}",
                 len(style.name),
             )
         )

@@ -30,6 +30,7 @@ from dtp.layout.attention import attention_like, config_heads
 from dtp.layout.blocks import blocks
 from dtp.layout.lower import Lowered, lower, rewrite
 from dtp.layout.resolve import Resolution, generic_path
+from dtp.layout.styles import Style
 from dtp.layout.trace import TRACES, Trace, model_trace, trace
 
 _MODELLED = {"colwise", "rowwise", "vocab_parallel", "sequence_parallel", "replicate"}
@@ -42,7 +43,7 @@ def _modelled(res: Resolution, low: Lowered) -> bool:
             return False
         module = res.modules[path]
         layout = low.modules.get(path)
-        if layout is None or rule.style.name == "sequence_parallel":
+        if layout is None or rule.style.name == Style.SEQUENCE_PARALLEL:
             continue
         if type(module).forward not in (nn.Linear.forward, nn.Embedding.forward):
             return False
@@ -55,11 +56,11 @@ def _local(res: Resolution, low: Lowered, tp: int, path: str) -> bool:
     layout = low.modules.get(path)
     if layout is None:
         return False
-    if layout.style == "colwise":
+    if layout.style == Style.COLWISE:
         return isinstance(layout.output, Shard) and layout.local
-    if layout.style == "rowwise":
+    if layout.style == Style.ROWWISE:
         return isinstance(layout.input, Shard)
-    return layout.style == "vocab_parallel" and not layout.embedding
+    return layout.style == Style.VOCAB_PARALLEL and not layout.embedding
 
 
 # blocks kept per container: every block of one class runs the same code on the same shapes

@@ -26,6 +26,7 @@ forward, nothing is undone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -58,8 +59,12 @@ from dtp.compiler.vocab_parallel import (
     vocab_layouts,
 )
 from dtp.lang import ir
-from dtp.layout.lower import SEQUENCE, Lowered, ModuleLayout, lower
-from dtp.layout.placement import ParamPlacement, param_placements
+from dtp.layout.lower import Lowered, lower
+from dtp.layout.placement import ParamPlacement
+from dtp.layout.styles import Style
+from dtp.layout.styles.linear import COLWISE, ROWWISE
+from dtp.layout.styles.moe import EXPERTS
+from dtp.layout.styles.spec import SEQUENCE, ModuleLayout
 
 
 def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -91,41 +96,49 @@ class Compiled:
         return cross_entropy(logits, targets)
 
 
-def _style(m: ModuleLayout, module: nn.Module, leaves: LocalParams | None) -> ParallelStyle:
-    layouts = (m.input, m.output)
-    if m.style in ("colwise", "rowwise") and megatron_layouts(module, m.style, layouts, m.local):
-        placements = dict(m.placements) or param_placements(m.style, module)
-        return (MegatronColwise if m.style == "colwise" else MegatronRowwise)(placements, leaves)
-    if m.style == "vocab_parallel" and vocab_layouts(module, m.embedding, layouts, m.local):
+# A style's ParallelStyle, from its ModuleLayout: the one part of a style that needs a process group,
+# so it lives here and not in its StyleSpec (dtp/layout/styles, read by the checker below this
+# stage). `Factory(m, module, leaves)`; tests/compiler hold the table to every Style.
+Factory = Callable[[ModuleLayout, nn.Module, LocalParams | None], ParallelStyle]
+
+
+def _colwise(m: ModuleLayout, module: nn.Module, leaves: LocalParams | None) -> ParallelStyle:
+    if megatron_layouts(module, m.style, (m.input, m.output), m.local):
+        return MegatronColwise(dict(m.placements) or COLWISE.placements(module), leaves)
+    kw = dict(input_layouts=m.input, output_layouts=m.output, use_local_output=m.local)
+    return PlacedColwise(dict(m.placements), **kw) if m.placements else ColwiseParallel(**kw)
+
+
+def _rowwise(m: ModuleLayout, module: nn.Module, leaves: LocalParams | None) -> ParallelStyle:
+    if megatron_layouts(module, m.style, (m.input, m.output), m.local):
+        return MegatronRowwise(dict(m.placements) or ROWWISE.placements(module), leaves)
+    return PlacedRowwise(input_layouts=m.input, output_layouts=m.output, use_local_output=m.local)
+
+
+def _vocab_parallel(
+    m: ModuleLayout, module: nn.Module, leaves: LocalParams | None
+) -> ParallelStyle:
+    if vocab_layouts(module, m.embedding, (m.input, m.output), m.local):
         return VocabParallelEmbedding(leaves) if m.embedding else VocabParallelHead(leaves)
-    if m.style == "colwise":
-        kw = dict(input_layouts=m.input, output_layouts=m.output, use_local_output=m.local)
-        if m.placements:
-            return PlacedColwise(dict(m.placements), **kw)
-        return ColwiseParallel(**kw)
-    if m.style == "rowwise":
-        return PlacedRowwise(
-            input_layouts=m.input, output_layouts=m.output, use_local_output=m.local
-        )
-    if m.style == "experts":
-        return ExpertsParallel()
-    if m.reduce_grad:
-        return ReplicateReduceGrad()
-    if m.style == "slice_input":
-        return SliceHeadsInput(m.slice_names, m.heads, m.slice_dim)
-    if m.style == "slice_params":
-        return SliceHeadsParams(m.slice_names, m.slice_dim)
-    if m.style == "sharded_norm":
-        return ShardedNorm(dict(m.placements)["weight"])
-    if m.style == "vocab_parallel" and m.embedding:
-        return RowwiseEmbedding(
-            input_layouts=m.input, output_layouts=m.output, use_local_output=m.local
-        )
-    if m.style == "vocab_parallel":
-        return ColwiseParallel(
-            input_layouts=m.input, output_layouts=m.output, use_local_output=False
-        )
-    return SequenceParallelFromReplicated()
+    kw = dict(input_layouts=m.input, output_layouts=m.output)
+    if m.embedding:  # under sequence parallelism: torch's layout, reduce-scattered
+        return RowwiseEmbedding(**kw, use_local_output=m.local)
+    return ColwiseParallel(**kw, use_local_output=False)
+
+
+PARALLEL_STYLES: dict[Style, Factory] = {
+    Style.COLWISE: _colwise,
+    Style.ROWWISE: _rowwise,
+    Style.VOCAB_PARALLEL: _vocab_parallel,
+    Style.SEQUENCE_PARALLEL: lambda m, module, leaves: SequenceParallelFromReplicated(),
+    Style.REPLICATE: lambda m, module, leaves: ReplicateReduceGrad(),  # reduce_grad=true
+    Style.EXPERTS: lambda m, module, leaves: ExpertsParallel(),
+    Style.SLICE_INPUT: lambda m, module, leaves: SliceHeadsInput(
+        m.slice_names, m.heads, m.slice_dim
+    ),
+    Style.SHARDED_NORM: lambda m, module, leaves: ShardedNorm(dict(m.placements)["weight"]),
+    Style.SLICE_PARAMS: lambda m, module, leaves: SliceHeadsParams(m.slice_names, m.slice_dim),
+}
 
 
 def placed_params(low: Lowered, model: nn.Module) -> dict[str, ParamPlacement]:
@@ -136,9 +149,9 @@ def placed_params(low: Lowered, model: nn.Module) -> dict[str, ParamPlacement]:
         for name, placement in m.placements:
             if placement.parts or placement.packed > 1:
                 out[f"{path}.{name}"] = placement
-        if m.style == "experts":
+        if m.style == Style.EXPERTS:
             module = model.get_submodule(path)
-            for name, placement in param_placements("experts", module).items():
+            for name, placement in EXPERTS.placements(module).items():
                 if placement.packed > 1:  # [gate; up] halves
                     out[f"{path}.{name}"] = placement
     return out
@@ -157,7 +170,10 @@ def compile_plan(
     checked = checked_for(plan, model, tp)
     low = lower(checked.resolution, tp)
     leaves = None if fsdp_follows else LocalParams()  # one per model: a tied weight has one leaf
-    styles = {path: _style(m, model.get_submodule(path), leaves) for path, m in low.modules.items()}
+    styles = {
+        path: PARALLEL_STYLES[m.style](m, model.get_submodule(path), leaves)
+        for path, m in low.modules.items()
+    }
     for parent in low.shared_inputs:
         shared = SharedInput(SEQUENCE if low.sequence_parallel else Replicate())
         styles[parent] = Chained(shared, styles[parent]) if parent in styles else shared

@@ -34,6 +34,7 @@ from dtp.compiler.mappings import copy_to_ranks, features_of_rank, sum_over_rank
 from dtp.compiler.placed import distribute_param
 from dtp.layout.modules import is_conv1d
 from dtp.layout.placement import ParamPlacement
+from dtp.layout.styles import Style
 
 
 def linear(module: nn.Module, x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -79,9 +80,9 @@ def megatron_layouts(
     it (sequence parallelism, DTensor or partial outputs)."""
     if type(module) is not nn.Linear and not is_conv1d(module) or not local:
         return False
-    if style == "colwise":
+    if style == Style.COLWISE:
         return layouts == (Replicate(), Shard(-1))
-    return style == "rowwise" and layouts == (Shard(-1), Replicate())
+    return style == Style.ROWWISE and layouts == (Shard(-1), Replicate())
 
 
 class LayerStyle(ParallelStyle):

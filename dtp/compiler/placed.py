@@ -28,7 +28,8 @@ from dtp.compiler.mappings import copy_to_ranks, sum_over_ranks
 from dtp.layout.experts import experts_layout
 from dtp.layout.modules import is_conv1d
 from dtp.layout.parts import Parts, equal_parts, local_rows, repeated
-from dtp.layout.placement import ParamPlacement, param_placements
+from dtp.layout.placement import ParamPlacement
+from dtp.layout.styles import Style, param_placements
 
 
 def _block(piece: torch.Tensor, kind: bool | int, r: int, tp: int, dim: int) -> torch.Tensor:
@@ -324,7 +325,7 @@ class ExpertsParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _eager_if_misaligned(module, device_mesh.size())  # before the parameters become DTensors
-        for name, placement in param_placements("experts", module).items():
+        for name, placement in param_placements(Style.EXPERTS, module).items():
             distribute_param(module, name, placement, device_mesh)
         return become(module, ParallelExperts, TensorParallelGroup.of(device_mesh, None))
 

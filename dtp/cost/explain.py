@@ -14,6 +14,7 @@ from dtp.cost.schedule import Collective, NotModeled, schedule, summarize
 from dtp.lang.vocabulary import slice_names
 from dtp.layout.placement import ParamPlacement
 from dtp.layout.resolve import generic_path
+from dtp.layout.styles import Style
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ def explain(
         rule = res.claims.get(path)
         style = rule.style.name if rule else None
         placements = res.placements(path)
-        if style in (None, "replicate"):
+        if style in (None, Style.REPLICATE):
             untouched.append(path)
         for pname, p in own:
             full = f"{path}.{pname}" if path else pname
@@ -127,7 +128,7 @@ def explain(
     sliced = [
         f"{path}: {', '.join(slice_names(rule.style))} at dim {rule.style.option('dim', 0)}"
         for path, rule in res.claims.items()
-        if rule.style.name == "slice_input"
+        if rule.style.name == Style.SLICE_INPUT
     ]
     plan = checked.plan
     try:

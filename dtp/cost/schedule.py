@@ -20,21 +20,24 @@ A layout change costs (N tokens × width × element size is the buffer S):
 | `slice_input`, `slice_params` (per head) | -                 | -                  |
 
 Sibling colwise layers that share their parent's input pay the input cost once (Megatron's f).
+Each style's own rows are its StyleSpec's `collectives` (dtp/layout/styles); the loss, the split into
+sequence shards, replicated packed parts and FSDP2 are the model's and are priced here.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate
 
 from dtp.checks.checker import Checked
 from dtp.cost.fsdp import unit_bytes, units
-from dtp.layout.experts import experts_layout
-from dtp.layout.lower import SEQUENCE, Lowered, lower
-from dtp.layout.modules import features
+from dtp.layout.lower import Lowered, lower
+from dtp.layout.styles import SPECS, Style
+from dtp.layout.styles.spec import SEQUENCE, NotModeled, Region, enter_cost
 
 
 @dataclass(frozen=True)
@@ -55,10 +58,6 @@ def sent_bytes(op: str, buffer_bytes: int, n: int) -> int:
         return 0
     factor = 2 if op == "all_reduce" else 1  # all-reduce = reduce-scatter + all-gather
     return factor * buffer_bytes * (n - 1) // n
-
-
-class NotModeled(Exception):
-    """A layout the analytic model does not cover (e.g. a partial input); explain says so."""
 
 
 def schedule(
@@ -132,35 +131,27 @@ def _tensor_parallel(
         op: str,
         phase: str,
         width: int,
-        module: str,
         reason: str,
         nbytes: int | None = None,
         sequence: bool = False,
+        *,
+        module: str,
     ) -> None:
         n = padded if sequence else tokens
-        out.append(
-            Collective(
-                op, phase, nbytes if nbytes is not None else n * width * elem, module, reason
-            )
-        )
+        size = nbytes if nbytes is not None else n * width * elem
+        out.append(Collective(op, phase, size, module, reason))
 
     if low.loss_parallel:
         head = next(
-            p for p, m in low.modules.items() if m.style == "vocab_parallel" and not m.embedding
+            p for p, m in low.modules.items() if m.style == Style.VOCAB_PARALLEL and not m.embedding
         )
         # dtp's vocab-parallel cross-entropy (dtp.compiler.vocab_parallel) reads bf16 logits in
         # float32: its three statistics travel in at least float32 (torch's loss_parallel sends the
         # target logit in bf16)
         stats = max(elem, 4)
         for what, size in (("max", stats), ("sum of exponentials", stats), ("target logit", stats)):
-            add(
-                "all_reduce",
-                "forward",
-                1,
-                head,
-                f"vocab-parallel cross-entropy: {what}",
-                tokens * size,
-            )
+            reason = f"vocab-parallel cross-entropy: {what}"
+            add("all_reduce", "forward", 1, reason, tokens * size, module=head)
     if tp == 1:
         return out  # DTensor skips redistributions over a one-rank mesh
 
@@ -168,6 +159,20 @@ def _tensor_parallel(
         c: parent for parent, children in low.shared_inputs.items() for c in children
     }
     entered: set[str] = set()
+
+    def enter(path: str, m, width: int) -> None:
+        # siblings that share their parent's input pay its cost once (Megatron's f)
+        key = shared_children.get(path, path)
+        if key in entered:
+            return
+        entered.add(key)
+        if key in low.shared_inputs:
+            siblings = ", ".join(c.rsplit(".", 1)[-1] for c in low.shared_inputs[key])
+            between = SEQUENCE if low.sequence_parallel else Replicate()
+            enter_cost(partial(add, module=key), between, width, f"shared input of {siblings}", key)
+        else:
+            enter_cost(partial(add, module=key), m.input, width, "input", key)
+
     for path, m in low.modules.items():
         module = res.modules[path]
         # replicated packed parts: their rows' gradient is summed
@@ -176,117 +181,29 @@ def _tensor_parallel(
             param = getattr(module, name, None)
             if rows and param is not None:
                 numel = param.numel() // param.shape[placement.shard_dim] * rows
-                add(
-                    "all_reduce",
-                    "backward",
-                    0,
-                    path,
-                    f"gradient of {name}'s replicated parts",
-                    numel * elem,
-                )
-        # statistics in at least float32 (dtp/compiler/sharded_norm.py)
-        if m.style == "sharded_norm":
-            stats = max(elem, 4)
-            add(
-                "all_reduce",
-                "forward",
-                0,
-                path,
-                "sum of squares over the sharded features",
-                tokens * stats,
-            )
-            add("all_reduce", "backward", 0, path, "gradient of the sum of squares", tokens * stats)
-            continue
-        if m.reduce_grad:
-            for name, p in module.named_parameters(recurse=False):
-                add(
-                    "all_reduce",
-                    "backward",
-                    0,
-                    path,
-                    f"gradient of replicated {name}",
-                    p.numel() * elem,
-                )
-            continue
-        if m.style == "experts":
-            hidden = experts_layout(module).hidden
-            top_k = getattr(getattr(res.modules[""], "config", None), "num_experts_per_tok", None)
-            if not isinstance(top_k, int):
-                raise NotModeled(f"{path}: experts without config.num_experts_per_tok")
-            add("all_reduce", "backward", hidden, path, "input: gradient (f)")
-            add(
-                "all_reduce",
-                "backward",
-                top_k,
-                path,
-                "routing weights: gradient (f), in at least float32",
-                tokens * top_k * max(elem, 4),
-            )
-            add("all_reduce", "forward", hidden, path, "partial sums (g)")
-            continue
-        if m.style in ("colwise", "vocab_parallel") and not m.embedding:
-            key = shared_children.get(path, path)
-            if key not in entered:
-                entered.add(key)
-                layout = (
-                    (SEQUENCE if low.sequence_parallel else Replicate())
-                    if key in low.shared_inputs
-                    else m.input
-                )
-                _enter_region(
-                    add,
-                    layout,
-                    features(module)[0],
-                    key,
-                    "shared input of "
-                    + ", ".join(c.rsplit(".", 1)[-1] for c in low.shared_inputs[key])
-                    if key in low.shared_inputs
-                    else "input",
-                )
-            if m.style == "colwise" and m.output != Shard(-1):
-                if m.output != Replicate():
-                    raise NotModeled(f"{path}: colwise output {m.output}")
-                if any(p.parts for _, p in m.placements):
-                    raise NotModeled(f"{path}: gathered output of packed parts")
-                add("all_gather", "forward", features(module)[1], path, "gathered output")
-        elif m.style == "rowwise" or m.embedding:
-            # split locally; its gradient gathered
-            if m.style == "rowwise" and m.input == Replicate():
-                add(
-                    "all_gather",
-                    "backward",
-                    features(module)[0],
-                    path,
-                    "gradient of the split input",
-                )
-            elif m.style == "rowwise" and m.input != Shard(-1):
-                raise NotModeled(f"{path}: rowwise input {m.input}")
-            width = module.embedding_dim if m.embedding else features(module)[1]
-            _leave_region(add, m.output, width, path)
-        elif m.style == "sequence_parallel":
-            for name, p in module.named_parameters(recurse=False):
-                add(
-                    "all_reduce",
-                    "backward",
-                    0,
-                    path,
-                    f"gradient of replicated {name}",
-                    p.numel() * elem,
-                )
+                reason = f"gradient of {name}'s replicated parts"
+                add("all_reduce", "backward", 0, reason, numel * elem, module=path)
+        region = Region(
+            path,
+            module,
+            m,
+            res.modules[""],
+            tokens,
+            elem,
+            partial(add, module=path),
+            partial(enter, path, m),
+        )
+        SPECS[m.style].collectives(region)
     if low.sequence_parallel and not any(
         m.embedding and m.output == SEQUENCE for m in low.modules.values()
     ):
         # A replicated activation (e.g. GPT-2's token + position sum) is cut into sequence shards
         # where it enters the first sequence-parallel module; the backward pass gathers its
         # gradient.
-        first = next(p for p, m in low.modules.items() if m.style == "sequence_parallel")
+        first = next(p for p, m in low.modules.items() if m.style == Style.SEQUENCE_PARALLEL)
+        reason = "gradient of the split into sequence shards"
         add(
-            "all_gather",
-            "backward",
-            _hidden(res.modules, low),
-            first,
-            "gradient of the split into sequence shards",
-            sequence=True,
+            "all_gather", "backward", _hidden(res.modules, low), reason, sequence=True, module=first
         )
     return out
 
@@ -294,37 +211,12 @@ def _tensor_parallel(
 def _hidden(modules: dict[str, nn.Module], low: Lowered) -> int:
     """The width of the sequence-parallel activations: a sequence-parallel norm's size."""
     for path, m in low.modules.items():
-        weight = getattr(modules[path], "weight", None) if m.style == "sequence_parallel" else None
+        weight = (
+            getattr(modules[path], "weight", None) if m.style == Style.SEQUENCE_PARALLEL else None
+        )
         if weight is not None:
             return weight.shape[-1]
     raise NotModeled("sequence parallelism without a norm to read the hidden size from")
-
-
-def _enter_region(add, placement, width: int, module: str, what: str) -> None:
-    if placement == Replicate():
-        add("all_reduce", "backward", width, module, f"{what}: gradient (f)")
-    elif placement == SEQUENCE:
-        add("all_gather", "forward", width, module, f"{what}: sequence gather", sequence=True)
-        add("reduce_scatter", "backward", width, module, f"{what}: gradient", sequence=True)
-    else:
-        raise NotModeled(f"{module}: input {placement}")
-
-
-def _leave_region(add, placement, width: int, module: str) -> None:
-    if placement == Replicate():
-        add("all_reduce", "forward", width, module, "partial sums (g)")
-    elif placement == SEQUENCE:
-        add(
-            "reduce_scatter",
-            "forward",
-            width,
-            module,
-            "partial sums to sequence shards",
-            sequence=True,
-        )
-        add("all_gather", "backward", width, module, "gradient", sequence=True)
-    else:
-        raise NotModeled(f"{module}: output {placement}")
 
 
 def summarize(collectives: list[Collective], tp: int, dp: int = 1) -> dict:

@@ -284,10 +284,10 @@ def mutated_plans(draw, plan: str, model: dict, sp: bool) -> tuple[str, str, boo
     rules = {i: r for i, line in enumerate(lines) if (r := _parse_rule(line))}
     by_style = {
         s: [i for i, r in rules.items() if r[2] == s]
-        for s in ("colwise", "rowwise", "vocab_parallel")
+        for s in ("colwise", "rowwise", "vocab_parallel", "sequence_parallel")
     }
     packed = [i for i in by_style["colwise"] if "packed" in rules[i][3]]
-    norms = [i for i, r in rules.items() if r[2] == "sequence_parallel"]
+    norms = by_style["sequence_parallel"]
     kinds = [
         k for k in MUTATIONS if k not in ("partial", "unpaired_colwise") or by_style["rowwise"]
     ]

@@ -69,10 +69,9 @@ def evaluate(case: Case, pools: Pools, timeout: float = 120.0) -> Outcome:
         return Outcome("failed", f"check crashed: {type(err).__name__}: {err}")
     if sequence_shape_problem(checked, case.tp, case.seq):
         return Outcome("rejected")  # `dtp apply` refuses it as a usage error
-    plan_path = pool.path("plan.tp")
-    plan_path.write_text(case.plan)
-    cfg = RunConfig(
-        plan=str(plan_path),
+    cfg = RunConfig(  # the ranks parse the text that was checked; no file between
+        plan="fuzz.tp",
+        plan_text=case.plan,
         model=spec,
         tp=case.tp,
         dp=case.dp,

@@ -1,39 +1,41 @@
-"""The plan language's vocabulary: the styles, the options each takes, and readers of option values
-that need no model (how many equal packed parts, which names a slice rule cuts)."""
+"""The language's side of each style: its name (`Style`) and the options it takes, which `dtp check
+PLAN` reads with no model and no torch; and readers of option values that need no model (how many
+equal packed parts, which names a slice rule cuts). Everything else a style is, is its StyleSpec
+(dtp/layout/styles), whose `options` are these."""
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from dtp.lang import ir
 
-STYLES = (
-    "colwise",
-    "rowwise",
-    "vocab_parallel",
-    "sequence_parallel",
-    "replicate",
-    "experts",
-    "slice_input",
-    "sharded_norm",
-    "slice_params",
-)
+
+class Style(StrEnum):
+    """The plan language's styles, as written in a `.tp` file."""
+
+    COLWISE = "colwise"
+    ROWWISE = "rowwise"
+    VOCAB_PARALLEL = "vocab_parallel"
+    SEQUENCE_PARALLEL = "sequence_parallel"
+    REPLICATE = "replicate"
+    EXPERTS = "experts"
+    SLICE_INPUT = "slice_input"
+    SHARDED_NORM = "sharded_norm"
+    SLICE_PARAMS = "slice_params"
 
 
-# The options each style accepts, with the kind of value each takes.
-OPTIONS: dict[str, dict[str, str]] = {
-    "colwise": {"input": "layout", "output": "layout", "local": "bool", "packed": "parts"},
-    "rowwise": {"input": "layout", "output": "layout", "local": "bool"},
-    "vocab_parallel": {"input": "layout", "output": "layout", "local": "bool"},
-    "sequence_parallel": {},
-    "replicate": {"reduce_grad": "bool"},
-    "experts": {},
-    # inputs (one name or a list) holding every head at dimension `dim` (0: (batch · heads, …)), cut
-    # to this rank's
-    "slice_input": {"name": "names", "dim": "index"},
-    # an RMS norm over a colwise-sharded feature dim (dtp/compiler/sharded_norm.py)
-    "sharded_norm": {"packed": "parts"},
-    # an attention's own per-head parameters (one name or a list) holding every head at `dim`, cut
-    # to this rank's
-    "slice_params": {"name": "names", "dim": "index"},
+# The options each style accepts, with the kind of value each takes (a layout, a bool, `packed`'s
+# parts, one name or a list, a dimension index).
+OPTIONS: dict[Style, dict[str, str]] = {
+    Style.COLWISE: {"input": "layout", "output": "layout", "local": "bool", "packed": "parts"},
+    Style.ROWWISE: {"input": "layout", "output": "layout", "local": "bool"},
+    Style.VOCAB_PARALLEL: {"input": "layout", "output": "layout", "local": "bool"},
+    Style.SEQUENCE_PARALLEL: {},
+    Style.REPLICATE: {"reduce_grad": "bool"},
+    Style.EXPERTS: {},
+    Style.SLICE_INPUT: {"name": "names", "dim": "index"},
+    Style.SHARDED_NORM: {"packed": "parts"},
+    Style.SLICE_PARAMS: {"name": "names", "dim": "index"},
 }
 
 

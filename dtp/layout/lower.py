@@ -8,47 +8,17 @@ import copy
 from dataclasses import dataclass, replace
 
 import torch.nn as nn
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Replicate
 
 from dtp.lang import conditions, ir
 from dtp.lang.expr import evaluate
-from dtp.lang.vocabulary import slice_names
 from dtp.layout.attention import config_heads
-from dtp.layout.modules import is_conv1d
-from dtp.layout.placement import ParamPlacement
 from dtp.layout.resolve import Resolution, set_target
-
-SEQUENCE = Shard(1)
-
+from dtp.layout.styles import SPECS, Style
+from dtp.layout.styles.spec import SEQUENCE, LayoutContext, ModuleLayout
 
 # styles that cut per-head tensors and leave activations alone
-HEAD_SLICES = ("slice_input", "slice_params")
-
-
-def to_placement(layout: ir.Layout) -> Placement:
-    """A plan LAYOUT as a DTensor placement."""
-    if layout.kind == "shard":
-        return Shard(layout.dim)
-    return Partial() if layout.kind == "partial" else Replicate()
-
-
-@dataclass(frozen=True)
-class ModuleLayout:
-    """What one claimed module does with its activations."""
-
-    style: str  # plan style
-    embedding: bool  # vocab_parallel on nn.Embedding (else on the output Linear)
-    input: Placement | None  # how its input arrives (None: not a tensor-parallel boundary)
-    output: Placement | None  # what it hands on
-    local: bool  # hand on a local tensor (True) or a DTensor
-    # Parameter placements for the layouts torch's styles lack (Conv1D, unequal or replicated
-    # parts):
-    placements: tuple[tuple[str, ParamPlacement], ...] = ()
-    reduce_grad: bool = False  # replicate(reduce_grad=true)
-    # slice_input / slice_params(name=…): the inputs or parameters cut
-    slice_names: tuple[str, ...] = ()
-    heads: int = 0  # the config's attention heads (slice_input)
-    slice_dim: int = 0  # slice_input / slice_params(dim=…): the dimension holding the heads
+HEAD_SLICES = (Style.SLICE_INPUT, Style.SLICE_PARAMS)
 
 
 @dataclass(frozen=True)
@@ -81,84 +51,27 @@ def rewrite(module: nn.Module, values: dict[str, int]) -> None:
         setattr(copies[holder], name, value)
 
 
-def _layout(style: ir.Style, key: str, default: Placement) -> Placement:
-    value = style.option(key)
-    return to_placement(value) if isinstance(value, ir.Layout) else default
-
-
-def module_layout(style: ir.Style, module: nn.Module, sp: bool) -> ModuleLayout | None:
-    """What `style` does with `module`'s activations (None: replicate, nothing to do); `sp`:
-    sequence parallel."""
-    # With sequence parallelism the residual stream between blocks is a DTensor sharded on the
-    # sequence: colwise layers all-gather their input, rowwise layers reduce-scatter their output
-    # and hand the residual a DTensor (Megatron-SP's g and ḡ).
-    between = SEQUENCE if sp else Replicate()
-    local = style.option("local", not sp)
-    name = style.name
-    if name == "colwise":
-        return ModuleLayout(
-            name,
-            False,
-            _layout(style, "input", between),
-            _layout(style, "output", Shard(-1)),
-            style.option("local", True),
-        )
-    if name == "rowwise":
-        return ModuleLayout(
-            name,
-            False,
-            _layout(style, "input", Shard(-1)),
-            _layout(style, "output", between),
-            local,
-        )
-    if name == "vocab_parallel" and isinstance(module, nn.Embedding):
-        return ModuleLayout(
-            name,
-            True,
-            _layout(style, "input", Replicate()),
-            _layout(style, "output", between),
-            local,
-        )
-    if name == "vocab_parallel":
-        return ModuleLayout(name, False, _layout(style, "input", between), Shard(-1), False)
-    if name == "sequence_parallel":
-        return ModuleLayout(name, False, SEQUENCE, SEQUENCE, False)
-    if name == "experts":
-        return ModuleLayout(name, False, Replicate(), Replicate(), True)
-    if name in HEAD_SLICES:
-        return ModuleLayout(name, False, None, None, True)
-    # between a colwise layer and its consumer: local feature slices in and out
-    if name == "sharded_norm":
-        return ModuleLayout(name, False, Shard(-1), Shard(-1), True)
-    if style.option("reduce_grad", False) is True:
-        return ModuleLayout(name, False, None, None, True, reduce_grad=True)
-    return None  # replicate
+def module_layout(style: ir.Style, module: nn.Module, ctx: LayoutContext) -> ModuleLayout | None:
+    """What `style` does with `module`'s activations (None: nothing to do), as its StyleSpec says;
+    None for a name no style has (check reports it)."""
+    spec = SPECS.get(style.name)
+    return spec.layout(style, module, ctx) if spec else None
 
 
 def lower(res: Resolution, tp: int) -> Lowered:
     """Layouts for every module the plan claims, the shared-input groups and the `set` values at
     `tp`."""
     sp = res.sequence_parallel
+    info = (
+        config_heads(res.modules[""])
+        if any(r.style.name in HEAD_SLICES for r in res.claims.values())
+        else None
+    )
+    heads = info.n_head if info else 0
     modules: dict[str, ModuleLayout] = {}
     for path, rule in res.claims.items():
-        layout = module_layout(rule.style, res.modules[path], sp)
-        if layout is not None and layout.style in HEAD_SLICES:
-            info = config_heads(res.modules[""])
-            layout = replace(
-                layout,
-                slice_names=slice_names(rule.style),
-                heads=info.n_head if info else 0,
-                slice_dim=int(rule.style.option("dim", 0)),
-            )
-        if layout is not None and layout.style == "sharded_norm":
-            layout = replace(layout, placements=tuple(res.placements(path).items()))
-        if layout is not None and layout.style == "colwise":
-            # packed parts (equal or not) and Conv1D need dtp's own placements
-            placed = res.placements(path)
-            special = is_conv1d(res.modules[path]) or any(
-                p.parts or p.packed > 1 for p in placed.values()
-            )
-            layout = replace(layout, placements=tuple(placed.items()) if special else ())
+        ctx = LayoutContext(sp, res.placements(path), heads)
+        layout = module_layout(rule.style, res.modules[path], ctx)
         if layout is not None:
             modules[path] = layout
     # A shared input changes what every child of the parent receives, so only a parent whose colwise
@@ -166,7 +79,7 @@ def lower(res: Resolution, tp: int) -> Lowered:
     between = SEQUENCE if sp else Replicate()
     groups: dict[str, list[str]] = {}
     for path, layout in modules.items():
-        if layout.style == "colwise" and "." in path:
+        if layout.style == Style.COLWISE and "." in path:
             groups.setdefault(path.rpartition(".")[0], []).append(path)
     # (A parent whose own style leaves its activations alone, slice_input or slice_params, may have
     # one too.)
@@ -193,5 +106,5 @@ def lower(res: Resolution, tp: int) -> Lowered:
                 else attrs[v.name]
             ),
         )
-    loss = any(m.style == "vocab_parallel" and not m.embedding for m in modules.values())
+    loss = any(m.style == Style.VOCAB_PARALLEL and not m.embedding for m in modules.values())
     return Lowered(modules, shared, rewrites, sp, loss)

@@ -20,7 +20,8 @@ from dtp.lang.vocabulary import slice_names
 from dtp.layout.modules import features, is_linear
 from dtp.layout.norms import norm_width
 from dtp.layout.parts import try_parts
-from dtp.layout.placement import ParamPlacement, param_placements
+from dtp.layout.placement import ParamPlacement
+from dtp.layout.styles import Style, param_placements
 
 
 def _segment_matches(seg: ir.Segment, name: str) -> bool:
@@ -65,7 +66,7 @@ def sharded_colwise(res: Resolution) -> dict[str, list[str]]:
     ):
         if (
             "." in path
-            and rule.style.name == "colwise"
+            and rule.style.name == Style.COLWISE
             and getattr(rule.style.option("output"), "kind", "shard") == "shard"
         ):
             out.setdefault(path.rpartition(".")[0], []).append(path)
@@ -103,17 +104,17 @@ class Resolution:
     def sequence_parallel(self) -> bool:
         """Whether a rule runs norms sequence-parallel: the activations between blocks are then
         split on the sequence."""
-        return any(rule.style.name == "sequence_parallel" for rule in self.claims.values())
+        return any(rule.style.name == Style.SEQUENCE_PARALLEL for rule in self.claims.values())
 
     def placements(self, path: str) -> dict[str, ParamPlacement]:
         """Where each of module `path`'s own parameters lives under the rule claiming it (if any)."""
         rule = self.claims.get(path)
         if rule is None:
             return param_placements(None, self.modules[path])
-        if rule.style.name == "slice_params":
+        if rule.style.name == Style.SLICE_PARAMS:
             dim = rule.style.option("dim", 0)
             return param_placements(
-                "slice_params",
+                Style.SLICE_PARAMS,
                 self.modules[path],
                 sliced=slice_names(rule.style),
                 dim=dim if isinstance(dim, int) and not isinstance(dim, bool) else 0,
@@ -125,11 +126,11 @@ class Resolution:
             features(module)[1]
             if is_linear(module)
             else norm_width(module)
-            if rule.style.name == "sharded_norm"
+            if rule.style.name == Style.SHARDED_NORM
             else 0
         )
         parts = try_parts(packed, width, self.modules[""]) if width else ()
-        return param_placements(rule.style.name, module, packed if valid else 1, parts)
+        return param_placements(rule.style.name, module, packed=packed if valid else 1, parts=parts)
 
 
 def _suggest(pattern: ir.Pattern, paths: list[str]) -> str:

@@ -29,6 +29,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Shard
 
+from dtp.layout.styles import Style
+
 TP_SEED_OFFSET = 2718  # Megatron's offset for the model-parallel RNG
 
 
@@ -119,7 +121,7 @@ def _install(model: nn.Module, layouts: dict, rng: TensorParallelRNG) -> None:
     model.register_forward_pre_hook(lambda m, a: rng.leave())
     for path, layout in layouts.items():
         module = model.get_submodule(path)
-        if layout.style == "sequence_parallel":
+        if layout.style == Style.SEQUENCE_PARALLEL:
             module.register_forward_pre_hook(lambda m, a: rng.enter())
         sharded = isinstance(layout.output, Shard)
         module.register_forward_hook(lambda m, a, o, s=sharded: rng.enter() if s else rng.leave())

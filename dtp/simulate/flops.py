@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from dtp.layout.resolve import Resolution
+from dtp.layout.styles import Style
 from dtp.simulate.ops import LOSS, Recorder, summarize
 
-SHARDING_STYLES = ("colwise", "rowwise", "vocab_parallel")
+SHARDING_STYLES = (Style.COLWISE, Style.ROWWISE, Style.VOCAB_PARALLEL)
 RECOMPUTE = ("none", "selective", "full", "op")
 
 

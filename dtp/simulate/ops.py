@@ -19,6 +19,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 from torch.utils.module_tracker import ModuleTracker
 
+from dtp.layout.styles import Style
+
 ATTENTION = ("bmm", "baddbmm", "scaled_dot_product")
 LOSS = "<loss>"  # the path the training loss's ops are recorded under
 
@@ -119,7 +121,7 @@ def summarize(
     recorded under LOSS are split when the last GEMM before them (the head) is: a
     vocabulary-parallel loss."""
     colwise_parents = {
-        p.rsplit(".", 1)[0] if "." in p else "" for p, s in sharded.items() if s == "colwise"
+        p.rsplit(".", 1)[0] if "." in p else "" for p, s in sharded.items() if s == Style.COLWISE
     }
     head = next((path for path, kind, *_ in reversed(raw) if kind == "gemm" and path != LOSS), "")
     counts: Counter = Counter()

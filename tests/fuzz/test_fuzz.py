@@ -16,6 +16,7 @@ from dtp.fuzz.pool import Pools
 from dtp.fuzz.replay import load_checked_case
 from dtp.fuzz.runner import evaluate, fuzz, fuzz_parser, save
 from dtp.layout.placement import ParamPlacement
+from dtp.layout.styles import Style
 
 REGRESSIONS = sorted((REPO / "tests" / "regressions").glob("*.json"))
 
@@ -83,16 +84,12 @@ def test_finds_model_that_depends_on_its_local_width(pools):
 
 
 def test_finds_compiler_that_drops_a_reduction(pools, monkeypatch):
-    original = dtp.compiler.compiler._style
+    def no_all_reduce(m, module, leaves):  # hands on partial sums as if they were the result
+        return RowwiseParallel(
+            input_layouts=m.input, output_layouts=Partial(), use_local_output=True
+        )
 
-    def no_all_reduce(m, module, leaves):
-        if m.style == "rowwise":  # hands on partial sums as if they were the result
-            return RowwiseParallel(
-                input_layouts=m.input, output_layouts=Partial(), use_local_output=True
-            )
-        return original(m, module, leaves)
-
-    monkeypatch.setattr(dtp.compiler.compiler, "_style", no_all_reduce)
+    monkeypatch.setitem(dtp.compiler.compiler.PARALLEL_STYLES, Style.ROWWISE, no_all_reduce)
     assert _finds(pools, zoo_cases(max_world=2), 30).startswith(
         ("parity failed", "collectives differ")
     )

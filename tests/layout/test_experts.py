@@ -16,7 +16,8 @@ from dtp.checks.checker import check
 from dtp.errors import PlanError
 from dtp.lang.parse import load
 from dtp.layout.experts import ExpertsLayout, experts_layout
-from dtp.layout.placement import REPLICATE, ParamPlacement, param_placements
+from dtp.layout.placement import REPLICATE, ParamPlacement
+from dtp.layout.styles import param_placements
 from dtp.models import hf
 
 
