@@ -1,5 +1,6 @@
 """FSDP2's units over the dp dimension and the bytes each all-gathers, counted statically: each
-block of the model's top-level ModuleLists is one unit and the model itself the root."""
+block of the model's top-level ModuleLists is one unit (a block that is a ModuleDict, its parts) and
+the model itself the root."""
 
 from __future__ import annotations
 
@@ -11,12 +12,27 @@ from dtp.checks.checker import Checked
 
 def units(model: nn.Module) -> list[str]:
     """Paths of the FSDP units below the root: the elements of ModuleLists not nested in another
-    unit."""
+    unit. An element that is a container with no forward of its own (a ModuleDict of the block's
+    parts, as nanoGPT-style code writes blocks) gives its children instead: FSDP2 and activation
+    checkpointing wrap what is called."""
     out: list[str] = []
     for path, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and not any(path.startswith(u + ".") for u in out):
-            out += [f"{path}.{name}" if path else name for name, _ in module.named_children()]
+            for name, child in module.named_children():
+                out += _called(f"{path}.{name}" if path else name, child)
     return out
+
+
+def _called(path: str, module: nn.Module) -> list[str]:
+    """`path` if `module` has a forward, else its children that hold parameters, the same way."""
+    if type(module).forward is not nn.Module.forward:
+        return [path]
+    return [
+        unit
+        for name, child in module.named_children()
+        if any(True for _ in child.parameters())
+        for unit in _called(f"{path}.{name}", child)
+    ]
 
 
 def unit_bytes(

@@ -37,6 +37,8 @@ from dtp.models.clone import meta_twin
 POSITIONS = ("input_pos",)
 # nanoGPT, minGPT: forward(idx, targets=None); HF: labels
 TARGETS = ("targets", "labels", "target", "label")
+# Hugging Face: 1 for a token, 0 for padding, (B, T)
+MASK = "attention_mask"
 _MAX_DEPTH = 4  # nesting searched for the logits (a tuple in a dict in a dataclass …)
 Path = tuple  # keys, attribute names and indices from the output to the logits
 
@@ -57,18 +59,25 @@ class Forward:
     stop: str | None = None
 
     def run(
-        self, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor | None = None
+        self,
+        model: nn.Module,
+        ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        **extra: torch.Tensor,
     ) -> object:
         """`model`'s output for token ids (B, T) (and the targets, where the model needs them for
-        full logits); with `stop`, the output of that module, the rest of the forward not run."""
-        kwargs: dict[str, torch.Tensor] = {}
+        full logits; `extra` by name, an attention mask); with `stop`, the output of that module,
+        the rest of the forward not run."""
+        kwargs: dict[str, torch.Tensor] = dict(extra)
         if self.positions:
             kwargs[self.positions] = torch.arange(ids.shape[-1], device=ids.device)
         if self.targets:
             # a forward without targets (an eval probe): ids stand in, the logits are the same
             if targets is None:
                 targets = ids
-            kwargs[self.targets] = targets
+            # An ignored label (-100) stands for nothing the logits depend on; a model's own loss
+            # may not ignore it (nanoGPT ignores -1), and dtp does not read that loss.
+            kwargs[self.targets] = torch.where(targets < 0, ids, targets)
         if self.stop is None:
             return model(ids, **kwargs)
         # The model's own loss after its head would run on the sharded logits (nanoGPT views them
@@ -99,10 +108,14 @@ class Forward:
         return found
 
     def __call__(
-        self, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor | None = None
+        self,
+        model: nn.Module,
+        ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        **extra: torch.Tensor,
     ) -> torch.Tensor:
         """The logits of `model` on `ids`."""
-        return self.logits(self.run(model, ids, targets))
+        return self.logits(self.run(model, ids, targets, **extra))
 
 
 class _Stopped(Exception):
@@ -131,6 +144,20 @@ def producer(
         for h in handles:
             h.remove()
     return made.get(id(found(output)))
+
+
+def takes_mask(model: nn.Module) -> bool:
+    """Whether `model`'s forward takes an attention mask by name (`MASK`)."""
+    try:
+        return MASK in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a builtin or a C forward: no signature to read
+        return False
+
+
+def pad_id(model: nn.Module) -> int:
+    """The id a batch is padded with: the config's `pad_token_id`, else 0."""
+    value = getattr(getattr(model, "config", None), "pad_token_id", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 PLAIN = Forward(read=False)  # model(ids) is the logits or carries `.logits` (Hugging Face, the zoo)

@@ -94,7 +94,7 @@ def allocate(model: nn.Module, device: torch.device) -> None:
 @torch.no_grad()
 def scatter_from(full: nn.Module | None, applied: Applied, device: torch.device) -> None:
     """Fill every rank's shards from rank 0's unsharded `full` (None on the other ranks): one
-    scatter per sharded parameter, one broadcast per replicated parameter and floating-point buffer."""
+    scatter per sharded parameter, one broadcast per replicated parameter and buffer."""
     rank, world = dist.get_rank(), dist.get_world_size()
     tp_ranks: list = [None] * world
     layouts = list(param_layouts(applied))
@@ -131,12 +131,22 @@ def scatter_from(full: nn.Module | None, applied: Applied, device: torch.device)
             blocks = [padded[tp_ranks[w]] for w in range(world)]
         dist.scatter(received, blocks, src=0)
         local.view(-1).copy_(received[: local.numel()])
-    full_buffers = dict(full.named_buffers()) if rank == 0 else {}
-    for name, buf in applied.model.named_buffers():  # random buffers would differ otherwise
-        if buf.is_floating_point() and not isinstance(buf, DTensor):
-            if rank == 0 and name in full_buffers and full_buffers[name].shape == buf.shape:
-                buf.copy_(full_buffers[name])
-            dist.broadcast(buf, src=0)
+
+
+@torch.no_grad()
+def share_buffers(model: nn.Module, full: nn.Module | None) -> None:
+    """Every plain buffer as rank 0 holds it (`full`'s, where rank 0 built the whole model), on
+    every rank: one drawn in __init__ would differ otherwise, floating or not (a permutation, a
+    mask). Booleans travel as bytes: gloo has no bool."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    full_buffers = dict(full.named_buffers()) if full is not None else {}
+    for name, buf in model.named_buffers():
+        if isinstance(buf, DTensor):
+            continue
+        if name in full_buffers and full_buffers[name].shape == buf.shape:
+            buf.copy_(full_buffers[name])
+        dist.broadcast(buf.view(torch.uint8) if buf.dtype == torch.bool else buf, src=0)
 
 
 def build_sharded(
@@ -182,6 +192,7 @@ def build_sharded(
         fill_pretrained(applied, source.pretrained)
     else:
         fill_keyed(applied, seed)
+    share_buffers(model, full)
     if dp > 1:
         data_parallel(model, mesh["dp"])
     return applied

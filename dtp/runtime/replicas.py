@@ -8,8 +8,8 @@ cheaply: one 2-integer fingerprint of each tensor's bits per rank, one all-gathe
 and, only for a tensor whose fingerprints differ, one broadcast to measure by how much.
 
 Checked: every parameter replicated over the tp dimension (a DTensor with `Replicate` there, or a
-plain tensor) and every floating-point buffer. Sharded parameters have one owner per element:
-nothing to compare.
+plain tensor) and every buffer, integer and boolean ones included (a step counter, a permutation
+drawn in `__init__`, a mask). Sharded parameters have one owner per element: nothing to compare.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def replicated_tensors(model: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
     out += [
         ("buffer", n, b.to_local() if isinstance(b, DTensor) else b)
         for n, b in model.named_buffers()
-        if b.is_floating_point() and _tp_replicated(b)
+        if _tp_replicated(b)
     ]
     return out
 

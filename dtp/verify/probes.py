@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dtp import models
-from dtp.models.calling import Forward
+from dtp.models.calling import MASK, Forward, pad_id, takes_mask
 from dtp.runtime.replicas import check_replicas, replica_rtol, replicated_tensors
 from dtp.verify.parity import ParityCheck
 from dtp.verify.reference import Reference, full_value, own_rng
@@ -35,16 +35,36 @@ MAX_PROBE_SEQ = 2048
 
 @dataclass(frozen=True)
 class Probe:
-    """One forward after the steps: a mode and a shape."""
+    """One forward after the steps: a mode and a shape; `padded`: rows left-padded to different
+    lengths, with the attention mask; `autocast`: under torch.autocast in bfloat16, the weights
+    float32, as `dtp train --dtype bfloat16` runs."""
 
     mode: str  # "train" | "eval"
     batch: int
     seq: int
+    padded: bool = False
+    autocast: bool = False
 
     @property
     def label(self) -> str:
         """How the report names it."""
-        return f"{self.mode}, {self.batch}×{self.seq}"
+        how = ", left-padded" if self.padded else ""
+        how += ", bfloat16 autocast" if self.autocast else ""
+        return f"{self.mode}, {self.batch}×{self.seq}{how}"
+
+
+def padded_batch(
+    batch: int, seq: int, vocab: int, pad: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) of `batch` prompts of different lengths, left-padded with `pad` to `seq`: row r
+    has (r + 1) · ⌊seq/2⌋ // batch pad tokens (at least one), so pad ids are present whatever the
+    draw."""
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    for r in range(batch):
+        n = max(1, (r + 1) * (seq // 2) // batch)
+        ids[r, :n], mask[r, :n] = pad, 0
+    return ids, mask
 
 
 def _longest(
@@ -83,8 +103,12 @@ def plan_probes(
     seq: int,
     vocab: int,
     device: torch.device,
+    dtype: torch.dtype,
 ) -> list[Probe]:
-    """The probes every rank runs (decided on rank 0, which holds the references, and broadcast)."""
+    """The probes every rank runs (decided on rank 0, which holds the references, and broadcast).
+
+    Beside the lengths: a left-padded batch with its mask where the model takes one (prompts as a
+    server batches them), and, for a float32 run, bfloat16 autocast (as `dtp train` computes)."""
     decided: list = [None]
     if refs:
         stated = models.max_sequence(model)
@@ -92,6 +116,10 @@ def plan_probes(
         decided[0] = _longest(refs[0], cap, tp, seq, vocab, device)
     dist.broadcast_object_list(decided, src=0)
     probes = [Probe("eval", batch, seq)]
+    if seq >= 2:  # the mask goes where the forward takes one; pad ids go to every model
+        probes.append(Probe("eval", max(batch, 2), seq, padded=True))
+    if dtype == torch.float32:
+        probes.append(Probe("eval", batch, seq, autocast=True))
     if decided[0] is not None:
         probes += [Probe("eval", 1, decided[0]), Probe("train", 1, decided[0])]
     return probes
@@ -109,34 +137,58 @@ def run_probes(
     vocab: int,
     device: torch.device,
     forward: Forward,
-) -> None:
+) -> list[Probe]:
     """Each probe's forward on every rank; on rank 0 its logits against the references'. `inputs` is
-    this rank's part of the steps' batch (the eval probe at the training shape reads it)."""
+    this rank's part of the steps' batch (the eval probe at the training shape reads it). Returns the
+    left-padded probes not compared because the unsharded float64 model itself gives non-finite
+    logits there (a model that cannot take padding, not a sharding fault)."""
+    skipped = []
     gen = torch.Generator().manual_seed(seed + 2)
+    pad = pad_id(sharded) if pad_id(sharded) < vocab else 0
+    masked = takes_mask(sharded)
     for probe in probes:
-        ids = (
-            inputs
-            if probe.seq == inputs.shape[1] and probe.batch == inputs.shape[0]
-            else torch.randint(0, vocab, (probe.batch, probe.seq), generator=gen).to(device)
-        )
+        extra, keep = {}, None
+        if probe.padded:
+            ids, mask = padded_batch(probe.batch, probe.seq, vocab, pad, gen)
+            ids, keep = ids.to(device), mask.bool()
+            extra = {MASK: mask.to(device)} if masked else {}
+        elif probe.seq == inputs.shape[1] and probe.batch == inputs.shape[0]:
+            ids = inputs
+        else:
+            ids = torch.randint(0, vocab, (probe.batch, probe.seq), generator=gen).to(device)
         for m in [sharded] + [r.model for r in refs]:
             m.train(probe.mode == "train")
-        got = full_value(forward(sharded, ids))
-        if refs:
-            outs = []
-            # the generator state as the sharded forward left it: a shared dropout stream
-            for ref in refs:
-                with own_rng(device):
-                    outs.append(ref.run(ids))
-            parity.compare(
-                "probes",
-                f"logits ({probe.label})",
-                got,
-                outs[0],
-                outs[1] if len(outs) > 1 else None,
-            )
+        with _autocast(device, probe.autocast):
+            got = full_value(forward(sharded, ids, **extra))
+        if not refs:
+            continue
+        outs = []
+        # the generator state as the sharded forward left it: a shared dropout stream
+        for i, ref in enumerate(refs):
+            # the float64 truth is the truth: autocast runs the unsharded copy only
+            with own_rng(device), _autocast(device, probe.autocast and i > 0):
+                outs.append(ref.run(ids, **extra))
+        if keep is not None:  # a padded position's logits are whatever the model makes of them
+            got, outs = got[keep.to(got.device)], [o[keep.to(o.device)] for o in outs]
+            if not bool(outs[0].isfinite().all()):
+                skipped.append(probe)
+                continue
+        parity.compare(
+            "probes",
+            f"logits ({probe.label})",
+            got,
+            outs[0],
+            outs[1] if len(outs) > 1 else None,
+            held_in=torch.bfloat16 if probe.autocast else None,
+        )
     for m in [sharded] + [r.model for r in refs]:
         m.train()
+    return skipped
+
+
+def _autocast(device: torch.device, on: bool):
+    """torch.autocast in bfloat16 on `device`'s type where `on`, else nothing."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
 
 
 def compare_buffers(

@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtp import models
+from dtp.compiler.vocab_parallel import IGNORE_INDEX
 from dtp.compiler.vocab_parallel import cross_entropy as sharded_cross_entropy
 from dtp.cost.param_bytes import ideal_param_bytes, local_param_bytes
 from dtp.cost.schedule import NotModeled, schedule, summarize
@@ -234,17 +235,22 @@ def _batch(
     cfg: RunConfig, mesh: DeviceMesh, vocab: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, slice]:
     """(inputs, targets) of the global batch, and this rank's part of it: dp splits the batch;
-    logits and loss are compared on that part."""
+    logits and loss are compared on that part. One target in eight is IGNORE_INDEX."""
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     # the global batch
-    ids = torch.randint(0, vocab, (cfg.batch, cfg.seq + 1), generator=gen).to(device)
+    ids = torch.randint(0, vocab, (cfg.batch, cfg.seq + 1), generator=gen)
+    targets = ids[:, 1:].clone()
+    # Ignored labels (-100, as padding and prompts are masked in fine-tuning) reach the loss: the
+    # same number in every row, so each dp rank's mean is over as many tokens as the global one's.
+    ignored = torch.rand(targets.shape, generator=gen).argsort(dim=1)[:, : cfg.seq // 8]
+    targets.scatter_(1, ignored, IGNORE_INDEX)
     per_dp = cfg.batch // cfg.dp
     mine = (
         slice(mesh["dp"].get_local_rank() * per_dp, (mesh["dp"].get_local_rank() + 1) * per_dp)
         if cfg.dp > 1
         else slice(None)
     )
-    return ids[:, :-1], ids[:, 1:], mine
+    return ids[:, :-1].to(device), targets.to(device), mine
 
 
 def _compare_step(
@@ -349,8 +355,9 @@ def _probe(
         seq=cfg.seq,
         vocab=vocab,
         device=device,
+        dtype=dtype,
     )
-    run_probes(
+    skipped = run_probes(
         parity,
         sharded=model,
         refs=built.refs,
@@ -366,8 +373,16 @@ def _probe(
         f"train, {inputs.shape[0]}×{cfg.seq}: {cfg.steps} steps (logits, loss, gradients, "
         "parameters, "
         "buffers; replicas on every rank)"
-    ] + [f"{p.label}: logits" for p in probes]
-    if len(probes) == 1:
+    ] + [
+        f"{p.label}: "
+        + (
+            "not compared (the unsharded model's own logits are not finite there)"
+            if p in skipped
+            else "logits"
+        )
+        for p in probes
+    ]
+    if not any(p.seq > cfg.seq for p in probes):
         parity.shapes.append(
             f"no longer sequence: the model runs none longer than {cfg.seq} "
             f"(up to {cfg.max_seq or 'its maximum'})"

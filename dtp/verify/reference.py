@@ -94,10 +94,12 @@ class Reference:
         self.dtype = dtype
         self.forward = forward
 
-    def run(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def run(
+        self, inputs: torch.Tensor, targets: torch.Tensor | None = None, **extra: torch.Tensor
+    ) -> torch.Tensor:
         """The model's logits (the float64 truth's computed with float64 as the default dtype:
-        `forward_as`)."""
-        return forward_as(self.model, self.dtype, inputs, targets, self.forward)
+        `forward_as`); `extra` by name (an attention mask)."""
+        return forward_as(self.model, self.dtype, inputs, targets, self.forward, **extra)
 
     def param(self, name: str) -> torch.Tensor | None:
         """A parameter as trained (its master copy)."""
@@ -115,16 +117,17 @@ def forward_as(
     inputs: torch.Tensor,
     targets: torch.Tensor | None = None,
     forward: Forward = PLAIN,
+    **extra: torch.Tensor,
 ) -> torch.Tensor:
     """`model`'s logits on `inputs`, called as `forward` says; for the float64 truth with float64 as
     torch's default dtype, so that a tensor the model makes without a dtype (XGLM's `torch.full((),
     finfo(weights.dtype).min)`) is float64 too, not an overflow."""
     if dtype != torch.float64:
-        return forward(model, inputs, targets)
+        return forward(model, inputs, targets, **extra)
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        return forward(model, inputs, targets)
+        return forward(model, inputs, targets, **extra)
     finally:
         torch.set_default_dtype(before)
 
@@ -161,16 +164,18 @@ def reference_step(
     split: bool,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward and backward on the global batch; the logits and loss of this rank's part of it.
+    """One forward and backward on the global batch; the logits and loss of this rank's part of it
+    (`split`: dp ranks hold rows `mine`), taken from that same forward.
 
-    On its own copy of the generator state: the shared dropout stream stays in step with the other
-    ranks."""
+    One forward, as data parallelism runs it: train mode once, buffers (a step counter, running
+    statistics) updated once, batch statistics over the whole batch. On its own copy of the
+    generator state: the shared dropout stream stays in step with the other ranks."""
     with own_rng(device):
         logits = ref.run(inputs, targets)
         loss = cross_entropy(logits, targets)
         loss.backward()
-        if split:
-            with torch.no_grad():
-                logits = ref.run(inputs[mine], targets[mine])
-                loss = cross_entropy(logits, targets[mine])
-    return logits, loss
+    if not split:
+        return logits, loss
+    with torch.no_grad():
+        rows = logits[mine].detach()
+        return rows, cross_entropy(rows, targets[mine])

@@ -4,11 +4,16 @@ replicas give nothing."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+from dtp.checks.checker import check
 from dtp.lang.parse import load
 from dtp.models.gpt import GPT, GPTConfig
+from dtp.runtime.build import build_on_meta, build_sharded
 from dtp.runtime.ranks import on_ranks
 from dtp.runtime.replicas import check_replicas, fingerprint, replicated_tensors
 from dtp.runtime.shard import apply
@@ -82,3 +87,50 @@ def test_fsdp_over_dp_keeps_tp_replicas_in_the_check():
     assert "transformer.wpe.weight" in names and "transformer.h.1.ln_2.bias" in names
     assert "transformer.h.0.attn.c_attn.weight" not in names
     assert len(names) == 15  # wpe, 10 norm weights and biases, 4 rowwise biases: as at dp 1
+
+
+def _with_rank_buffers() -> GPT:
+    """A GPT that draws an integer permutation and a boolean mask in __init__ from its own rank's
+    stream, as a model seeded per process would: every rank's draw differs."""
+    model = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=16, vocab_size=32, block_size=8))
+    draw = torch.Generator().manual_seed(100 + int(os.environ.get("RANK", "0")))
+    model.register_buffer("perm", torch.randperm(16, generator=draw))
+    model.register_buffer("mask", torch.rand(16, generator=draw) > 0.5)
+    return model
+
+
+def _built_buffers(rank: int, world: int, from_rank0: bool, nudge: bool) -> dict:
+    checked = check(load("plans/gpt2.tp"), build_on_meta(_with_rank_buffers, None), world)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    full = _with_rank_buffers() if from_rank0 and rank == 0 else None
+    kw = dict(seed=0, device=torch.device("cpu"), full=full, from_rank0=from_rank0)
+    model = build_sharded(checked, _with_rank_buffers, mesh, **kw).model
+    names = [n for _, n, _ in replicated_tensors(model)]
+    if nudge and rank == 1:
+        model.perm[0] += 1
+        model.mask[0] = ~model.mask[0]
+    found = check_replicas(model, mesh.get_group())
+    return {
+        "perm": model.perm.tolist(),
+        "mask": model.mask.tolist(),
+        "names": names,
+        "found": sorted((d.kind, d.name, d.ranks) for d in found),
+    }
+
+
+@pytest.mark.parametrize("from_rank0", [True, False])
+def test_integer_and_boolean_buffers_are_rank0s_after_the_build(from_rank0):
+    r0, r1 = on_ranks(_built_buffers, 2, from_rank0, False)
+    assert (r1["perm"], r1["mask"]) == (r0["perm"], r0["mask"])
+    os.environ["RANK"] = "0"  # rank 0's own draw is what every rank holds
+    try:
+        rank0 = _with_rank_buffers()
+    finally:
+        del os.environ["RANK"]
+    assert r0["perm"] == rank0.perm.tolist() and r0["mask"] == rank0.mask.tolist()
+    assert {"perm", "mask"} <= set(r0["names"]) and r0["found"] == []
+
+
+def test_a_drifted_integer_or_boolean_buffer_is_named():
+    r0, r1 = on_ranks(_built_buffers, 2, True, True)
+    assert r0["found"] == r1["found"] == [("buffer", "mask", (1,)), ("buffer", "perm", (1,))]

@@ -59,7 +59,7 @@ def test_a_run_the_machine_cannot_host_is_refused_before_any_rank(
         monkeypatch.setattr(module, "available_bytes", lambda: 16 * 2**30)
     start = time.monotonic()
     assert main([*argv, "--out", str(tmp_path / "out")]) == 2
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 20  # seconds, not the minutes building it would take
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not (tmp_path / "out" / "metrics.jsonl").exists()

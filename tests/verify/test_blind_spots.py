@@ -36,10 +36,12 @@ def test_the_probes_and_their_shapes_are_stated(tmp_path, repo):
         "rank)",
         # 64: the config's maximum
         "eval, 2×16: logits",
+        "eval, 2×16, left-padded: logits",
+        "eval, 2×16, bfloat16 autocast: logits",
         "eval, 1×64: logits",
         "train, 1×64: logits",
     ]
-    assert parity["probes"]["compared"] == 3
+    assert parity["probes"]["compared"] == 5
     # 2 floating + 2 integer buffers, after 3 steps and the probes
     assert parity["buffers"]["compared"] == 4 * 4
 
