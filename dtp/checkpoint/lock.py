@@ -11,6 +11,7 @@ runs never delete each other's work in progress.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import secrets
@@ -19,7 +20,11 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+from dtp import files
 from dtp.checkpoint.files import CheckpointError, prepare
+from dtp.errors import UsageError
+
+MAX_LOCK_BYTES = 1024  # {"pid": …, "host": …}
 
 
 def lock_path(directory: Path) -> Path:
@@ -29,9 +34,9 @@ def lock_path(directory: Path) -> Path:
 
 def _owner(lock: Path) -> dict | None:
     """The lock's {pid, host}, or None when it is unreadable (then it is not a live dtp lock)."""
-    try:
-        data = json.loads(lock.read_text(encoding="utf-8")[:1000])
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+    try:  # a regular file of at most 1 KB, opened without blocking (never /dev/zero or a FIFO)
+        data = json.loads(files.read_bounded(lock, "checkpoint lock", MAX_LOCK_BYTES))
+    except (UsageError, ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) and isinstance(data.get("pid"), int) else None
 
@@ -127,9 +132,10 @@ def remove_partial(directory: Path) -> None:
     parent = directory.parent
     if not parent.is_dir():
         return
-    for tmp in parent.glob(f"{directory.name}.tmp-*"):
+    name = glob.escape(directory.name)  # a name is a name, not a pattern (`ck[ab]`)
+    for tmp in parent.glob(f"{name}.tmp-*"):
         shutil.rmtree(tmp, ignore_errors=True)
-    old = sorted(parent.glob(f"{directory.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    old = sorted(parent.glob(f"{name}.old-*"), key=lambda p: p.stat().st_mtime)
     if old and not os.path.lexists(directory):
         with contextlib.suppress(OSError):
             os.rename(old[-1], directory)

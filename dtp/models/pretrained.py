@@ -29,6 +29,17 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 # a config.json is a few KiB (with a tokenizer's vocabulary inlined, rarely more)
 MAX_CONFIG_BYTES = 1024 * 1024
+MAX_LAYERS = 4096  # the deepest published models have ~100; a million is a typo or an attack
+REMOTE = ("auto_map", "trust_remote_code")  # code shipped in the directory, at any depth
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+# a config's choice of kernels: dtp chooses (transformers' defaults), nothing is fetched
+IMPLEMENTATIONS = (
+    "attn_implementation",
+    "_attn_implementation",
+    "_attn_implementation_internal",
+    "experts_implementation",
+    "_experts_implementation",
+)
 MAX_INDEX_BYTES = 16 * 1024 * 1024  # one line per tensor: a 1000-layer MoE stays far below
 
 
@@ -45,13 +56,20 @@ def read_config(directory: str) -> dict:
         raise UsageError(
             f"{directory}/{CONFIG} must hold a JSON object (a Hugging Face model config)"
         )
-    remote = [k for k in ("auto_map", "trust_remote_code") if data.get(k)]
-    if remote:
-        raise UsageError(
-            f"{directory}/{CONFIG} sets {remote[0]}: the model's classes are code shipped in its "
-            "directory, which dtp never runs; use a model type transformers implements itself, or "
-            "wrap your own class in a factory (MODEL = package.module:factory)"
-        )
+    for where, key, value in _entries(data):
+        if key in REMOTE and value:
+            raise UsageError(
+                f"{directory}/{CONFIG} sets {where}: the model's classes are code shipped in its "
+                "directory, which dtp never runs; use a model type transformers implements itself, "
+                "or wrap your own class in a factory (MODEL = package.module:factory)"
+            )
+        if key in LAYER_KEYS and not (
+            isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_LAYERS
+        ):
+            raise UsageError(
+                f"{directory}/{CONFIG}: {where} is {shorten(value)}; a model has 1 to "
+                f"{MAX_LAYERS} layers"
+            )
     model_type = data.get("model_type")
     from transformers import CONFIG_MAPPING
 
@@ -63,11 +81,35 @@ def read_config(directory: str) -> dict:
     return data
 
 
+def _entries(value: object, where: str = "") -> Iterator[tuple[str, str, object]]:
+    """(dotted path, key, value) of every key of a JSON object, at any depth (lists included)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            path = f"{where}.{key}" if where else str(key)
+            yield path, key, item
+            yield from _entries(item, path)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _entries(item, f"{where}[{i}]")
+
+
+def _chosen_here(data: object) -> object:
+    """`data` without the keys that choose an implementation (attention, experts): dtp chooses,
+    from transformers' own; a name there (flash_attention_2, a Hub kernel) would make transformers
+    import or download code."""
+    if isinstance(data, dict):
+        return {k: _chosen_here(v) for k, v in data.items() if k not in IMPLEMENTATIONS}
+    if isinstance(data, list):
+        return [_chosen_here(v) for v in data]
+    return data
+
+
 def hf_config(directory: str, data: dict | None = None):
-    """The transformers config object of `directory` (from the checked config.json)."""
+    """The transformers config object of `directory` (from the checked config.json, without its
+    choice of implementations)."""
     from transformers import CONFIG_MAPPING
 
-    data = read_config(directory) if data is None else data
+    data = _chosen_here(read_config(directory) if data is None else data)
     try:
         return CONFIG_MAPPING[data["model_type"]].from_dict(dict(data))
     except (TypeError, ValueError, KeyError) as err:

@@ -6,6 +6,7 @@ exit 2 before any rank starts."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from dtp.cli import main
+from dtp.models import pretrained
 from dtp.train import data
 
 transformers = pytest.importorskip("transformers")
@@ -144,6 +146,48 @@ def test_a_directory_that_ships_code_is_refused(repo, tmp_path, capsys):
     assert main(["check", "plans/hf/llama.tp", str(model), "--tp", "2"]) == 2
     err = capsys.readouterr().err
     assert "auto_map" in err and "never runs" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            {"text_config": {"auto_map": {"AutoConfig": "evil.EvilConfig"}}},
+            "config.json sets text_config.auto_map: the model's classes are code shipped",
+        ),
+        ({"num_hidden_layers": 1000000}, "num_hidden_layers is 1000000; a model has 1 to 4096"),
+        ({"num_hidden_layers": "2"}, "num_hidden_layers is '2'; a model has 1 to 4096"),
+    ],
+)
+def test_code_at_any_depth_and_unbounded_depth_are_refused(repo, tmp_path, capsys, edit, message):
+    model = _save(tmp_path, "llama")
+    capsys.readouterr()
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **edit}))
+    start = time.monotonic()
+    assert main(["check", "plans/hf/llama.tp", str(model), "--tp", "2"]) == 2
+    assert time.monotonic() - start < 20  # refused from the file, not after building the model
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        {"attn_implementation": "flash_attention_2"},
+        {"_attn_implementation": "kernels-community/flash-attn"},  # a Hub kernel
+        {"experts_implementation": "kernels-community/megablocks"},
+    ],
+)
+def test_a_directory_cannot_choose_the_kernels(repo, tmp_path, capsys, monkeypatch, choice):
+    # nothing a directory says may import a kernel package or reach the network
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = _save(tmp_path, "llama")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **choice}))
+    assert main(["check", "plans/hf/llama.tp", str(model), "--tp", "2"]) == 0
+    built = pretrained.build_model(str(model), weights=False)
+    assert built.config._attn_implementation in ("eager", "sdpa")
 
 
 def test_pickled_weights_are_never_read(repo, tmp_path, tokens, capsys):
