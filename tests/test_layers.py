@@ -27,7 +27,7 @@ ORDER: list[tuple[str, ...]] = [  # lower first; one tuple per level
     ("cost", "compiler"),
     ("runtime",),
     ("verify", "checkpoint", "simulate"),
-    ("train", "hf", "fuzz", "auto"),
+    ("train", "hf", "fuzz", "auto", "generate"),
     ("bench",),
     ("cli",),
 ]

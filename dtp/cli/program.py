@@ -17,6 +17,7 @@ from dtp.cli import (
     export,
     fmt,
     fuzz,
+    generate,
     plan,
     plans,
     search,
@@ -27,7 +28,21 @@ from dtp.errors import DtpError, Terminated
 from dtp.runtime.torchrun import leave_rank, under_torchrun
 
 # in `dtp --help`'s order
-COMMANDS = (check, fmt, explain, apply, fuzz, simulate, search, train, export, bench, plan, plans)
+COMMANDS = (
+    check,
+    fmt,
+    explain,
+    apply,
+    fuzz,
+    simulate,
+    search,
+    train,
+    generate,
+    export,
+    bench,
+    plan,
+    plans,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -98,6 +98,12 @@ def add_parser(sub) -> None:
         action="store_true",
         help="the paper's weak-scaling experiment (Table-1 models) and MODEL's strong scaling",
     )
+    s.add_argument(
+        "--decode",
+        action="store_true",
+        help="predict one decoded token (--micro-batch rows, --seq tokens of KV cache) at tp 1, 2, "
+        "4, … up to the node's GPUs: where tensor parallelism stops paying for decoding",
+    )
     s.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     s.add_argument("--plot", metavar="PATH", help="with --sweep: write the scaling plot (PNG)")
     s.add_argument(
@@ -122,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("json", "plot", "markdown", "output"):
         if getattr(args, flag):
             writable_file(getattr(args, flag), "-o" if flag == "output" else f"--{flag}")
+    if args.decode:
+        return _decode(args)
     return simulate_command(
         plan=args.plan,
         model=args.model,
@@ -147,3 +155,29 @@ def run(args: argparse.Namespace) -> int:
         calibrate=args.calibrate,
         output=args.output,
     )
+
+
+def _decode(args: argparse.Namespace) -> int:
+    """`--decode`: the predicted decode step at every tp of the node."""
+    import json
+
+    from dtp.errors import UsageError
+    from dtp.files import write_text
+    from dtp.simulate import profile
+    from dtp.simulate.decode import decode_table, render_table
+
+    if not (args.plan and args.model and args.profile):
+        raise UsageError("--decode needs PLAN, MODEL and --profile")
+    table = decode_table(
+        args.plan,
+        args.model,
+        profile.load(args.profile),
+        tp=args.tp,
+        batch=args.micro_batch,
+        context=args.seq or 512,
+        precision=args.precision,
+    )
+    print(render_table(table))
+    if args.json:
+        write_text(args.json, json.dumps(table, indent=2) + "\n", "--json")
+    return 0

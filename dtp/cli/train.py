@@ -100,6 +100,15 @@ def add_parser(sub) -> None:
         "a divergence stops the run, exit 1",
     )
     t.add_argument(
+        "--verify-every",
+        type=interval,
+        default=100,
+        metavar="N",
+        help="every N steps and after the last, compare the sharded model's logits and loss on a "
+        "fixed batch with a float64 replay of its own weights on rank 0 (0: off; default 100); "
+        "a difference beyond the step's own rounding stops the run, exit 1",
+    )
+    t.add_argument(
         "--max-rank-memory",
         type=memory_size,
         metavar="BYTES",
@@ -192,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
         convert=args.convert,
         init=args.init,
         check_replicas=args.check_replicas,
+        verify_every=args.verify_every,
         threads=args.threads,
     )
     return train_command(

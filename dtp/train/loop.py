@@ -38,9 +38,10 @@ from dtp.runtime.job import Job, finite, positive
 from dtp.runtime.mesh import make_mesh
 from dtp.runtime.preflight import trusted
 from dtp.runtime.rows import shared_rows
-from dtp.train import data, replica_checks, resume
+from dtp.train import data, replica_checks, resume, verify
 from dtp.train.meter import CommTimer, peak_memory, sync
 from dtp.train.optim import Schedule, adamw, clip_, set_lr
+from dtp.verify.dropout import DropoutProbe
 
 TRAIN_DTYPES = ("float32", "bfloat16")  # bfloat16: autocast over float32 master weights
 INITS = ("model", "keyed")
@@ -71,6 +72,10 @@ class TrainConfig(Job):
     init: str = "model"
     # compare the tp ranks' replicated tensors every N steps (0: at the end and saves only)
     check_replicas: int = 10
+    # compare with a float64 replay of the model's own weights every N steps and at the end (0: off)
+    verify_every: int = 100
+    # the rows of every batch in reverse order: this run up to rounding (--compare-tp's noise twin)
+    twin: bool = False
     # intra-op threads per local rank (None: dtp.runtime.threads.threads_per_rank)
     threads: int | None = None
 
@@ -100,6 +105,8 @@ class TrainConfig(Job):
             raise UsageError(f"--warmup {self.warmup} is longer than --steps {self.steps}")
         if self.check_replicas < 0:
             raise UsageError(f"--check-replicas must be 0 or more steps, got {self.check_replicas}")
+        if self.verify_every < 0:
+            raise UsageError(f"--verify-every must be 0 or more steps, got {self.verify_every}")
         if self.save_every and not self.checkpoint:
             raise UsageError("--save-every needs --checkpoint DIR (where to save)")
         if self.convert and not self.resume:
@@ -217,20 +224,27 @@ class Trainer:
             value /= self.cfg.dp
         return float(value.item())
 
-    def train_step(self, counters: dict | None = None, timer: CommTimer | None = None) -> dict:
+    def train_step(
+        self, counters: dict | None = None, timer: CommTimer | None = None, probe=None
+    ) -> dict:
         """One optimizer step on this step's batch; `counters` (forward, backward) count its
-        collectives."""
+        collectives; `probe` (dtp.verify.dropout) records the forward's random masks."""
         cfg = self.cfg
         lr = self.schedule(self.step)
         set_lr(self.optimizer, lr)
         inputs, targets = data.train_batch(
             self.corpus, self.tokens, self.step, cfg.seed, cfg.batch, cfg.seq, cfg.dp, self.dp_rank
         )
+        if cfg.twin:  # the same sums in another order: only rounding differs
+            inputs, targets = inputs.flip(0), targets.flip(0)
         self.model.train()
         sync(self.device)
         t0 = time.perf_counter()
         with timer or contextlib.nullcontext():
-            with counters["forward"] if counters else contextlib.nullcontext():
+            with (
+                counters["forward"] if counters else contextlib.nullcontext(),
+                probe.recording() if probe else contextlib.nullcontext(),
+            ):
                 loss = self._loss(inputs, targets)
             with counters["backward"] if counters else contextlib.nullcontext():
                 loss.backward()
@@ -285,6 +299,13 @@ class Trainer:
             return {"not_modeled": str(err)}
 
 
+def _anywhere(flag: bool, device: torch.device) -> bool:
+    """Whether `flag` holds on any rank of the world (a collective)."""
+    value = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def _progress(cfg: TrainConfig, rank: int):
     if rank != 0 or not cfg.progress:
         return None
@@ -307,6 +328,9 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
     metrics = Path(cfg.out, "metrics.jsonl") if rank == 0 else None
     bar = _progress(cfg, rank)
     replicas = replica_checks.ReplicaChecks.over(trainer.mesh, trainer.model, trainer.device)
+    verification = verify.Verification.over(trainer, cfg.verify_every)
+    # the first step's random masks against their tensors' placement (tp > 1, dropout or a generator)
+    masks = DropoutProbe.over(trainer.model) if replicas.group is not None else None
     stopped = False
     counters = {"forward": CommCounter(), "backward": CommCounter()}
     losses, val_losses, times, shares = [], [], [], []
@@ -324,7 +348,14 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
             # left out of the step-time median (the timer's dispatch mode slows every op of that
             # step)
             sampled = not first and not trainer.applied.plain and (step - start) % COMM_SAMPLE == 1
-            row = trainer.train_step(counters if first else None, CommTimer() if sampled else None)
+            row = trainer.train_step(
+                counters if first else None,
+                CommTimer() if sampled else None,
+                masks if first else None,
+            )
+            if first and masks and _anywhere(bool(masks.verdict(replicas.group)), trainer.device):
+                stopped = True  # every rank: dropout masks that break their tensors' placement
+                break
             if not math.isfinite(row["loss"]):
                 raise FloatingPointError(
                     f"the loss became {row['loss']} at step {row['step']}; lower --lr "
@@ -341,6 +372,14 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
                 # every rank stops here; the ranks of a tp group that diverged say what differs
                 if stopped:
                     row["replica_divergences"] = [d.describe() for d in replicas.divergences]
+                    if log:
+                        log.write(json.dumps(row) + "\n")
+                    break
+            if not verification.skipped and verify.due(row["step"], cfg.verify_every, cfg.steps):
+                found = verification.check(trainer, row["step"])
+                row["verified"] = {"ok": found["ok"], "margin": found["margin"]}
+                if not found["ok"]:  # every rank has the record: every rank stops here
+                    stopped = True
                     if log:
                         log.write(json.dumps(row) + "\n")
                     break
@@ -381,6 +420,8 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
         "peak_memory_bytes": peak,
         "peak_memory_kind": kind,
         "replicas": replicas.record(),
+        "verify": verification.record(),
+        "dropout": masks.record() if masks else None,
         "threads": torch.get_num_threads(),
         "plain": trainer.applied.plain,
     }

@@ -23,7 +23,7 @@ from dtp.errors import RunError, Terminated, UsageError
 from dtp.runtime.keyed_init import init_rule
 from dtp.runtime.preflight import Prepared, launch, prepare
 from dtp.runtime.threads import cores
-from dtp.train import data, replica_checks, resume
+from dtp.train import data, replica_checks, resume, verify
 from dtp.train.budget import check_budget, check_init_memory, check_train_memory
 from dtp.train.loop import TrainConfig, train
 from dtp.train.parity import compare, markdown
@@ -95,10 +95,21 @@ def run_training(prepared: Prepared, corpus: data.Corpus) -> list[dict]:
 
 def _replicas_held(results: list[dict]) -> list[dict]:
     """`results`, or a RunError (exit 1) when the tp ranks' replicated tensors diverged (every rank
-    stopped; with dp > 1 the first rank whose tp group diverged says what differs)."""
+    stopped; with dp > 1 the first rank whose tp group diverged says what differs) or the sharded
+    model left its float64 replay (dtp.train.verify)."""
     record = next((r["replicas"] for r in results if r["replicas"]["divergences"]), None)
     if record is not None:
         raise RunError(replica_checks.message(record, record["steps"][-1]))
+    masks = next((r["dropout"] for r in results if r["dropout"] and r["dropout"]["problems"]), None)
+    if masks is not None:
+        first, more = masks["problems"][:3], len(masks["problems"]) - 3
+        raise RunError(
+            "dropout breaks its tensors' placement on the first step (dtp.verify.dropout): "
+            + "; ".join(first)
+            + (f"; and {more} more site(s)" if more > 0 else "")
+        )
+    if not results[0]["verify"]["ok"]:
+        raise RunError(verify.message(results[0]["verify"]["checks"][-1]))
     return results
 
 
@@ -133,6 +144,8 @@ def summary(prepared: Prepared, corpus: data.Corpus, results: list[dict]) -> dic
         "resumed": first["resumed"],
         "checkpoints": first["saves"],
         "replicas": first["replicas"],
+        "verify": first["verify"],
+        "dropout": first["dropout"],
         "threads_per_rank": first["threads"],
         "ranks": len(results),
         "cores": cores(),
@@ -175,9 +188,24 @@ def render(s: dict) -> str:
             f"  peak memory ({s['peak_memory_kind']}) per rank: "
             f"{', '.join(human_bytes(b) for b in s['peak_memory_bytes'])}",
             *replica_checks.line(s["replicas"]),
+            *verify.line(s["verify"]),
+            *_dropout_line(s["dropout"]),
             *saved_line(s),
         ]
     )
+
+
+def _dropout_line(record: dict | None) -> list[str]:
+    """What the first step's mask probe compared (dtp.verify.dropout), and the model's own
+    generators."""
+    if record is None:
+        return []
+    held = record["generators"]
+    return [
+        f"  dropout: {record['sites']} mask site(s) on the first step masked as their tensors are "
+        "placed (alike where replicated, per rank where sharded)"
+        + (f"; generators the model holds: {', '.join(held)}" if held else "")
+    ]
 
 
 def _threads(s: dict) -> str:
@@ -275,7 +303,12 @@ def _compare(prepared: list[Prepared], corpus: data.Corpus, out: Path) -> int:
             ) from None
         print(render(runs[tp]), flush=True)
     job = prepared[0].job
-    verdict = compare(runs, job.dtype)  # the measured bands: dtp/train/parity.py
+    try:
+        twin = _twin(prepared[0], corpus, out)
+    except KeyboardInterrupt as stop:
+        print(f"{_stopped(stop)} in the noise twin", file=sys.stderr)
+        return 143 if isinstance(stop, Terminated) else 130
+    verdict = compare(runs, job.dtype, twin)  # the band the twin measures: dtp/train/parity.py
     table = markdown(verdict.rows, job.tp)
     (out / "compare.md").write_text(table + "\n", encoding="utf-8")
     _write(
@@ -304,6 +337,21 @@ def _compare(prepared: list[Prepared], corpus: data.Corpus, out: Path) -> int:
         + (f" · {note}" if note else f" · curves: {out / 'compare.png'}")
     )
     return 0 if verdict.ok else 1
+
+
+def _twin(first: Prepared, corpus: data.Corpus, out: Path) -> dict:
+    """The first tp's run again with every batch's rows reversed: the same sums in another order,
+    so its curve differs from the first tp's by this run's own rounding noise."""
+    job = replace(first.job, twin=True, verify_every=0, out=str(out / "twin"))
+    print(
+        f"training the noise twin (tp={job.tp}, every batch's rows reversed) …",
+        file=sys.stderr,
+        flush=True,
+    )
+    twin = replace(first, job=job)
+    result = summary(twin, corpus, run_training(twin, corpus))
+    _write(Path(job.out, "summary.json"), result)
+    return result
 
 
 def _stopped(stop: KeyboardInterrupt) -> str:

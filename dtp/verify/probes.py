@@ -24,11 +24,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dtp import models
-from dtp.models.calling import MASK, Forward, pad_id, takes_mask
+from dtp.models.calling import MASK, PLAIN, Forward, pad_id, takes_mask
+from dtp.models.decoding import Decoder
 from dtp.runtime.replicas import check_replicas, replica_rtol, replicated_tensors
 from dtp.verify.parity import ParityCheck
-from dtp.verify.reference import Reference, full_value, own_rng
+from dtp.verify.reference import Reference, float64_default, full_value, own_rng
 
+DECODE_STEPS = 4  # tokens the decode probe takes from the KV cache
 # the longest probe by default: attention's cost grows as seq², and float64 runs it too
 MAX_PROBE_SEQ = 2048
 
@@ -44,12 +46,14 @@ class Probe:
     seq: int
     padded: bool = False
     autocast: bool = False
+    decode: int = 0  # tokens decoded one at a time from the model's KV cache after the prompts
 
     @property
     def label(self) -> str:
         """How the report names it."""
         how = ", left-padded" if self.padded else ""
         how += ", bfloat16 autocast" if self.autocast else ""
+        how += f", then {self.decode} tokens from the KV cache" if self.decode else ""
         return f"{self.mode}, {self.batch}×{self.seq}{how}"
 
 
@@ -104,11 +108,14 @@ def plan_probes(
     vocab: int,
     device: torch.device,
     dtype: torch.dtype,
+    forward: Forward = PLAIN,
 ) -> list[Probe]:
     """The probes every rank runs (decided on rank 0, which holds the references, and broadcast).
 
     Beside the lengths: a left-padded batch with its mask where the model takes one (prompts as a
-    server batches them), and, for a float32 run, bfloat16 autocast (as `dtp train` computes)."""
+    server batches them), for a float32 run bfloat16 autocast (as `dtp train` computes), and for a
+    model with a KV cache (dtp.models.decoding) the padded prompts then `DECODE_STEPS` tokens decoded
+    from the cache (as `dtp generate` runs it)."""
     decided: list = [None]
     if refs:
         stated = models.max_sequence(model)
@@ -120,6 +127,8 @@ def plan_probes(
         probes.append(Probe("eval", max(batch, 2), seq, padded=True))
     if dtype == torch.float32:
         probes.append(Probe("eval", batch, seq, autocast=True))
+    if Decoder.of(model, forward).cached and seq >= 2:  # prefill and decode, as `dtp generate`
+        probes.append(Probe("eval", max(batch, 2), seq, padded=True, decode=DECODE_STEPS))
     if decided[0] is not None:
         probes += [Probe("eval", 1, decided[0]), Probe("train", 1, decided[0])]
     return probes
@@ -133,27 +142,36 @@ def run_probes(
     refs: list[Reference],
     probes: list[Probe],
     inputs: torch.Tensor,
+    mine: slice,
     seed: int,
     vocab: int,
     device: torch.device,
     forward: Forward,
 ) -> list[Probe]:
     """Each probe's forward on every rank; on rank 0 its logits against the references'. `inputs` is
-    this rank's part of the steps' batch (the eval probe at the training shape reads it). Returns the
-    left-padded probes not compared because the unsharded float64 model itself gives non-finite
-    logits there (a model that cannot take padding, not a sharding fault)."""
+    the steps' global batch and `mine` this rank's rows of it: a probe at the training shape runs
+    those rows sharded and the whole batch unsharded (one forward, as data parallelism stands for:
+    a batch statistic sees every row), compared at these rows. Returns the left-padded probes not
+    compared because the unsharded float64 model itself gives non-finite logits there (a model that
+    cannot take padding, not a sharding fault)."""
     skipped = []
     gen = torch.Generator().manual_seed(seed + 2)
     pad = pad_id(sharded) if pad_id(sharded) < vocab else 0
     masked = takes_mask(sharded)
     for probe in probes:
-        extra, keep = {}, None
+        extra, keep, rows = {}, None, slice(None)
+        if probe.decode:
+            ids, mask = padded_batch(probe.batch, probe.seq, vocab, pad, gen)
+            tokens = torch.randint(0, vocab, (probe.decode, probe.batch), generator=gen)
+            if not _decode(parity, sharded, refs, probe, ids, mask, tokens, device, forward):
+                skipped.append(probe)
+            continue
         if probe.padded:
             ids, mask = padded_batch(probe.batch, probe.seq, vocab, pad, gen)
             ids, keep = ids.to(device), mask.bool()
             extra = {MASK: mask.to(device)} if masked else {}
-        elif probe.seq == inputs.shape[1] and probe.batch == inputs.shape[0]:
-            ids = inputs
+        elif probe.seq == inputs.shape[1] and probe.batch == inputs[mine].shape[0]:
+            ids, rows = inputs[mine], mine
         else:
             ids = torch.randint(0, vocab, (probe.batch, probe.seq), generator=gen).to(device)
         for m in [sharded] + [r.model for r in refs]:
@@ -167,7 +185,8 @@ def run_probes(
         for i, ref in enumerate(refs):
             # the float64 truth is the truth: autocast runs the unsharded copy only
             with own_rng(device), _autocast(device, probe.autocast and i > 0):
-                outs.append(ref.run(ids, **extra))
+                whole = inputs if rows != slice(None) else ids
+                outs.append(ref.run(whole, **extra)[rows])
         if keep is not None:  # a padded position's logits are whatever the model makes of them
             got, outs = got[keep.to(got.device)], [o[keep.to(o.device)] for o in outs]
             if not bool(outs[0].isfinite().all()):
@@ -184,6 +203,49 @@ def run_probes(
     for m in [sharded] + [r.model for r in refs]:
         m.train()
     return skipped
+
+
+def _decode(
+    parity: ParityCheck,
+    sharded: nn.Module,
+    refs: list[Reference],
+    probe: Probe,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    tokens: torch.Tensor,
+    device: torch.device,
+    forward: Forward,
+) -> bool:
+    """Prefill the padded prompts, then feed `tokens` (steps × B) one step at a time through every
+    model's own cache; each step's last logits against the references' (rank 0). False when the
+    float64 truth itself is not finite there (not compared)."""
+    decoder = Decoder.of(sharded, forward)
+    ids, mask, tokens = ids.to(device), mask.to(device), tokens.to(device)
+    for m in [sharded] + [r.model for r in refs]:
+        m.eval()
+    got, state = decoder.prefill(sharded, ids, mask)
+    steps = [full_value(got)]
+    for token in tokens:
+        steps.append(full_value(decoder.step(sharded, state, token)))
+    if not refs:
+        return True
+    theirs = []
+    for ref in refs:
+        with own_rng(device), float64_default(ref.dtype):
+            logits, ref_state = decoder.prefill(ref.model, ids, mask)
+            outs = [logits] + [decoder.step(ref.model, ref_state, t) for t in tokens]
+        theirs.append(outs)
+    if not all(bool(o.isfinite().all()) for o in theirs[0]):
+        return False
+    for k, got in enumerate(steps):
+        parity.compare(
+            "probes",
+            f"logits ({probe.label}: {'prefill' if k == 0 else f'decode step {k}'})",
+            got,
+            theirs[0][k],
+            theirs[1][k] if len(theirs) > 1 else None,
+        )
+    return True
 
 
 def _autocast(device: torch.device, on: bool):

@@ -21,7 +21,6 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtp import models
-from dtp.compiler.vocab_parallel import IGNORE_INDEX
 from dtp.compiler.vocab_parallel import cross_entropy as sharded_cross_entropy
 from dtp.cost.param_bytes import ideal_param_bytes, local_param_bytes
 from dtp.cost.schedule import NotModeled, schedule, summarize
@@ -41,12 +40,17 @@ from dtp.verify.reference import (
     LOW_PRECISION,
     MixedSGD,
     full_value,
+    ignore_some,
     own_rng,
     reference_step,
     references,
 )
 from dtp.verify.report import ApplyReport
 
+# the autocast step's gradient floor, as a share of the parity rule's (Z · eps · G): bfloat16's eps
+# makes the full floor 9 % of the largest gradient, above a wrong path's whole error on a smaller
+# one; 1/16 of it kept correct plans at ≤ 0.21 of their bounds and a wrong path at 5.3
+FLOOR_SHARE = 1 / 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -239,11 +243,7 @@ def _batch(
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     # the global batch
     ids = torch.randint(0, vocab, (cfg.batch, cfg.seq + 1), generator=gen)
-    targets = ids[:, 1:].clone()
-    # Ignored labels (-100, as padding and prompts are masked in fine-tuning) reach the loss: the
-    # same number in every row, so each dp rank's mean is over as many tokens as the global one's.
-    ignored = torch.rand(targets.shape, generator=gen).argsort(dim=1)[:, : cfg.seq // 8]
-    targets.scatter_(1, ignored, IGNORE_INDEX)
+    targets = ignore_some(ids[:, 1:], gen)  # ignored labels (-100) reach the loss
     per_dp = cfg.batch // cfg.dp
     mine = (
         slice(mesh["dp"].get_local_rank() * per_dp, (mesh["dp"].get_local_rank() + 1) * per_dp)
@@ -274,31 +274,45 @@ def _compare_step(
         return
     inputs, targets, mine = batch
     outs = [reference_step(r, inputs, targets, mine, cfg.dp > 1, device) for r in built.refs]
-    truth, unsharded = built.refs[0], (built.refs[1] if len(built.refs) > 1 else None)
-    lowp = outs[1] if unsharded else (None, None)
+    lowp = outs[1] if len(built.refs) > 1 else (None, None)
     parity.compare("logits", f"logits (step {step + 1})", full_logits, outs[0][0], lowp[0])
     parity.compare("loss", f"loss (step {step + 1})", full_loss, outs[0][1], lowp[1])
+    _compare_grads(parity, "grads", grads, built.refs)
+    for r in built.refs:
+        r.opt.step()
+        r.opt.zero_grad()
+
+
+def _compare_grads(
+    parity: ParityCheck,
+    quantity: str,
+    grads: dict,
+    refs: list,
+    label: str = "",
+    held_in: torch.dtype | None = None,
+    floor_share: float = 1.0,
+) -> None:
+    """Every gathered gradient against the references' (rank 0), its floor's G the truth's largest
+    gradient of the step (times `floor_share`)."""
+    truth, unsharded = refs[0], (refs[1] if len(refs) > 1 else None)
     largest = max(
         (
             truth.grad(n).detach().abs().max().item()
             for n in grads
-            # the floor's G
             if truth.grad(n) is not None and truth.grad(n).numel()
         ),
         default=0.0,
     )
     for n, g in grads.items():
         parity.compare(
-            "grads",
-            f"{n}.grad",
+            quantity,
+            f"{n}.grad{label}",
             g,
             truth.grad(n),
             unsharded.grad(n) if unsharded else None,
-            floor_scale=largest,
+            held_in=held_in,
+            floor_scale=largest * floor_share,
         )
-    for r in built.refs:
-        r.opt.step()
-        r.opt.zero_grad()
 
 
 def _compare_params(parity: ParityCheck, built: _Built, opt: MixedSGD, step: int) -> None:
@@ -340,22 +354,24 @@ def _probe(
     mesh: DeviceMesh,
     device: torch.device,
     dtype: torch.dtype,
-    inputs: torch.Tensor,
+    batch: tuple[torch.Tensor, torch.Tensor, slice],
 ) -> None:
     """The forwards after the steps (dtp.verify.probes), then buffers and replicas once more; says
     what was compared."""
     model = built.applied.model
+    inputs, _, mine = batch
     vocab = models.vocab_size(model)
     probes = plan_probes(
         refs=built.refs,
         model=built.meta,
         max_seq=cfg.max_seq,
         tp=cfg.tp,
-        batch=inputs.shape[0],
+        batch=inputs[mine].shape[0],
         seq=cfg.seq,
         vocab=vocab,
         device=device,
         dtype=dtype,
+        forward=cfg.forward,
     )
     skipped = run_probes(
         parity,
@@ -363,6 +379,7 @@ def _probe(
         refs=built.refs,
         probes=probes,
         inputs=inputs,
+        mine=mine,
         seed=cfg.seed,
         vocab=vocab,
         device=device,
@@ -370,7 +387,7 @@ def _probe(
     )
     _compare_state(parity, built, mesh, device, dtype, "after the probes")
     parity.shapes = [
-        f"train, {inputs.shape[0]}×{cfg.seq}: {cfg.steps} steps (logits, loss, gradients, "
+        f"train, {inputs[mine].shape[0]}×{cfg.seq}: {cfg.steps} steps (logits, loss, gradients, "
         "parameters, "
         "buffers; replicas on every rank)"
     ] + [
@@ -387,6 +404,43 @@ def _probe(
             f"no longer sequence: the model runs none longer than {cfg.seq} "
             f"(up to {cfg.max_seq or 'its maximum'})"
         )
+
+
+def _autocast_grads(
+    parity: ParityCheck,
+    cfg: RunConfig,
+    built: _Built,
+    device: torch.device,
+    batch: tuple[torch.Tensor, torch.Tensor, slice],
+) -> None:
+    """One forward and backward of the steps' batch under bfloat16 autocast, as `dtp train --dtype
+    bfloat16` runs it (the loss in float32 after), and no optimizer step: every gradient against
+    the float64 truth's (without autocast) by the rule, with the float32 copy under autocast as the
+    unsharded run. A path only autocast takes moves the gradients of what it touches by O(1), where
+    the logits it feeds may move less than bfloat16's own rounding (dtp.verify.probes)."""
+    model, (inputs, targets, mine) = built.applied.model, batch
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        logits = cfg.forward(model, inputs[mine], targets[mine])
+    sharded_cross_entropy(logits, targets[mine]).backward()
+    grads = {
+        n: (built.applied.full(n, p.grad) if p.grad is not None else None)
+        for n, p in model.named_parameters()
+    }
+    model.zero_grad(set_to_none=True)
+    parity.shapes.append(
+        f"train, {inputs[mine].shape[0]}×{inputs.shape[1]}, bfloat16 autocast: gradients (one "
+        "forward and backward, no step)"
+    )
+    if not built.refs:
+        return
+    for i, ref in enumerate(built.refs):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=i > 0):
+            reference_step(ref, inputs, targets, mine, cfg.dp > 1, device)
+    _compare_grads(
+        parity, "probes", grads, built.refs, " (bfloat16 autocast)", torch.bfloat16, FLOOR_SHARE
+    )
+    for ref in built.refs:
+        ref.opt.zero_grad()
 
 
 def _analytic(cfg: RunConfig, built: _Built, dtype: torch.dtype) -> dict:
@@ -483,7 +537,11 @@ def _run(
         "activations": activations.nbytes,
     }
     trail.phase = "probes after the steps"
-    _probe(parity, cfg, built, mesh, device, dtype, inputs[mine])
+    _probe(parity, cfg, built, mesh, device, dtype, batch)
+    if dtype == torch.float32:
+        trail.phase = "bfloat16 autocast step"
+        _autocast_grads(parity, cfg, built, device, batch)
+        _compare_state(parity, built, mesh, device, dtype, "after the autocast step")
 
     trail.phase = "report"
     analytic = _analytic(cfg, built, dtype)

@@ -9,11 +9,14 @@ in float32 or float64 are their own masters.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from dtp.compiler.vocab_parallel import IGNORE_INDEX
 from dtp.models.calling import PLAIN, Forward
 from dtp.models.clone import clone
 from dtp.models.spec import cast
@@ -64,10 +67,12 @@ class MixedSGD:
 
 def copy_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """An unsharded copy of `model` in `dtype`; in float64, Hugging Face MoE experts run their eager
-    loop (torch's grouped matmul has no float64 kernel) and GPT-2's `reorder_and_upcast_attn` its
-    plain path (the same scores, which it insists on computing in float32)."""
+    loop (torch's grouped matmul has no float64 kernel), GPT-2's `reorder_and_upcast_attn` its
+    plain path (the same scores, which it insists on computing in float32), and eager attention
+    runs as SDPA (`_sdpa`)."""
     out = cast(clone(model), dtype)
     if dtype == torch.float64:
+        _sdpa(out)
         for module in out.modules():
             config = getattr(module, "config", None)
             if getattr(config, "_experts_implementation", None) not in (None, "eager"):
@@ -75,6 +80,23 @@ def copy_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
             if getattr(module, "reorder_and_upcast_attn", None) is True:
                 module.reorder_and_upcast_attn = False
     return out
+
+
+def _sdpa(model: nn.Module) -> None:
+    """A Hugging Face model on eager attention switched to SDPA, the same attention: eager takes its
+    softmax in float32, where a float64 mask's minimum becomes -inf, so a left-padded row's pad
+    queries see no key and turn NaN, and the NaN reaches the tokens through the values (0 × NaN).
+    SDPA keeps such rows finite; the tokens' logits agree with float32 eager to its rounding."""
+    config = getattr(model, "config", None)
+    if (
+        getattr(config, "_attn_implementation", None) == "eager"
+        and getattr(model, "_supports_sdpa", False)
+        and hasattr(model, "set_attn_implementation")
+    ):
+        try:
+            model.set_attn_implementation("sdpa")
+        except (ValueError, ImportError):  # a family whose SDPA path this version lacks
+            pass
 
 
 class Reference:
@@ -122,12 +144,20 @@ def forward_as(
     """`model`'s logits on `inputs`, called as `forward` says; for the float64 truth with float64 as
     torch's default dtype, so that a tensor the model makes without a dtype (XGLM's `torch.full((),
     finfo(weights.dtype).min)`) is float64 too, not an overflow."""
-    if dtype != torch.float64:
+    with float64_default(dtype):
         return forward(model, inputs, targets, **extra)
+
+
+@contextlib.contextmanager
+def float64_default(dtype: torch.dtype | None):
+    """float64 as torch's default dtype inside, when `dtype` is float64 (the truth's runs)."""
+    if dtype != torch.float64:
+        yield
+        return
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        return forward(model, inputs, targets, **extra)
+        yield
     finally:
         torch.set_default_dtype(before)
 
@@ -140,6 +170,15 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The training loss over (B, T, V) logits."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def ignore_some(targets: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """`targets` with ⌊T/8⌋ positions of every row set to IGNORE_INDEX (-100), as padding and
+    prompts are masked in fine-tuning: the same number in every row, so a dp rank's mean loss is over
+    as many tokens as the global batch's."""
+    out = targets.clone()
+    ignored = torch.rand(out.shape, generator=gen).argsort(dim=1)[:, : out.shape[1] // 8]
+    return out.scatter_(1, ignored, IGNORE_INDEX)
 
 
 def own_rng(device: torch.device):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import dtp_cli
-from fixtures.blind_spots import plan
+from fixtures.blind_spots import chunked, plan
 
 from dtp.verify.apply import launch_apply
 from dtp.verify.rank import RunConfig
@@ -40,10 +40,12 @@ def test_the_probes_and_their_shapes_are_stated(tmp_path, repo):
         "eval, 2×16, bfloat16 autocast: logits",
         "eval, 1×64: logits",
         "train, 1×64: logits",
+        "train, 2×16, bfloat16 autocast: gradients (one forward and backward, no step)",
     ]
-    assert parity["probes"]["compared"] == 5
-    # 2 floating + 2 integer buffers, after 3 steps and the probes
-    assert parity["buffers"]["compared"] == 4 * 4
+    # 5 probes' logits, then every parameter's gradient under autocast
+    assert parity["probes"]["compared"] == 5 + len(list(chunked().parameters()))
+    # 2 floating + 2 integer buffers, after 3 steps, the probes and the autocast step
+    assert parity["buffers"]["compared"] == 4 * 5
 
 
 def test_case_1_a_path_above_32_tokens_fails_at_the_longest_sequence(tmp_path, repo):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fixtures.user_paths import PAD, PLAN, VOCAB
+from fixtures.user_paths import PAD, PLAN, VOCAB, masked
 
 from dtp.verify.apply import launch_apply
 from dtp.verify.probes import padded_batch
@@ -40,8 +40,10 @@ def test_the_control_passes_every_probe_and_they_are_stated(tmp_path, repo):
         "eval, 2×16, bfloat16 autocast: logits",
         "eval, 1×32: logits",
         "train, 1×32: logits",
+        "train, 2×16, bfloat16 autocast: gradients (one forward and backward, no step)",
     ]
-    assert parity["probes"]["compared"] == 5
+    # 5 probes' logits, then every parameter's gradient under autocast
+    assert parity["probes"]["compared"] == 5 + len(list(masked().parameters()))
 
 
 @pytest.mark.parametrize(
@@ -49,7 +51,8 @@ def test_the_control_passes_every_probe_and_they_are_stated(tmp_path, repo):
     [
         ("masked_wrong", "logits (eval, 2×16, left-padded)"),
         ("pad_id_wrong", "logits (eval, 2×16, left-padded)"),
-        ("autocast_wrong", "logits (eval, 2×16, bfloat16 autocast)"),
+        # the logits move less than bfloat16's rounding there; the gradients of q do not
+        ("autocast_wrong", "layers.1.attention.wq.weight.grad (bfloat16 autocast)"),
     ],
 )
 def test_a_model_wrong_only_on_a_users_path_fails_there(tmp_path, repo, factory, probe):
@@ -84,3 +87,11 @@ def test_data_parallel_reference_is_one_forward_of_the_whole_batch(tmp_path, rep
     parity = _parity(tmp_path, f"{USER}:masked", tp=1, dp=2, batch=4)
     assert parity["ok"], _failing(parity)
     assert parity["buffers"]["compared"] > 0
+
+
+def test_a_batch_statistic_in_eval_is_compared_against_the_whole_batch(tmp_path, repo):
+    # dp 2: each rank's rows run sharded, the references run the global batch once, as in the steps
+    dp = _parity(tmp_path, f"{USER}:batch_eval", tp=1, dp=2)
+    assert _failing(dp) == {"probes": "logits (eval, 1×16)"}, dp["probes"]
+    assert dp["probes"]["margin"] > 100
+    assert _parity(tmp_path, f"{USER}:batch_eval")["ok"]  # tp 2: every rank sees the whole batch

@@ -1,0 +1,154 @@
+"""`dtp generate`: the job's pre-flight (dtp.runtime.preflight.prepare, then the prompts against
+the model's length and vocabulary), its ranks, rank 0's report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from dtp import models
+from dtp.errors import UsageError
+from dtp.generate.prompts import Tokens, parse_ids
+from dtp.generate.rank import GenerateConfig, generate
+from dtp.runtime.preflight import launch, prepare
+
+
+def _ids_of(value: object) -> tuple[int, ...]:
+    """An id or a list of ids from a config, as a tuple of non-negative ints."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return tuple(v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+
+
+def special_ids(meta) -> tuple[tuple[int, ...], int]:
+    """(the end-of-sequence ids, the pad id) as `generate` reads them: the generation config's,
+    else the model config's; the pad id defaults to the first end id, else 0."""
+    found = {}
+    for holder in (getattr(meta, "config", None), getattr(meta, "generation_config", None)):
+        for key in ("eos_token_id", "pad_token_id"):
+            ids = _ids_of(getattr(holder, key, None))
+            if ids:
+                found[key] = ids
+    eos = found.get("eos_token_id", ())
+    pad = found.get("pad_token_id", eos[:1] or (0,))[0]
+    return eos, pad
+
+
+def generate_command(
+    *,
+    plan: str,
+    model: str,
+    tp: int,
+    prompts: list[str] | None,
+    prompt_ids: str | None,
+    max_new_tokens: int,
+    dtype: str,
+    device: str,
+    seed: int,
+    timeout: float,
+) -> dict | None:
+    """Check everything, decode on tp ranks, return rank 0's report (None on another torchrun
+    rank)."""
+    source = models.resolve(model)
+    meta = models.build(source, device="meta")
+    vocab = models.vocab_size(meta)
+    tokens = Tokens(source.pretrained, vocab)
+    ids = parse_ids(prompt_ids, vocab) if prompt_ids is not None else tokens.encode(prompts or [])
+    longest = max(len(p) for p in ids) + max_new_tokens
+    limit = models.max_sequence(meta)
+    if limit is not None and longest > limit:
+        raise UsageError(
+            f"the longest prompt ({longest - max_new_tokens} tokens) + --max-new-tokens "
+            f"{max_new_tokens} = {longest} is beyond the model's {limit} positions"
+        )
+    eos, pad = special_ids(meta)
+    job = GenerateConfig(
+        plan=plan,
+        model=model,
+        tp=tp,
+        batch=len(ids),
+        seq=max(len(p) for p in ids),
+        seed=seed,
+        dtype=dtype,
+        device=device,
+        timeout=timeout,
+        prompts=tuple(tuple(p) for p in ids),
+        max_new_tokens=max_new_tokens,
+        eos=eos,
+        pad=pad,
+    )
+    prepared = prepare(job)
+    prepared = replace(prepared, job=replace(prepared.job, forward=prepared.forward))
+    results = launch(prepared, generate, prefix="dtp-generate-")
+    if not prepared.reports:
+        return None
+    report = results[0]
+    report.update(
+        plan=plan,
+        model=model,
+        tp=tp,
+        dtype=dtype,
+        prompts=[list(p) for p in ids],
+        tokenizer=tokens.name,
+        texts=[tokens.decode(t) for t in report["tokens"]]
+        if tokens.tokenizer is not False
+        else None,
+    )
+    return report
+
+
+def render(r: dict) -> str:
+    """The human report."""
+    lines = [
+        f"dtp generate: {r['model']} under {r['plan']}, tp={r['tp']}, {r['dtype']}, "
+        f"{len(r['prompts'])} prompt(s), {len(r['tokens'][0])} new token(s)",
+    ]
+    for i, row in enumerate(r["tokens"]):
+        text = f"  {r['texts'][i]!r}" if r.get("texts") else ""
+        lines.append(f"  prompt {i}: {' '.join(map(str, row))}{text}")
+    per_rank = ", ".join(_kib(b) for b in r["kv_cache_bytes_per_rank"])
+    whole = r["kv_cache_bytes_unsharded"]
+    lines.append(
+        f"  KV cache per rank: {per_rank}" + (f" (unsharded {_kib(whole)})" if whole else "")
+        if r["decoded_with_cache"]
+        else f"  no KV cache: {r['no_cache_reason']}"
+    )
+    coll = r["collectives_per_token"]
+    ops = ", ".join(f"{n} {op}" for op, n in sorted(coll.items())) or "none"
+    if r["ms_per_token"] is not None:
+        lines.append(
+            f"  prefill {r['prefill_ms']:.1f} ms · {r['ms_per_token']:.2f} ms per token "
+            f"(median) · {r['tokens_per_s']:.0f} tokens/s · collectives per token: "
+            f"{r['collectives_per_token_total']} ({ops})"
+        )
+    lines.append(_verdict(r))
+    return "\n".join(lines)
+
+
+def _verdict(r: dict) -> str:
+    if r["ok"]:
+        ties = f"; {len(r['ties'])} tie(s) within rounding" if r["ties"] else ""
+        return (
+            "  token-exact: OK — every step's token is the unsharded model's, logits within "
+            f"{r['parity']['logits']['margin']:.2g} of the bound{ties}"
+        )
+    d = r["first_difference"]
+    if d is not None:
+        return (
+            f"  token-exact: FAILED — at step {d['step']} prompt {d['prompt']} the sharded model "
+            f"chose {d['token']} where the unsharded one chooses {d['truth_token']} (its top two "
+            f"logits {d['truth_gap']:.3g} apart, beyond the step's bound {d['bound']:.3g})"
+        )
+    q = r["parity"]["logits"]
+    what = "; ".join(q["problems"]) or (
+        f"{q['worst']}: {q['max_rel']:.2e} relative, {q['margin']:.1f}× the bound"
+    )
+    step = r["first_failing_step"]
+    where = "prefill" if step == 1 else f"step {step} (decode step {step - 1})"
+    return (
+        f"  token-exact: FAILED — from {where} the logits leave the unsharded model's "
+        f"(step 1 is the prefill's last position); worst {what}"
+    )
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.1f} KiB"
