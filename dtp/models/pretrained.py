@@ -13,6 +13,7 @@ whole model on one rank (dtp.runtime.pretrained).
 from __future__ import annotations
 
 import os
+import re
 import stat
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -295,3 +296,26 @@ def check_weights(model: nn.Module, directory: str) -> None:
     with Weights(directory) as w:
         for name, p in model.named_parameters():
             w.find(names[name], tuple(p.shape))
+        _no_foreign_modules(model, directory, w.where)
+
+
+def _no_foreign_modules(model: nn.Module, directory: str, stored: dict[str, Path]) -> None:
+    """Refuse tensors of modules the model does not have (a config.json with fewer layers than its
+    weights would train a truncated model without a word); a stored buffer of a module it has (a
+    rotary `inv_freq`, GPT-2's `attn.bias`) is harmless, and a class's own ignore patterns hold."""
+    modules = {path for path, _ in model.named_modules()}
+    ignored = [
+        re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    ]
+    foreign = sorted(
+        n
+        for n in stored
+        if n.rpartition(".")[0] not in modules and not any(p.search(n) for p in ignored)
+    )
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise UsageError(
+            f"{directory} holds tensors of modules the model built from its config.json does not "
+            f"have ({foreign[0]}{more}); the config and the weights do not belong together (fewer "
+            "layers in the config than in the weights?)"
+        )

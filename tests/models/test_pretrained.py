@@ -171,6 +171,18 @@ def test_code_at_any_depth_and_unbounded_depth_are_refused(repo, tmp_path, capsy
     assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_config_with_fewer_layers_than_its_weights_is_refused(repo, tmp_path, capsys):
+    model = _save(tmp_path, "llama")  # 2 layers
+    capsys.readouterr()
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    # the pre-flight of a command that reads the weights refuses it before any rank starts
+    assert main(["apply", "plans/hf/llama.tp", str(model), "--tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "holds tensors of modules the model built from its config.json does not have " in err
+    assert "(model.layers.1." in err and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize(
     "choice",
     [
