@@ -52,7 +52,8 @@ def is_pretrained_dir(spec: str) -> bool:
 def read_config(directory: str) -> dict:
     """config.json as a dict, checked: a mapping, a model_type transformers knows, no code of its
     own."""
-    data = files.load_json(Path(directory, CONFIG), "Hugging Face config", MAX_CONFIG_BYTES)
+    config = _regular(directory, CONFIG, "Hugging Face config")  # never through a link
+    data = files.load_json(config, "Hugging Face config", MAX_CONFIG_BYTES)
     if not isinstance(data, dict):
         raise UsageError(
             f"{directory}/{CONFIG} must hold a JSON object (a Hugging Face model config)"
@@ -162,7 +163,9 @@ def weight_map(directory: str) -> dict[str, Path]:
     from safetensors import safe_open
 
     if os.path.lexists(os.path.join(directory, INDEX)):
-        index = files.load_json(Path(directory, INDEX), "safetensors index", MAX_INDEX_BYTES)
+        index = files.load_json(
+            _regular(directory, INDEX, "safetensors index"), "safetensors index", MAX_INDEX_BYTES
+        )
         mapping = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(mapping, dict):
             raise UsageError(f"{directory}/{INDEX} has no weight_map object (tensor name → file)")

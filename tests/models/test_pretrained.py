@@ -171,6 +171,17 @@ def test_code_at_any_depth_and_unbounded_depth_are_refused(repo, tmp_path, capsy
     assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_linked_config_is_refused(repo, tmp_path, capsys):
+    model = _save(tmp_path, "llama")
+    capsys.readouterr()
+    target = tmp_path / "elsewhere.json"
+    (model / "config.json").rename(target)
+    (model / "config.json").symlink_to(target)
+    assert main(["check", "plans/hf/llama.tp", str(model), "--tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "config.json is not a regular file (links, FIFOs and devices are not read)" in err, err
+
+
 def test_a_config_with_fewer_layers_than_its_weights_is_refused(repo, tmp_path, capsys):
     model = _save(tmp_path, "llama")  # 2 layers
     capsys.readouterr()
