@@ -33,6 +33,21 @@ MAX_CONFIG_BYTES = 1024 * 1024
 MAX_LAYERS = 4096  # the deepest published models have ~100; a million is a typo or an attack
 REMOTE = ("auto_map", "trust_remote_code")  # code shipped in the directory, at any depth
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+MAX_SIZE = 2**31  # as the zoo's YAML configs: larger is a typo or an attack
+# sizes a model is built from: 0, negative, a string or NaN would reach torch as a traceback
+SIZE_KEYS = (
+    "hidden_size",
+    "n_embd",
+    "num_attention_heads",
+    "n_head",
+    "num_key_value_heads",
+    "intermediate_size",
+    "n_inner",
+    "vocab_size",
+    "head_dim",
+    "max_position_embeddings",
+    "n_positions",
+)
 # a config's choice of kernels: dtp chooses (transformers' defaults), nothing is fetched
 IMPLEMENTATIONS = (
     "attn_implementation",
@@ -65,12 +80,15 @@ def read_config(directory: str) -> dict:
                 "directory, which dtp never runs; use a model type transformers implements itself, "
                 "or wrap your own class in a factory (MODEL = package.module:factory)"
             )
-        if key in LAYER_KEYS and not (
-            isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_LAYERS
-        ):
+        if key in LAYER_KEYS and not _count(value, MAX_LAYERS):
             raise UsageError(
                 f"{directory}/{CONFIG}: {where} is {shorten(value)}; a model has 1 to "
                 f"{MAX_LAYERS} layers"
+            )
+        if key in SIZE_KEYS and value is not None and not _count(value, MAX_SIZE):
+            raise UsageError(
+                f"{directory}/{CONFIG}: {where} is {shorten(value)}; a size is an integer from 1 "
+                f"to {MAX_SIZE}"
             )
     model_type = data.get("model_type")
     from transformers import CONFIG_MAPPING
@@ -81,6 +99,11 @@ def read_config(directory: str) -> dict:
             "implements (a config.json written by save_pretrained names one)"
         )
     return data
+
+
+def _count(value: object, limit: int) -> bool:
+    """Whether `value` is an integer in [1, limit] (not a bool, a string or a float)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= limit
 
 
 def _entries(value: object, where: str = "") -> Iterator[tuple[str, str, object]]:

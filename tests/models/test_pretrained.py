@@ -157,9 +157,13 @@ def test_a_directory_that_ships_code_is_refused(repo, tmp_path, capsys):
         ),
         ({"num_hidden_layers": 1000000}, "num_hidden_layers is 1000000; a model has 1 to 4096"),
         ({"num_hidden_layers": "2"}, "num_hidden_layers is '2'; a model has 1 to 4096"),
+        ({"num_attention_heads": 0}, "num_attention_heads is 0; a size is an integer from 1"),
+        ({"hidden_size": -4}, "hidden_size is -4; a size is an integer from 1"),
+        ({"vocab_size": "128"}, "vocab_size is '128'; a size is an integer from 1"),
+        ({"intermediate_size": float("nan")}, "intermediate_size is nan; a size is an integer"),
     ],
 )
-def test_code_at_any_depth_and_unbounded_depth_are_refused(repo, tmp_path, capsys, edit, message):
+def test_code_at_any_depth_and_impossible_sizes_are_refused(repo, tmp_path, capsys, edit, message):
     model = _save(tmp_path, "llama")
     capsys.readouterr()
     config = json.loads((model / "config.json").read_text())
