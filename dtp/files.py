@@ -176,10 +176,11 @@ def read_bounded(path: str | Path, kind: str, max_bytes: int, name: str | None =
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as err:
         raise UsageError(f"cannot read {kind} {name}: {err.strerror or err}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):  # before fdopen, which refuses a directory with a traceback
+        os.close(fd)
+        raise UsageError(f"{kind} {name} is not a regular file")
     with os.fdopen(fd, "rb") as f:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise UsageError(f"{kind} {name} is not a regular file")
         if info.st_size > max_bytes:
             raise UsageError(
                 f"{kind} {name} is {info.st_size} bytes; a {kind} is at most {max_bytes // 1024} "

@@ -164,7 +164,12 @@ def build_model(directory: str, weights: bool) -> nn.Module:
 
 
 def _regular(directory: str, name: str, what: str) -> Path:
-    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
+    if (
+        not isinstance(name, str)
+        or not name
+        or any(c in name for c in "/\\\0")
+        or name in (".", "..")
+    ):
         raise UsageError(
             f"{directory}/{INDEX} names {shorten(name)} as a {what}: only file names inside the "
             "model directory are read"

@@ -230,7 +230,7 @@ def test_hostile_profiles(repo, capsys, tmp_path, text, message):
 
 
 def test_a_profile_that_is_a_fifo_or_a_device_is_never_opened_for_long(repo, capsys, fifo):
-    for path in (str(fifo), "/dev/zero"):
+    for path in (str(fifo), "/dev/zero", str(fifo.parent)):  # a directory too: never a traceback
         assert (
             refused(capsys, ["simulate", PLAN, MODEL, "--profile", path])
             == f"error: profile {path} is not a regular file"

@@ -175,6 +175,19 @@ def test_code_at_any_depth_and_impossible_sizes_are_refused(repo, tmp_path, caps
     assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_an_index_naming_a_file_with_a_nul_byte_is_refused(repo, tmp_path, capsys):
+    model = _save(tmp_path, "llama")
+    capsys.readouterr()
+    weights = load_file(model / "model.safetensors")
+    (model / "model.safetensors").unlink()
+    index = {"weight_map": {name: "a\x00b.safetensors" for name in weights}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert main(["apply", "plans/hf/llama.tp", str(model), "--tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "as a safetensors shard: only file names inside the model directory are read" in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
 def test_a_linked_config_is_refused(repo, tmp_path, capsys):
     model = _save(tmp_path, "llama")
     capsys.readouterr()
