@@ -35,6 +35,7 @@ def zoo_names() -> list[str]:
 
 
 MAX_CONFIG_BYTES = 64 * 1024  # a model config is a handful of keys
+MAX_MODULE_DEPTH = 200  # Python's recursion limit is 1000 frames; real models nest < 20
 MAX_CONFIG_INT = 2**31  # larger sizes are typos (or attacks); nothing real comes near
 
 
@@ -238,7 +239,27 @@ def build(
                     f"model factory {source.factory} returned {type(model).__name__}, not an "
                     "nn.Module"
                 )
+            deepest = depth(model)
+            if deepest > MAX_MODULE_DEPTH:
+                raise UsageError(
+                    f"model factory {source.factory} nests modules {deepest} deep; torch walks a "
+                    f"model recursively (named_modules), and dtp takes at most {MAX_MODULE_DEPTH} "
+                    "levels"
+                )
     return cast(model, dtype)
+
+
+def depth(model: nn.Module) -> int:
+    """How deep `model`'s modules nest (the root alone: 1), found without recursion."""
+    deepest, stack, seen = 0, [(model, 1)], set()
+    while stack:
+        module, level = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        deepest = max(deepest, level)
+        stack.extend((child, level + 1) for child in module._modules.values() if child is not None)
+    return deepest
 
 
 def cast(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:

@@ -122,6 +122,13 @@ def _refusal(capsys, *argv: str) -> str:
             "feeds it token ids, so it must know the vocabulary size\n",
         ),
         (
+            ["plans/gpt2.tp", "tests.fixtures.hostile_models:nested_2000"],
+            {},
+            "error: model factory tests.fixtures.hostile_models:nested_2000 nests modules 2002 "
+            "deep; torch walks a model recursively (named_modules), and dtp takes at most 200 "
+            "levels\n",
+        ),
+        (
             ["plans/gpt2.tp", "gpt2-tiny", "--seq", "65"],
             {},
             "error: --seq 65 exceeds the model's block_size 64\n",
