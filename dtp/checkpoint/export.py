@@ -8,6 +8,10 @@ them.
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -21,6 +25,7 @@ from dtp.checkpoint.untrusted import SafeReader
 from dtp.checkpoint.zoo_hf import to_hf_state
 from dtp.errors import UsageError
 from dtp.files import replace_atomically
+from dtp.models import pretrained
 
 
 def _dtype(name: object, key: str) -> torch.dtype:
@@ -100,6 +105,61 @@ def _save(state: dict[str, torch.Tensor], path: Path, fmt: str) -> None:
     replace_atomically(path, lambda tmp: save_file(plain, str(tmp), metadata={"format": "pt"}))
 
 
+# what a Hugging Face directory's weights may be stored as: all of it is the old model once a new
+# one is exported (transformers and dtp would prefer an old index over the new single file)
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+SHARD = re.compile(r"^(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)$")
+
+
+def _config_text(checkpoint: str, config: dict) -> str:
+    """The checkpoint's saved config as config.json: refused if it asks for code of its own (a
+    tampered dtp.json), without any choice of kernels (dtp.models.pretrained)."""
+    for where, key, value in pretrained.entries(config):
+        if key in pretrained.REMOTE and value:
+            raise UsageError(
+                f"{checkpoint}: its saved Hugging Face config sets {where}, which would make "
+                "transformers run code named there; dtp does not export it"
+            )
+    return json.dumps(pretrained.chosen_here(config), indent=2, default=str) + "\n"
+
+
+def _export_dir(target: Path, config_text: str, state: dict, fmt: str | None) -> Path:
+    """Write config.json and the weights into `target` as one change: both are written in a staging
+    directory beside it first (a full disk or a signal leaves `target` as it was), then the weights
+    are moved in, every other weight file there (an old index and its shards) removed, and the
+    config moved in last. Links in `target` are replaced, never written through (a Hugging Face
+    cache's snapshot links to blobs other revisions share)."""
+    if target.is_symlink() or (os.path.lexists(target) and not target.is_dir()):
+        raise UsageError(f"--hf-dir {target} is not a directory")
+    fmt = fmt or "safetensors"
+    name = "model.safetensors" if fmt == "safetensors" else "pytorch_model.bin"
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    except OSError as err:
+        raise UsageError(f"cannot create {target}: {err.strerror}") from None
+    try:
+        _save(state, staging / name, fmt)
+        (staging / "config.json").write_text(config_text, encoding="utf-8")
+        os.replace(staging / name, target / name)
+        for old in os.listdir(target):
+            if old != name and (old in WEIGHT_FILES or SHARD.match(old)):
+                if os.path.isdir(target / old) and not os.path.islink(target / old):
+                    raise UsageError(f"--hf-dir {target} holds a directory named {old}")
+                os.unlink(target / old)
+        os.replace(staging / "config.json", target / "config.json")
+    except OSError as err:
+        raise UsageError(f"cannot write {target}: {err.strerror or err}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
 def export(
     checkpoint: str, fmt: str | None, output: str | None, hf_dir: str | None
 ) -> tuple[Path, int]:
@@ -112,19 +172,11 @@ def export(
                 f"{checkpoint} holds a {meta.get('model_class')} model, not a Hugging Face one "
                 "(no config was saved); --hf-dir needs one — use -o for a plain state dict"
             )
-        target = Path(hf_dir)
-        try:
-            target.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise UsageError(f"cannot create {target}: {err.strerror}") from None
         state = to_hf_state(str(meta.get("model_class")), config, state)  # the zoo's GPT and Llama
-        fmt = fmt or "safetensors"
-        text = json.dumps(config, indent=2, default=str) + "\n"
-        replace_atomically(target / "config.json", lambda tmp: tmp.write_text(text))
-        path = target / ("model.safetensors" if fmt == "safetensors" else "pytorch_model.bin")
-    else:
-        fmt = fmt or "torch"
-        suffix = "pt" if fmt == "torch" else "safetensors"
-        path = Path(output) if output else Path(f"{str(checkpoint).rstrip('/')}.{suffix}")
+        target = _export_dir(Path(hf_dir), _config_text(checkpoint, config), state, fmt)
+        return target, len(state)
+    fmt = fmt or "torch"
+    suffix = "pt" if fmt == "torch" else "safetensors"
+    path = Path(output) if output else Path(f"{str(checkpoint).rstrip('/')}.{suffix}")
     _save(state, path, fmt)
-    return (path if hf_dir is None else Path(hf_dir)), len(state)
+    return path, len(state)

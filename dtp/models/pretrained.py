@@ -73,7 +73,7 @@ def read_config(directory: str) -> dict:
         raise UsageError(
             f"{directory}/{CONFIG} must hold a JSON object (a Hugging Face model config)"
         )
-    for where, key, value in _entries(data):
+    for where, key, value in entries(data):
         if key in REMOTE and value:
             raise UsageError(
                 f"{directory}/{CONFIG} sets {where}: the model's classes are code shipped in its "
@@ -106,26 +106,26 @@ def _count(value: object, limit: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= limit
 
 
-def _entries(value: object, where: str = "") -> Iterator[tuple[str, str, object]]:
+def entries(value: object, where: str = "") -> Iterator[tuple[str, str, object]]:
     """(dotted path, key, value) of every key of a JSON object, at any depth (lists included)."""
     if isinstance(value, dict):
         for key, item in value.items():
             path = f"{where}.{key}" if where else str(key)
             yield path, key, item
-            yield from _entries(item, path)
+            yield from entries(item, path)
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            yield from _entries(item, f"{where}[{i}]")
+            yield from entries(item, f"{where}[{i}]")
 
 
-def _chosen_here(data: object) -> object:
+def chosen_here(data: object) -> object:
     """`data` without the keys that choose an implementation (attention, experts): dtp chooses,
     from transformers' own; a name there (flash_attention_2, a Hub kernel) would make transformers
     import or download code."""
     if isinstance(data, dict):
-        return {k: _chosen_here(v) for k, v in data.items() if k not in IMPLEMENTATIONS}
+        return {k: chosen_here(v) for k, v in data.items() if k not in IMPLEMENTATIONS}
     if isinstance(data, list):
-        return [_chosen_here(v) for v in data]
+        return [chosen_here(v) for v in data]
     return data
 
 
@@ -134,7 +134,7 @@ def hf_config(directory: str, data: dict | None = None):
     choice of implementations)."""
     from transformers import CONFIG_MAPPING
 
-    data = _chosen_here(read_config(directory) if data is None else data)
+    data = chosen_here(read_config(directory) if data is None else data)
     try:
         return CONFIG_MAPPING[data["model_type"]].from_dict(dict(data))
     except (TypeError, ValueError, KeyError) as err:

@@ -4,6 +4,9 @@ whole CLI round trip (train → checkpoint → `dtp export --hf-dir` → `from_p
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import pytest
 import torch
 from conftest import dtp_cli
@@ -77,3 +80,45 @@ def test_train_checkpoint_export_from_pretrained(tmp_path, repo):
     with torch.no_grad():
         want, got = zoo(ids), hf(ids).logits
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+def test_export_into_a_used_directory_replaces_links_and_old_weights(tmp_path, repo):
+    ck = tmp_path / "ck"
+    args = ["--tp", "2", "--steps", "1", "--checkpoint", str(ck), "--out", str(tmp_path / "run")]
+    assert dtp_cli("train", "plans/gpt2.tp", "gpt2-tiny", *args).returncode == 0
+    # a Hugging Face cache snapshot: its files are links to blobs other revisions share; and an old
+    # sharded model whose index would shadow the new single file
+    blobs, out = tmp_path / "blobs", tmp_path / "snapshot"
+    blobs.mkdir()
+    out.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (blobs / name).write_text("shared blob")
+        (out / name).symlink_to(blobs / name)
+    (out / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (out / "model-00001-of-00002.safetensors").write_text("old shard")
+    (out / "tokenizer.json").write_text("{}")  # not the model's weights: kept
+    assert dtp_cli("export", str(ck), "--hf-dir", str(out)).returncode == 0
+    assert all(
+        (blobs / n).read_text() == "shared blob" for n in ("config.json", "model.safetensors")
+    )
+    assert not any((out / n).is_symlink() for n in ("config.json", "model.safetensors"))
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+    assert not list(tmp_path.glob(".snapshot.tmp-*"))  # the staging directory is gone
+    transformers.GPT2LMHeadModel.from_pretrained(out)
+    # a checkpoint whose saved config was edited to ask for code of its own is not exported
+    # (the completion marker is not a signature: the editor updates its size and hash too)
+    meta = json.loads((ck / "dtp.json").read_text())
+    meta["hf_config"]["auto_map"] = {"AutoModelForCausalLM": "evil--repo--modeling.Evil"}
+    edited = json.dumps(meta).encode()
+    (ck / "dtp.json").write_bytes(edited)
+    marker = json.loads((ck / "COMPLETE").read_text())
+    marker["files"]["dtp.json"] = len(edited)
+    marker["sha256"]["dtp.json"] = hashlib.sha256(edited).hexdigest()
+    (ck / "COMPLETE").write_text(json.dumps(marker, indent=1, sort_keys=True) + "\n")
+    proc = dtp_cli("export", str(ck), "--hf-dir", str(tmp_path / "evil"))
+    assert proc.returncode == 2 and "auto_map" in proc.stderr, proc.stderr
+    assert not (tmp_path / "evil" / "config.json").exists()
