@@ -159,25 +159,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _decode(args: argparse.Namespace) -> int:
     """`--decode`: the predicted decode step at every tp of the node."""
-    import json
+    from dtp.simulate.decode import decode_command
 
-    from dtp.errors import UsageError
-    from dtp.files import write_text
-    from dtp.simulate import profile
-    from dtp.simulate.decode import decode_table, render_table
-
-    if not (args.plan and args.model and args.profile):
-        raise UsageError("--decode needs PLAN, MODEL and --profile")
-    table = decode_table(
-        args.plan,
-        args.model,
-        profile.load(args.profile),
+    return decode_command(
+        plan=args.plan,
+        model=args.model,
+        profile_name=args.profile,
         tp=args.tp,
         batch=args.micro_batch,
         context=args.seq or 512,
         precision=args.precision,
+        json_path=args.json,
     )
-    print(render_table(table))
-    if args.json:
-        write_text(args.json, json.dumps(table, indent=2) + "\n", "--json")
-    return 0

@@ -23,17 +23,22 @@ HBM_FRACTION is FITTED, one number: gpt-fast's Llama-2-7B row at TP 1 on A100-80
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from dtp.checks.checker import Checked
+from dtp import models
+from dtp.checks.checker import Checked, check
 from dtp.cost.param_bytes import param_bytes_per_rank
 from dtp.cost.schedule import schedule, sent_bytes
-from dtp.errors import UsageError
+from dtp.errors import PlanError, UsageError
+from dtp.files import write_text
+from dtp.lang.parse import load
 from dtp.layout.styles import Style
+from dtp.simulate import profile
 from dtp.simulate.prepare import shape_of
 from dtp.simulate.profile import Profile
 
@@ -139,11 +144,6 @@ def decode_table(
     plan: str, model: str, prof: Profile, *, tp: int, batch: int, context: int, precision: str
 ) -> dict:
     """The predicted decode step at every tp the plan allows; the fastest, and what limits it."""
-    from dtp import models
-    from dtp.checks.checker import check
-    from dtp.errors import PlanError
-    from dtp.lang.parse import load
-
     meta = models.build(models.resolve(model), device="meta")
     parsed = load(plan)
     rows, refused = [], {}
@@ -215,3 +215,32 @@ def render_table(t: dict) -> str:
     for n, why in t["refused"].items():
         lines.append(f"tp {n}: not a row ({why})")
     return "\n".join(lines)
+
+
+def decode_command(
+    *,
+    plan: str | None,
+    model: str | None,
+    profile_name: str | None,
+    tp: int,
+    batch: int,
+    context: int,
+    precision: str,
+    json_path: str | None,
+) -> int:
+    """`dtp simulate PLAN MODEL --profile P --decode`: print the table (and write it as JSON)."""
+    if not (plan and model and profile_name):
+        raise UsageError("--decode needs PLAN, MODEL and --profile")
+    table = decode_table(
+        plan,
+        model,
+        profile.load(profile_name),
+        tp=tp,
+        batch=batch,
+        context=context,
+        precision=precision,
+    )
+    print(render_table(table))
+    if json_path:
+        write_text(json_path, json.dumps(table, indent=2) + "\n", "--json")
+    return 0
