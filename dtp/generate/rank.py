@@ -29,9 +29,9 @@ from dtp.models.decoding import Decoder, cache_reason, cache_tensors
 from dtp.runtime.build import build_sharded
 from dtp.runtime.comm import CommCounter
 from dtp.runtime.job import Job, positive
-from dtp.runtime.mesh import make_mesh
+from dtp.runtime.mesh import make_mesh, sync
 from dtp.runtime.preflight import trusted
-from dtp.verify.parity import FLOAT64_BOUND, C, F, ParityCheck, eps
+from dtp.verify.parity import ParityCheck, rule_bound
 from dtp.verify.rank import DTYPES
 from dtp.verify.reference import float64_default, full_value, own_rng, references
 
@@ -60,11 +60,6 @@ def _device(cfg: GenerateConfig) -> torch.device:
     if cfg.device != "cuda":
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _top2_gap(logits: torch.Tensor) -> torch.Tensor:
@@ -110,14 +105,11 @@ class Comparison:
         self.parity.compare("logits", f"logits (step {step})", mine, truth, lowp)
         if not self.parity.ok and self.first_bad_step is None:
             self.first_bad_step = step
-        if lowp is not None and not torch.equal(lowp.argmax(-1), mine.argmax(-1)):
-            self.matches_unsharded = False
-        if lowp is None and not torch.equal(truth.argmax(-1), mine.argmax(-1)):
-            self.matches_unsharded = False
-        rows = live.nonzero().flatten().tolist()
         chosen, best = mine.argmax(-1), truth.argmax(-1)
-        scale = truth.abs().max().item()
-        bound = self._bound(truth, lowp, scale)
+        unsharded = best if lowp is None else lowp.argmax(-1)  # the same-dtype run's choices
+        self.matches_unsharded &= torch.equal(unsharded, chosen)
+        rows = live.nonzero().flatten().tolist()
+        bound = rule_bound(truth, lowp, self.parity.dtype)
         for i, row in enumerate(rows):
             if chosen[i] == best[i]:
                 continue
@@ -134,13 +126,6 @@ class Comparison:
                 self.ties.append(seen)
             elif self.first_difference is None:
                 self.first_difference = seen
-
-    def _bound(self, truth: torch.Tensor, lowp: torch.Tensor | None, scale: float) -> float:
-        """The parity rule's bound on this step's logits (dtp.verify.parity)."""
-        if lowp is None:
-            return FLOAT64_BOUND[0] * scale + FLOAT64_BOUND[1]
-        err = (lowp.double() - truth.double()).abs().max().item()
-        return C * err + F * eps(self.parity.dtype) * scale
 
     @property
     def ok(self) -> bool:
@@ -183,11 +168,11 @@ def generate(rank: int, world: int, cfg: GenerateConfig) -> dict | None:
     times: list[float] = []
     with torch.no_grad():
         decoder.prefill(model, ids, mask)  # a warm-up, not timed: first calls allocate and load
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         logits, state = decoder.prefill(model, ids, mask)
         logits = full_value(logits)
-        _sync(device)
+        sync(device)
         prefill_s = time.perf_counter() - t0
         outs = compare.start(ids, mask) if compare else None
         for step in range(1, cfg.max_new_tokens + 1):
@@ -200,11 +185,11 @@ def generate(rank: int, world: int, cfg: GenerateConfig) -> dict | None:
                 live = live & ~torch.isin(token, torch.tensor(cfg.eos, device=device))
             if step == cfg.max_new_tokens or not bool(live.any()):
                 break
-            _sync(device)
+            sync(device)
             t1 = time.perf_counter()
             with counter if step == 1 else contextlib.nullcontext():
                 logits = full_value(decoder.step(model, state, token))
-            _sync(device)
+            sync(device)
             times.append(time.perf_counter() - t1)
             outs = compare.step(token) if compare else None
     cache_bytes = sum(t.numel() * t.element_size() for t in cache_tensors(state.cache))

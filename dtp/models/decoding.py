@@ -2,13 +2,12 @@
 own KV cache where it has one.
 
 A model whose forward takes `cache` or `past_key_values` (Hugging Face's, and models written to its
-protocol)
-decodes with a `transformers.DynamicCache`: prefill runs the prompts with their attention mask and
+protocol) decodes with a `transformers.DynamicCache`: prefill runs the prompts with their attention mask and
 positions counted from it (as `generate` does: `cumsum(mask) − 1`), each step runs one token per
 row with the mask grown by one and the next position. The cache holds what the attention hands it:
 under a plan that shards the attention by heads that is each rank's own heads, so the cache is
 sharded as the attention is, with nothing added by dtp. A model without that parameter decodes by
-running the whole sequence again each step (no cache); `Decoder.reason` says so.
+running the whole sequence again each step (no cache); `cache_reason` says why.
 
 The logits of a step are the last position's, read where `Forward` reads them (dtp.models.calling).
 """
@@ -16,7 +15,7 @@ The logits of a step are the last position's, read where `Forward` reads them (d
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -77,7 +76,6 @@ class State:
     ids: torch.Tensor  # (B, T) every token so far, pads first
     mask: torch.Tensor  # (B, T) 1 for a token, 0 for a pad
     cache: object | None = None
-    extra: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ FSDP2 over dp."""
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
@@ -12,3 +13,9 @@ def make_mesh(tp: int, dp: int = 1, device: str = "cpu") -> DeviceMesh:
     if dp > 1:
         return init_device_mesh(kind, (dp, tp), mesh_dim_names=("dp", "tp"))
     return init_device_mesh(kind, (tp,), mesh_dim_names=("tp",))
+
+
+def sync(device: torch.device) -> None:
+    """Wait for `device`'s queued work (before reading a clock); a CPU computes as it is called."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -35,11 +35,11 @@ from dtp.models import calling
 from dtp.runtime.build import build_from_model, build_sharded
 from dtp.runtime.comm import CommCounter, merge
 from dtp.runtime.job import Job, finite, positive
-from dtp.runtime.mesh import make_mesh
+from dtp.runtime.mesh import make_mesh, sync
 from dtp.runtime.preflight import trusted
 from dtp.runtime.rows import shared_rows
 from dtp.train import data, replica_checks, resume, verify
-from dtp.train.meter import CommTimer, peak_memory, sync
+from dtp.train.meter import CommTimer, peak_memory
 from dtp.train.optim import Schedule, adamw, clip_, set_lr
 from dtp.verify.dropout import DropoutProbe
 
@@ -149,7 +149,8 @@ class Trainer:
             else torch.device("cpu")
         )
         self.source = models.resolve(cfg.model)
-        meta = models.build(self.source, device="meta")
+        # shapes for the plan, the forward's discovery, the schedule and the replay's memory
+        self.meta = meta = models.build(self.source, device="meta")
         # the parent checked this text
         self.checked = trusted(parse(cfg.plan_text, cfg.plan), meta, cfg.tp)
         # how the model gives every position's logits (a tuple, targets, positions:
@@ -290,7 +291,7 @@ class Trainer:
                 dtype=dtype,
                 lowered=self.applied.compiled.lowered,
                 dp=self.cfg.dp,
-                model=models.build(self.source, device="meta"),
+                model=self.meta,
                 checkpoint_activations=self.cfg.checkpoint_activations,
                 plain=self.applied.plain,
             )

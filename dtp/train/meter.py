@@ -36,9 +36,3 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "cuda_max_allocated"
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rss"
-
-
-def sync(device: torch.device) -> None:
-    """Wait for the device (timing)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -33,6 +33,7 @@ from dtp.cost.explain import human_bytes
 from dtp.train import data
 from dtp.verify.parity import ParityCheck, dropout_sources
 from dtp.verify.reference import (
+    bf16_autocast,
     cross_entropy,
     full_value,
     ignore_some,
@@ -121,7 +122,7 @@ class Verification:
         if every <= 0:
             out.skipped = "--verify-every 0"
             return out
-        size = replay_bytes(models.build(trainer.source, device="meta"))
+        size = replay_bytes(trainer.meta)
         if size > MAX_REPLAY_BYTES:
             out.skipped = (
                 f"the model's unsharded float64 and float32 copies need {human_bytes(size)} on "
@@ -141,7 +142,7 @@ class Verification:
         mine = self.inputs[self.mine].to(device), self.targets[self.mine].to(device)
         with untouched(model, device):
             model.train(self.mode == "train")
-            with _autocast(device, self.autocast):
+            with bf16_autocast(device, self.autocast):
                 logits = trainer.forward(model, *mine)
             loss = sharded_cross_entropy(logits, mine[1])
             got = full_value(logits), full_value(loss)
@@ -164,7 +165,7 @@ class Verification:
         for i, ref in enumerate(self.refs):
             _load(ref.model, weights, buffers, changed)
             ref.model.train(self.mode == "train")
-            with torch.no_grad(), own_rng(device), _autocast(device, self.autocast and i > 0):
+            with torch.no_grad(), own_rng(device), bf16_autocast(device, self.autocast and i > 0):
                 rows = ref.run(inputs, targets)[self.mine]
             # the loss in float32 from bfloat16 logits, as training takes it
             wide = rows.float() if rows.dtype == torch.bfloat16 else rows
@@ -204,10 +205,6 @@ def _load(model: nn.Module, weights: dict, buffers: dict, changed: dict) -> None
         if n in buffers:
             b.copy_(buffers[n])
     put_scalars(model, changed)
-
-
-def _autocast(device: torch.device, on: bool):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
 
 
 def message(record: dict) -> str:

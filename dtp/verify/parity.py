@@ -168,14 +168,9 @@ class ParityCheck:
             return
         err = (got - truth).abs().max().item()
         scale = truth.abs().max().item()
-        if unsharded is truth:
-            bound = FLOAT64_BOUND[0] * max(scale, Z * floor_scale) + FLOAT64_BOUND[1]
-        else:
-            unit = eps(held_in or self.dtype)
-            bound = max(
-                C * (unsharded - truth).abs().max().item() + F * unit * scale,
-                Z * unit * floor_scale,
-            )
+        bound = rule_bound(
+            truth, None if unsharded is truth else unsharded, held_in or self.dtype, floor_scale
+        )
         if max(scale, floor_scale) > 0:
             q.resolution = max(q.resolution, bound / max(scale, floor_scale))
         margin = err / bound if bound > 0 else (0.0 if err == 0 else math.inf)
@@ -212,6 +207,22 @@ class ParityCheck:
         out["worst_tensor"] = worst[1].worst
         out["worst_quantity"] = worst[0]
         return out
+
+
+def rule_bound(
+    truth: torch.Tensor,
+    unsharded: torch.Tensor | None,
+    dtype: torch.dtype,
+    floor_scale: float = 0.0,
+) -> float:
+    """The rule's bound on |sharded − truth| for one tensor held in `dtype`; `unsharded` None: the
+    truth is the unsharded run (float64), whose bound is fixed."""
+    scale = truth.abs().max().item()
+    if unsharded is None:
+        return FLOAT64_BOUND[0] * max(scale, Z * floor_scale) + FLOAT64_BOUND[1]
+    unit = eps(dtype)
+    err = (unsharded.double() - truth.double()).abs().max().item()
+    return max(C * err + F * unit * scale, Z * unit * floor_scale)
 
 
 def dropout_sources(model: nn.Module) -> list[str]:

@@ -28,7 +28,13 @@ from dtp.models.calling import MASK, PLAIN, Forward, pad_id, takes_mask
 from dtp.models.decoding import Decoder
 from dtp.runtime.replicas import check_replicas, replica_rtol, replicated_tensors
 from dtp.verify.parity import ParityCheck
-from dtp.verify.reference import Reference, float64_default, full_value, own_rng
+from dtp.verify.reference import (
+    Reference,
+    bf16_autocast,
+    float64_default,
+    full_value,
+    own_rng,
+)
 
 DECODE_STEPS = 4  # tokens the decode probe takes from the KV cache
 # the longest probe by default: attention's cost grows as seq², and float64 runs it too
@@ -176,7 +182,7 @@ def run_probes(
             ids = torch.randint(0, vocab, (probe.batch, probe.seq), generator=gen).to(device)
         for m in [sharded] + [r.model for r in refs]:
             m.train(probe.mode == "train")
-        with _autocast(device, probe.autocast):
+        with bf16_autocast(device, probe.autocast):
             got = full_value(forward(sharded, ids, **extra))
         if not refs:
             continue
@@ -184,7 +190,7 @@ def run_probes(
         # the generator state as the sharded forward left it: a shared dropout stream
         for i, ref in enumerate(refs):
             # the float64 truth is the truth: autocast runs the unsharded copy only
-            with own_rng(device), _autocast(device, probe.autocast and i > 0):
+            with own_rng(device), bf16_autocast(device, probe.autocast and i > 0):
                 whole = inputs if rows != slice(None) else ids
                 outs.append(ref.run(whole, **extra)[rows])
         if keep is not None:  # a padded position's logits are whatever the model makes of them
@@ -246,11 +252,6 @@ def _decode(
             theirs[1][k] if len(theirs) > 1 else None,
         )
     return True
-
-
-def _autocast(device: torch.device, on: bool):
-    """torch.autocast in bfloat16 on `device`'s type where `on`, else nothing."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
 
 
 def compare_buffers(

@@ -30,7 +30,7 @@ from dtp.models.calling import PLAIN, Forward
 from dtp.runtime.build import build_sharded
 from dtp.runtime.comm import CommCounter, merge
 from dtp.runtime.job import Job, positive
-from dtp.runtime.mesh import make_mesh
+from dtp.runtime.mesh import make_mesh, sync
 from dtp.runtime.preflight import trusted
 from dtp.runtime.shard import Applied, tied_groups
 from dtp.verify.instruments import ActivationMeter, ModuleTrail
@@ -39,6 +39,7 @@ from dtp.verify.probes import compare_buffers, compare_replicas, plan_probes, ru
 from dtp.verify.reference import (
     LOW_PRECISION,
     MixedSGD,
+    bf16_autocast,
     full_value,
     ignore_some,
     own_rng,
@@ -72,11 +73,6 @@ class RunConfig(Job):
             positive("--max-seq", self.max_seq)
         # lr as given: the CLI refuses a non-finite one, and the verdict must catch what it does to
         # the weights
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _device(cfg: RunConfig) -> torch.device:
@@ -419,7 +415,7 @@ def _autocast_grads(
     unsharded run. A path only autocast takes moves the gradients of what it touches by O(1), where
     the logits it feeds may move less than bfloat16's own rounding (dtp.verify.probes)."""
     model, (inputs, targets, mine) = built.applied.model, batch
-    with torch.autocast(device.type, dtype=torch.bfloat16):
+    with bf16_autocast(device):
         logits = cfg.forward(model, inputs[mine], targets[mine])
     sharded_cross_entropy(logits, targets[mine]).backward()
     grads = {
@@ -434,7 +430,7 @@ def _autocast_grads(
     if not built.refs:
         return
     for i, ref in enumerate(built.refs):
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=i > 0):
+        with bf16_autocast(device, i > 0):
             reference_step(ref, inputs, targets, mine, cfg.dp > 1, device)
     _compare_grads(
         parity, "probes", grads, built.refs, " (bfloat16 autocast)", torch.bfloat16, FLOOR_SHARE
@@ -491,7 +487,7 @@ def _run(
 
     for step in range(cfg.steps):
         counting = step == 0
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         with (
             counters["forward"] if counting else contextlib.nullcontext(),
@@ -506,19 +502,19 @@ def _run(
             loss.backward()
         # The optimizer step is applied after the gradients are compared, but timed as part of the
         # step.
-        _sync(device)
+        sync(device)
         t_fwd_bwd = time.perf_counter() - t0
 
         trail.phase = "comparison with the reference"
         _compare_step(parity, built, step, logits, loss, batch, cfg, device)
 
         trail.phase = "optimizer step"
-        _sync(device)
+        sync(device)
         t1 = time.perf_counter()
         with counters["optimizer"] if counting else contextlib.nullcontext():
             opt.step()
             opt.zero_grad()
-            _sync(device)
+            sync(device)
         step_time = t_fwd_bwd + time.perf_counter() - t1
         if not counting or cfg.steps == 1:
             step_times.append(step_time)

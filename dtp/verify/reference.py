@@ -181,6 +181,12 @@ def ignore_some(targets: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return out.scatter_(1, ignored, IGNORE_INDEX)
 
 
+def bf16_autocast(device: torch.device, on: bool = True):
+    """torch.autocast in bfloat16 on `device`'s type where `on` (as `dtp train --dtype bfloat16`
+    computes), else nothing."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
+
+
 def own_rng(device: torch.device):
     """A context that puts back the CPU generator's state (and `device`'s, if CUDA) when it ends."""
     return torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else [])
