@@ -60,6 +60,19 @@ def _ours(owner: dict) -> bool:
     return owner.get("host") == socket.gethostname() and owner["pid"] in (os.getpid(), os.getppid())
 
 
+def refuse_if_held(directory: Path) -> None:
+    """A CheckpointError naming the live other process that holds DIR's lock (nothing when none
+    does, or this process or its launcher does): before a run reads DIR, not only when it saves."""
+    lock = lock_path(directory)
+    owner = _owner(lock) if lock.exists() else None
+    if owner is not None and not _ours(owner) and _alive(owner):
+        raise CheckpointError(
+            f"checkpoint {directory} is being saved by another run (pid {owner['pid']} on "
+            f"{owner.get('host')}); two runs must not save into one checkpoint — wait for it, or "
+            f"use another --checkpoint (if that process is not a dtp run, remove {lock})"
+        )
+
+
 def claim(directory: Path) -> bool:
     """Take DIR's lock for this process; False when this process or its launcher holds it already.
     A live other holder is a CheckpointError naming it; a stale lock is replaced."""
@@ -82,13 +95,7 @@ def claim(directory: Path) -> bool:
             owner = _owner(lock)
             if owner is not None and _ours(owner):
                 return False
-            if owner is not None and _alive(owner):
-                raise CheckpointError(
-                    f"checkpoint {directory} is being saved by another run (pid {owner['pid']} on "
-                    f"{owner.get('host')}); two runs must not save into one checkpoint — wait for "
-                    "it, or use "
-                    f"another --checkpoint (if that process is not a dtp run, remove {lock})"
-                )
+            refuse_if_held(directory)
             with contextlib.suppress(FileNotFoundError):  # stale: its process is gone
                 lock.unlink()
         raise CheckpointError(

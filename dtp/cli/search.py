@@ -44,7 +44,11 @@ def add_parser(sub) -> None:
         type=bounded(LIMITS["micro_batch"]),
         help="sequences per micro-batch (default: try 1, 2, 4, 8, 16)",
     )
-    s.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="bf16")
+    s.add_argument(
+        "--precision",
+        choices=("fp16", "bf16", "fp32"),
+        help="default: the profile's best half precision (bf16, else fp16, else fp32)",
+    )
     s.add_argument(
         "--dp-modes",
         default="ddp,fsdp",
@@ -57,9 +61,9 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Price every layout and print the ranked table and the command that runs the winner."""
+    """Price every layout and print the ranked table and the commands that run the winner."""
     from dtp import models
-    from dtp.auto.search import search, why_lost
+    from dtp.auto.search import Job, commands, default_precision, launch, search, why_lost
     from dtp.simulate import profile
 
     modes = tuple(m.strip() for m in args.dp_modes.split(",") if m.strip())
@@ -67,73 +71,105 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--dp-modes takes ddp, fsdp or ddp,fsdp, not {args.dp_modes!r}")
     json_path = writable_file(args.json, "--json") if args.json else None
     prof = profile.load(args.profile)
+    precision, why = _precision(args.precision, prof, default_precision(prof))
+    nodes, _ = launch(args.gpus, prof.gpus_per_node)  # uneven over nodes: refused before the search
+    job = Job(args.model, args.gpus, args.seq, args.global_batch, precision, args.profile)
     model = models.build(models.resolve(args.model), device="meta")
     micro = [args.micro_batch] if args.micro_batch else [1, 2, 4, 8, 16]
     found = search(
         model,
-        args.model,
+        job,
         prof,
-        args.gpus,
-        args.seq,
-        args.global_batch,
         micro_batches=micro,
-        precision=args.precision,
         dp_modes=modes,
         log=lambda m: print(m, file=sys.stderr),
     )
     if not found:
         raise UsageError(
             f"no layout of {args.gpus} GPUs divides --global-batch {args.global_batch} into "
-            "micro-batches "
-            f"of {', '.join(map(str, micro))}"
+            f"micro-batches of {', '.join(map(str, micro))}"
         )
-    best = found[0]
-    capacity = prof.memory_GiB
+    best, capacity = found[0], prof.memory_GiB
     print(
         f"dtp search: {args.model} on {args.gpus} × {prof.name} ({capacity:.0f} GiB), seq "
-        f"{args.seq}, global batch "
-        f"{args.global_batch}, {args.precision}; {len(found)} layouts priced by dtp simulate, "
-        f"{sum(c.fits for c in found)} fit"
+        f"{args.seq}, global batch {args.global_batch}, {precision}{why}; {len(found)} layouts "
+        f"priced by dtp simulate, {sum(c.fits for c in found)} fit"
     )
-    print(f"{'rank':>4}  {'layout':56s} {'iter s':>8} {'TFLOP/s':>8} {'GiB':>7}  why not first")
-    for i, c in enumerate(found[:SHOWN]):
-        why = "best" if i == 0 and c.fits else why_lost(c, best, capacity)
-        print(
-            f"{i + 1:>4}  {c.key():56s} {c.iteration_s:8.3f} {c.tflops_per_gpu:8.1f} "
-            f"{c.memory_gib:7.1f}  {why}"
-        )
-    if len(found) > SHOWN:
-        print(f"  … {len(found) - SHOWN} more (--json lists all)")
+    shown = found[:SHOWN]
+    whys = ["best" if c is best and c.fits else why_lost(c, best, capacity) for c in shown]
+    _print_table(shown, whys, len(found))
     if not best.fits:
         print(
             f"nothing fits in {capacity:.0f} GiB per GPU: the smallest needs "
             f"{min(c.memory_gib for c in found):.1f} GiB"
         )
-    else:
-        sp = " --sequence-parallel" if best.sequence_parallel else ""
-        print(
-            f"\nrun it:\n  dtp plan --auto {args.model} --tp {best.tp}{sp} -o plan.tp\n"
-            f"  torchrun --nnodes {max(1, args.gpus // prof.gpus_per_node)} --nproc-per-node "
-            f"{min(args.gpus, prof.gpus_per_node)} -m dtp train plan.tp {args.model} --tp {best.tp} "
-            f"--dp {best.dp} "
-            f"--seq {args.seq}"
-        )
-        if not best.fsdp:
-            print(
-                "  (dtp train runs data parallelism as FSDP2; the figures above are the simulator's "
-                "for DDP)"
-            )
+    lines = commands(best, job, prof.gpus_per_node) if best.fits else []
+    if lines:
+        _print_commands(lines, nodes, job.gpus)
     if json_path:
-        keys = ("tp", "dp", "sequence_parallel", "recompute", "iteration_s", "memory_gib", "plan")
-        data = {
-            "best": {
-                **{k: best.to_json()[k] for k in keys},
-                "fsdp": best.fsdp,
-                "micro_batch": best.micro_batch,
-                "tflops_per_gpu": best.tflops_per_gpu,
-                "fits": best.fits,
-            },
-            "candidates": [c.to_json() for c in found],
-        }
-        write_text(json_path, json.dumps(data, indent=2) + "\n", "--json")
+        write_text(json_path, json.dumps(_json(found, job, lines), indent=2) + "\n", "--json")
     return 0 if best.fits else 1
+
+
+def _precision(asked: str | None, prof, default: str) -> tuple[str, str]:
+    """(the precision priced, why when it was not asked for): --precision, else `default`, the
+    profile's best half precision; one the profile has no rate for is a usage error before any
+    pricing."""
+    if asked is None:
+        if default == "fp32":
+            return default, " (the profile has no half precision; --precision overrides)"
+        return default, " (the profile's best half precision; --precision overrides)"
+    if asked not in prof.peak_tflops:
+        raise UsageError(
+            f"--precision {asked}: profile {prof.name} has no peak_tflops for it (it has: "
+            f"{', '.join(prof.peak_tflops)})"
+        )
+    return asked, ""
+
+
+def _print_table(shown: list, whys: list[str], total: int) -> None:
+    """The first layouts, each with why it is not first."""
+    print(f"{'rank':>4}  {'layout':56s} {'iter s':>8} {'TFLOP/s':>8} {'GiB':>7}  why not first")
+    for i, (c, why) in enumerate(zip(shown, whys)):
+        print(
+            f"{i + 1:>4}  {c.key():56s} {c.iteration_s:8.3f} {c.tflops_per_gpu:8.1f} "
+            f"{c.memory_gib:7.1f}  {why}"
+        )
+    if total > len(shown):
+        print(f"  … {total - len(shown)} more (--json lists all)")
+
+
+def _print_commands(lines: list[str], nodes: int, gpus: int) -> None:
+    """The commands that run the winner, and the one thing they cannot say: where a multi-node
+    job meets."""
+    print("\nrun it:")
+    for line in lines:
+        print(f"  {line}")
+    if nodes > 1:
+        print(
+            f"  (on each of the {nodes} nodes, with the rendezvous flags torchrun needs, e.g. "
+            "--rdzv-backend c10d --rdzv-endpoint HOST:PORT)"
+        )
+    else:
+        print(f"  (one node: dtp train starts its {gpus} ranks itself)")
+
+
+def _json(found: list, job, lines: list[str]) -> dict:
+    """The winner as it would run (layout, job, commands) and every candidate."""
+    best = found[0]
+    keys = ("tp", "dp", "sequence_parallel", "recompute", "iteration_s", "memory_gib", "plan")
+    return {
+        "best": {
+            **{k: best.to_json()[k] for k in keys},
+            "dp_mode": best.dp_mode,
+            "fsdp": best.fsdp,
+            "micro_batch": best.micro_batch,
+            "global_batch": job.global_batch,
+            "seq": job.seq,
+            "precision": job.precision,
+            "tflops_per_gpu": best.tflops_per_gpu,
+            "fits": best.fits,
+            "commands": lines,
+        },
+        "candidates": [c.to_json() for c in found],
+    }

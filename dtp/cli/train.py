@@ -8,8 +8,12 @@ import argparse
 import sys
 
 from dtp.cli.args import bounded, memory_size, positive_int, seed_int, timeout_seconds, tp_list
+from dtp.errors import UsageError
 from dtp.files import writable_dir, writable_file
 
+# --precision as the simulator names it → the dtype a rank computes in
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+RECOMPUTE = ("none", "full", "selective", "op")
 # steps: far beyond any run, so a typo is an error rather than a silent "never"
 MAX_INTERVAL = 10**9
 interval = bounded(MAX_INTERVAL, low=0)  # 0, or a number of steps
@@ -18,7 +22,10 @@ interval = bounded(MAX_INTERVAL, low=0)  # 0, or a number of steps
 def add_parser(sub) -> None:
     """Register `dtp train`."""
     t = sub.add_parser(
-        "train", help="train a sharded model on real text; --compare-tp for convergence parity"
+        "train",
+        help="train a sharded model on real text; --compare-tp for convergence parity",
+        # its flags are many: an error's usage line stays one line (`dtp train -h` lists them)
+        usage="%(prog)s PLAN MODEL [--tp N] [--dp M] [options]",
     )
     t.add_argument("plan")
     t.add_argument(
@@ -26,7 +33,14 @@ def add_parser(sub) -> None:
     )
     t.add_argument("--tp", type=positive_int, default=2, help="tensor-parallel size (default 2)")
     t.add_argument(
-        "--dp", type=positive_int, default=1, help="data-parallel size (FSDP2); --batch is global"
+        "--dp", type=positive_int, default=1, help="data-parallel size; --batch is global"
+    )
+    t.add_argument(
+        "--dp-mode",
+        choices=("fsdp", "ddp"),
+        default="fsdp",
+        help="fsdp (default): FSDP2 shards parameters, gradients and AdamW state over dp; ddp: "
+        "replicated, gradients all-reduced",
     )
     t.add_argument(
         "--data",
@@ -42,6 +56,13 @@ def add_parser(sub) -> None:
     t.add_argument("--steps", type=positive_int, default=300)
     t.add_argument(
         "--batch", type=positive_int, default=8, help="global batch in sequences (default 8)"
+    )
+    t.add_argument(
+        "--micro-batch",
+        type=positive_int,
+        metavar="B",
+        help="sequences per micro-batch on each dp rank: the gradient accumulates over "
+        "--batch / (dp × B) of them (default: the whole --batch / dp at once)",
     )
     t.add_argument("--seq", type=positive_int, default=64, help="tokens per sequence (default 64)")
     t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
@@ -62,11 +83,12 @@ def add_parser(sub) -> None:
         help="global gradient-norm clip, 0 for none (default 1.0)",
     )
     t.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="bfloat16: autocast forward with float32 master weights",
+        "--precision",
+        choices=tuple(PRECISIONS),
+        help="fp32 (default); bf16 or fp16: autocast forward over float32 master weights and AdamW "
+        "state, fp16 with dynamic loss scaling",
     )
+    t.add_argument("--dtype", choices=tuple(PRECISIONS.values()), help="the same as --precision")
     t.add_argument(
         "--eval-every",
         type=positive_int,
@@ -74,9 +96,15 @@ def add_parser(sub) -> None:
         help="validation every E steps and at the end",
     )
     t.add_argument(
+        "--recompute",
+        choices=RECOMPUTE,
+        help="what backward recomputes: none (default); full: each block's forward; selective: "
+        "the attention core; op: all but every other matmul, attention and collectives",
+    )
+    t.add_argument(
         "--checkpoint-activations",
         action="store_true",
-        help="recompute each block's forward in backward",
+        help="the same as --recompute full",
     )
     t.add_argument("--seed", type=seed_int, default=0)
     t.add_argument(
@@ -113,6 +141,13 @@ def add_parser(sub) -> None:
         type=memory_size,
         metavar="BYTES",
         help="refuse a tp whose per-rank parameters + gradients + AdamW state exceed BYTES (e.g. 1.5MiB)",
+    )
+    t.add_argument(
+        "--profile",
+        metavar="P",
+        help="the hardware profile of this machine (shipped name or YAML; `dtp simulate --calibrate "
+        "-o this.yaml` measures one): the summary sets `dtp simulate`'s prediction for this layout, "
+        "step time included, beside what was measured",
     )
     t.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     t.add_argument(
@@ -155,6 +190,13 @@ def add_parser(sub) -> None:
         help="continue from this checkpoint's step to --steps, at any --tp/--dp",
     )
     t.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start over even when --checkpoint DIR holds a checkpoint (without it, a run whose "
+        "--checkpoint DIR holds one of this plan and model continues from its step: how a restarted "
+        "or pre-empted run resumes by itself)",
+    )
+    t.add_argument(
         "--convert",
         action="store_true",
         help="with --resume: accept a checkpoint of another plan "
@@ -182,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
         batch=args.batch,
         seq=args.seq,
         seed=args.seed,
-        dtype=args.dtype,
+        dtype=_dtype(args),
         device=args.device,
         timeout=args.timeout,
         steps=args.steps,
@@ -192,13 +234,17 @@ def run(args: argparse.Namespace) -> int:
         weight_decay=args.weight_decay,
         clip=args.clip,
         eval_every=args.eval_every,
-        checkpoint_activations=args.checkpoint_activations,
+        recompute=_recompute(args),
+        micro_batch=args.micro_batch,
+        dp_mode=args.dp_mode,
+        profile=args.profile,
         out=args.out,
         progress=sys.stderr.isatty(),
         checkpoint=args.checkpoint,
         save_every=args.save_every or 0,
         resume=args.resume,
         convert=args.convert,
+        fresh=args.fresh,
         init=args.init,
         check_replicas=args.check_replicas,
         verify_every=args.verify_every,
@@ -212,3 +258,21 @@ def run(args: argparse.Namespace) -> int:
         max_rank_memory=args.max_rank_memory,
         json_path=json_path,
     )
+
+
+def _dtype(args: argparse.Namespace) -> str:
+    """--precision or its older name --dtype (one of them, or agreeing); float32 by default."""
+    named = PRECISIONS.get(args.precision) if args.precision else None
+    if named and args.dtype and named != args.dtype:
+        raise UsageError(f"--precision {args.precision} and --dtype {args.dtype} disagree")
+    return named or args.dtype or "float32"
+
+
+def _recompute(args: argparse.Namespace) -> str:
+    """--recompute, or --checkpoint-activations (= full); none by default."""
+    if args.checkpoint_activations and args.recompute not in (None, "full"):
+        raise UsageError(
+            f"--checkpoint-activations is --recompute full; it contradicts --recompute "
+            f"{args.recompute}"
+        )
+    return args.recompute or ("full" if args.checkpoint_activations else "none")

@@ -16,6 +16,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.distributed_c10d import AllreduceOptions, ProcessGroup
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.utils import checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 
 def all_reduce(t: torch.Tensor, group: ProcessGroup, op: str = "sum") -> torch.Tensor:
@@ -27,8 +29,10 @@ def all_reduce(t: torch.Tensor, group: ProcessGroup, op: str = "sum") -> torch.T
     for a mesh's own group by construction). While a dispatch mode observes (a timer, a counter),
     the wait goes through the functional `wait_tensor`, where the mode sees the time spent waiting,
     which `Work.wait()` would hide. The functional all-reduce would copy `t` first, which is what
-    torch.compile traces (the in-place call is opaque to it)."""
-    if torch.compiler.is_compiling():
+    torch.compile traces (the in-place call is opaque to it), and what runs under torch's selective
+    activation checkpointing (`dtp train --recompute selective|op`), which caches the product this
+    would reduce in place and refuses a cached tensor mutated later."""
+    if torch.compiler.is_compiling() or _selective_checkpointing():
         return funcol.all_reduce(t, op, group)
     t = t.contiguous()
     work = group.allreduce([t], _REDUCE_OPTIONS[op])
@@ -39,6 +43,21 @@ def all_reduce(t: torch.Tensor, group: ProcessGroup, op: str = "sum") -> torch.T
     # the wait's own dispatch, below autograd's Python wrapper
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops._c10d_functional.wait_tensor(t)
+
+
+# torch's selective checkpointing modes (the forward caching outputs, the recompute reading them)
+_SAC_MODES = tuple(
+    getattr(torch_checkpoint, name)
+    for name in ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode")
+    if hasattr(torch_checkpoint, name)
+)
+
+
+def _selective_checkpointing() -> bool:
+    """Whether a selective activation checkpoint is recording or replaying this op."""
+    return bool(torch._C._len_torch_dispatch_stack()) and any(
+        isinstance(mode, _SAC_MODES) for mode in _get_current_dispatch_mode_stack()
+    )
 
 
 def _options(op: dist.ReduceOp) -> AllreduceOptions:

@@ -72,29 +72,46 @@ def schedule(
     model: nn.Module | None = None,
     checkpoint_activations: bool = False,
     plain: bool | None = None,
+    dp_mode: str = "fsdp",
+    micro_batches: int = 1,
+    param_dtype: torch.dtype | None = None,
 ) -> list[Collective]:
     """Every collective of one forward + backward pass of the plan at `tp` on `batch` × `seq` tokens
-    per data-parallel rank; with dp > 1 (give `model`) also FSDP2's parameter all-gathers and
-    gradient reduce-scatters; with `checkpoint_activations`, each block's forward collectives again
-    in backward. `plain` (default: tp 1 and dp 1, as `apply` and `train` run it): the model is plain
-    PyTorch, no collective; False: a one-rank DTensor model, whose vocabulary-parallel loss still
-    issues its collectives."""
+    per data-parallel rank, run as `micro_batches` micro-batches of batch / micro_batches sequences
+    (gradient accumulation: the tensor-parallel collectives of each); with dp > 1 (give `model`)
+    also the data-parallel ones: FSDP2's parameter all-gathers in each micro-batch's forward and
+    backward and its gradient reduce-scatters once, or DDP's gradient all-reduces once, one per
+    unit, of `param_dtype` (default `dtype`); with `checkpoint_activations`, each block's forward
+    collectives again in backward. `plain` (default: tp 1 and dp 1, as `apply` and `train` run it):
+    the model is plain PyTorch, no collective; False: a one-rank DTensor model, whose
+    vocabulary-parallel loss still issues its collectives."""
     if tp == 1 and dp == 1 if plain is None else plain:
         return []
-    out = _tensor_parallel(checked, tp, batch, seq, dtype, lowered)
+    one = _tensor_parallel(checked, tp, batch // micro_batches, seq, dtype, lowered)
     if checkpoint_activations:
-        out += recomputed(out, units(checked.resolution.modules[""]))
+        one += recomputed(one, units(checked.resolution.modules[""]))
+    out = one * micro_batches
     if dp > 1:
-        elem = torch.empty((), dtype=dtype).element_size()
-        for path, nbytes in unit_bytes(checked, model, tp, dp, elem):
+        elem = torch.empty((), dtype=param_dtype or dtype).element_size()
+        ddp = dp_mode == "ddp"
+        # DDP's parameters are whole on every dp rank: nothing padded for a shard
+        for path, nbytes in unit_bytes(checked, model, tp, 1 if ddp else dp, elem):
             name = path or "(root)"
-            out.append(Collective("all_gather", "forward", nbytes, name, "FSDP2 parameters", "dp"))
-            if path:  # FSDP2 keeps the root's parameters gathered from forward to backward
+            if ddp:
                 out.append(
-                    Collective(
-                        "all_gather", "backward", nbytes, name, "FSDP2 parameters again", "dp"
-                    )
+                    Collective("all_reduce", "backward", nbytes, name, "DDP gradients", "dp")
                 )
+                continue
+            for _ in range(micro_batches):
+                out.append(
+                    Collective("all_gather", "forward", nbytes, name, "FSDP2 parameters", "dp")
+                )
+                if path:  # FSDP2 keeps the root's parameters gathered from forward to backward
+                    out.append(
+                        Collective(
+                            "all_gather", "backward", nbytes, name, "FSDP2 parameters again", "dp"
+                        )
+                    )
             out.append(
                 Collective("reduce_scatter", "backward", nbytes, name, "FSDP2 gradients", "dp")
             )

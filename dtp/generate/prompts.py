@@ -13,11 +13,14 @@ from pathlib import Path
 
 import torch
 
-from dtp.errors import UsageError, shorten
+from dtp.errors import UsageError, clip, shorten
+from dtp.files import read_bounded
 
 MAX_PROMPTS = 64
 MAX_PROMPT_TOKENS = 4096
 MAX_IDS_TEXT = 1 << 20  # characters of --prompt-ids
+# a tokenizer.json: Gemma 3's is 33 MiB, Llama 3's 8.7 MiB; far beyond them is not a tokenizer
+MAX_TOKENIZER_BYTES = 128 << 20
 
 
 def parse_ids(text: str, vocab: int) -> list[list[int]]:
@@ -58,13 +61,20 @@ class Tokens:
         self.vocab = vocab
         self.tokenizer = None
         file = Path(directory, "tokenizer.json") if directory is not None else None
-        if file is not None and file.is_file() and not file.is_symlink():
+        if file is not None and (file.is_symlink() or file.exists()):
+            if file.is_symlink():  # never read through a link placed in a model directory
+                raise UsageError(
+                    f"{file} is a symbolic link; dtp reads a model's files only as files"
+                )
+            text = read_bounded(file, "tokenizer", MAX_TOKENIZER_BYTES)  # a regular file, bounded
             from tokenizers import Tokenizer
 
             try:
-                self.tokenizer = Tokenizer.from_file(str(file))
+                self.tokenizer = Tokenizer.from_str(text)
             except Exception as err:  # noqa: BLE001 - a malformed file is the user's: one line
-                raise UsageError(f"{file}: not a tokenizer this version can read ({err})") from None
+                raise UsageError(
+                    f"{file}: not a tokenizer this version can read ({clip(str(err), 200)})"
+                ) from None
         elif vocab < 256:
             self.tokenizer = False
 

@@ -162,12 +162,13 @@ def build_sharded(
     from_rank0: bool = False,
     pretrained: bool = False,
     plain: bool = False,
+    dp_mode: str = "fsdp",
 ) -> Applied:
     """The one way to build a sharded model: meta (buffers real) → shard on `mesh`'s tp dimension →
     materialise this rank's shards (keyed init, scattered from rank 0's `full` model when
     `from_rank0` — every rank then continues from rank 0's CPU generator state —, read from a
     pretrained directory's files when `pretrained`) → FSDP2 over dp (which shards the materialised
-    tp-local tensors again). `plain`: on a one-rank world (tp 1, dp 1) the model stays plain PyTorch
+    tp-local tensors again; `dp_mode` "ddp": replicated, dtp.runtime.data_parallel). `plain`: on a one-rank world (tp 1, dp 1) the model stays plain PyTorch
     (dtp.runtime.shard.apply)."""
     model = build_on_meta(source, dtype)
     applied = apply(plan, model, mesh, seed, plain=plain and dp == 1)
@@ -194,7 +195,7 @@ def build_sharded(
         fill_keyed(applied, seed)
     share_buffers(model, full)
     if dp > 1:
-        data_parallel(model, mesh["dp"])
+        data_parallel(model, mesh["dp"], dp_mode)
     return applied
 
 
@@ -208,6 +209,7 @@ def build_from_model(
     dp: int = 1,
     dtype: torch.dtype = torch.float32,
     plain: bool = False,
+    dp_mode: str = "fsdp",
 ) -> Applied:
     """The model's own initialisation, sharded: rank 0 seeds torch's generators with `seed` and
     builds the whole model on the CPU (what `torch.manual_seed(seed); models.build(source,
@@ -227,6 +229,7 @@ def build_from_model(
             dtype=dtype,
             pretrained=True,
             plain=plain,
+            dp_mode=dp_mode,
         )
     full = models.build(source, device="cpu", dtype=dtype) if dist.get_rank() == 0 else None
     applied = build_sharded(
@@ -240,6 +243,7 @@ def build_from_model(
         full=full,
         from_rank0=True,
         plain=plain,
+        dp_mode=dp_mode,
     )
     del full
     return applied

@@ -100,6 +100,16 @@ def _collective_ops() -> set:
 _COLLECTIVES = _collective_ops()
 
 
+_WAIT = getattr(torch.ops._c10d_functional, "wait_tensor", None)
+
+
+def is_collective(op: object) -> bool:
+    """Whether the aten-level `op` is a collective, or the wait on one (a recomputation policy keeps
+    both: dtp's in-place all-reduce run again would reduce twice)."""
+    packet = getattr(op, "_overloadpacket", None)
+    return packet is not None and (packet in _COLLECTIVES or packet is _WAIT)
+
+
 def op_name(op: object) -> str:
     """`c10d_functional.all_reduce` → `all_reduce`; FSDP2's `c10d._allgather_base_` → `all_gather`."""
     name = str(op).rsplit(".", 1)[-1]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 from dtp.errors import UsageError, shorten
 from dtp.lang.parse import read_plan_text
@@ -47,6 +48,7 @@ class Job:
     dtype: str = "float32"
     device: str = "cpu"  # auto, cpu or cuda; the pre-flight decides auto
     timeout: float = 120.0  # seconds before every rank is stopped (exit 1)
+    dtypes: ClassVar[tuple[str, ...]] = DTYPES  # what this kind of job runs in
 
     def __post_init__(self) -> None:
         for flag, value in (
@@ -68,9 +70,9 @@ class Job:
             raise UsageError(
                 f"--seed must be an integer between 0 and {MAX_SEED}, got {shorten(self.seed)}"
             )
-        if self.dtype not in DTYPES:
+        if self.dtype not in self.dtypes:
             raise UsageError(
-                f"--dtype must be one of {', '.join(DTYPES)}, got {shorten(self.dtype)}"
+                f"--dtype must be one of {', '.join(self.dtypes)}, got {shorten(self.dtype)}"
             )
         if self.device not in DEVICES:
             raise UsageError(

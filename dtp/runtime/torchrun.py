@@ -90,7 +90,18 @@ def torchrun_group(device: str, timeout: float | None = None) -> Iterator[int]:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     kwargs = {"timeout": timedelta(seconds=timeout)} if timeout else {}
     try:
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", **kwargs)
+        store, rank, world = next(dist.rendezvous("env://", **kwargs))
+        # A round torchrun restarts (--max-restarts) meets the agent's store again, which still
+        # holds the dead round's addresses: gloo then connects to a port nobody listens on (half
+        # the restarts here; pytorch/pytorch#167288 for NCCL). Each round keys its own.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(
+            "nccl" if device == "cuda" else "gloo",
+            store=dist.PrefixStore(f"dtp/attempt-{attempt}", store),
+            rank=rank,
+            world_size=world,
+            **kwargs,
+        )
     # DistNetworkError, DistStoreError: no peer at MASTER_ADDR:PORT
     except (RuntimeError, ValueError) as err:
         rank, addr = (

@@ -67,6 +67,9 @@ def activation_bytes(
     sequence_parallel: bool = False,
     dropout: bool = True,
     flash: bool = False,
+    residual_elem: int | None = None,
+    gathered_inputs: bool = False,
+    working_set: bool = True,
 ) -> float:
     """Bytes of activations one rank keeps for backward (Korthikanti et al. 2022, Table 2 and §4.3).
 
@@ -75,15 +78,60 @@ def activation_bytes(
     selective recompute, and 2sbh per layer with full recompute plus one layer's working set while
     it is recomputed. `op` is per-op selective checkpointing (torchtitan's): each layer keeps its
     input, every other matrix multiply's output and the attention output (with its row statistic);
-    the rest is recomputed."""
+    the rest is recomputed.
+
+    `residual_elem` (default `elem`): the element size of the residual stream, which every norm
+    reads and every block takes in: 4 under autocast over fp32 weights (the residual adds promote to
+    fp32, and the norms run in fp32), where only the matrix multiplies' inputs and outputs are in
+    the training precision.
+
+    `gathered_inputs`: with sequence parallelism, each column-parallel layer (attention, MLP, the
+    head) saves its all-gathered input, whole, as torch's DTensor layers do; Megatron (K22's
+    formula, the default) saves the sequence shard and all-gathers it again in backward.
+
+    `working_set` False: what the forward leaves allocated, without the recomputed layer's working
+    set (full and per-op recompute bring one layer's tensors back while its backward runs; the
+    forward has freed them): what a meter reads between forward and backward."""
+    saved, working = _activations(
+        shape,
+        batch,
+        seq,
+        tp,
+        elem,
+        recompute,
+        sequence_parallel,
+        dropout,
+        flash,
+        residual_elem,
+        gathered_inputs,
+    )
+    return saved + (working if working_set else 0.0)
+
+
+def _activations(
+    shape: Shape,
+    batch: int,
+    seq: int,
+    tp: int,
+    elem: int,
+    recompute: str,
+    sequence_parallel: bool,
+    dropout: bool,
+    flash: bool,
+    residual_elem: int | None,
+    gathered_inputs: bool,
+) -> tuple[float, float]:
+    """(kept after the forward, one layer's recomputed working set) in bytes."""
+    res = residual_elem or elem
     sb = seq * batch
     h = shape.hidden
     mask = 1 if dropout else 0
     rep_div = tp if sequence_parallel else 1
+    input_div = 1 if gathered_inputs else rep_div  # a column-parallel layer's saved input
     kv = h * (shape.kv_heads or shape.heads) // shape.heads
     f = shape.ffn or 4 * h
-    # replicated: 2 norm inputs, the attention and MLP inputs (4 elements), 2 dropout masks
-    replicated = (4 * elem + 2 * mask) * sb * h / rep_div
+    # replicated: 2 norm inputs (the residual stream), the attention and MLP inputs, 2 dropout masks
+    replicated = (2 * res + 2 * mask) * sb * h / rep_div + 2 * elem * sb * h / input_div
     # split over tp: q, k, v, the attention output (= projection input), the MLP's saved inner
     # tensors (a GPT: GeLU input and output; SwiGLU: gate, up, silu(gate) and the product)
     split = elem * sb * (2 * h + 2 * kv + (4 if shape.gated else 2) * f) / tp
@@ -96,15 +144,17 @@ def activation_bytes(
     if recompute == "selective":
         layer -= scores
     # final LN, head input, fp32 logits
-    outside = (2 * elem + mask) * sb * h / rep_div + 4 * sb * shape.vocab / tp
-    if recompute == "full":
-        return shape.layers * elem * sb * h / rep_div + layer + outside
+    outside = (
+        (res + mask) * sb * h / rep_div + elem * sb * h / input_div + 4 * sb * shape.vocab / tp
+    )
+    if recompute == "full":  # each block's input
+        return shape.layers * res * sb * h / rep_div + outside, layer
     # and while one layer's backward runs, its recomputed tensors are all back
     if recompute == "op":
         saved = shape.mm_outputs(tp)[0::2]  # the 1st, 3rd, … matrix multiply of the layer
-        kept = elem * sb * (h / rep_div + sum(saved) + h / tp) + lse
-        return shape.layers * kept + (layer - kept) + outside
-    return shape.layers * layer + outside
+        kept = res * sb * h / rep_div + elem * sb * (sum(saved) + h / tp) + lse
+        return shape.layers * kept + outside, layer - kept
+    return shape.layers * layer + outside, 0.0
 
 
 def loss_bytes(shape: Shape, batch: int, seq: int, tp: int, elem: int) -> float:

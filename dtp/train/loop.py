@@ -15,36 +15,40 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from dtp import models
-from dtp.compiler.layer import layer_class
 from dtp.compiler.vocab_parallel import cross_entropy
-from dtp.cost.fsdp import units
 from dtp.cost.param_bytes import local_param_bytes
 from dtp.cost.schedule import NotModeled, schedule, summarize
 from dtp.errors import UsageError, shorten
 from dtp.lang.parse import parse
 from dtp.models import calling
 from dtp.runtime.build import build_from_model, build_sharded
-from dtp.runtime.comm import CommCounter, merge
+from dtp.runtime.comm import merge
 from dtp.runtime.job import Job, finite, positive
 from dtp.runtime.mesh import make_mesh, sync
 from dtp.runtime.preflight import trusted
 from dtp.runtime.rows import shared_rows
 from dtp.train import data, replica_checks, resume, verify
+from dtp.train.activations import ForwardMeter, GroupCounter, collective_bytes, state_bytes
 from dtp.train.meter import CommTimer, peak_memory
-from dtp.train.optim import Schedule, adamw, clip_, set_lr
+from dtp.train.optim import LocalGradScaler, Schedule, adamw, clip_, set_lr, settle_grads
+from dtp.train.recompute import RECOMPUTE, recompute_blocks
+from dtp.train.verify import AUTOCAST, autocast
 from dtp.verify.dropout import DropoutProbe
 
-TRAIN_DTYPES = ("float32", "bfloat16")  # bfloat16: autocast over float32 master weights
+# bfloat16, float16: autocast over float32 master weights and AdamW state (float16 with loss scaling)
+TRAIN_DTYPES = ("float32", "bfloat16", "float16")
 INITS = ("model", "keyed")
+DP_MODES = ("fsdp", "ddp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +56,7 @@ class TrainConfig(Job):
     """`dtp train`'s job: the plan, model and mesh (Job) and the training run's own settings,
     validated once."""
 
+    dtypes: ClassVar[tuple[str, ...]] = TRAIN_DTYPES
     steps: int = 200
     lr: float = 3e-3  # the peak learning rate
     min_lr: float = 3e-4  # at the end of the cosine
@@ -60,7 +65,17 @@ class TrainConfig(Job):
     clip: float = 1.0  # global gradient-norm clip, 0 for none
     eval_every: int = 50
     eval_batches: int = 8
-    checkpoint_activations: bool = False
+    # sequences per micro-batch on each dp rank (None: batch / dp, one micro-batch): the step's
+    # gradient accumulates over batch / (dp × micro_batch) of them
+    micro_batch: int | None = None
+    # what backward recomputes (dtp.train.recompute): none | full | selective | op
+    recompute: str = "none"
+    # data parallelism over dp: FSDP2 (parameters, gradients, AdamW state sharded) or DDP (replicated;
+    # gradients all-reduced)
+    dp_mode: str = "fsdp"
+    # a hardware profile (shipped name or YAML): the summary sets simulate's predictions for this
+    # layout on it beside what was measured (None: the byte counts only, no step time)
+    profile: str | None = None
     out: str = "dtp-train"
     progress: bool = False  # a tqdm bar on rank 0 (a terminal); else a line per evaluation
     checkpoint: str | None = None  # save here every `save_every` steps (0: at the end only)
@@ -76,13 +91,32 @@ class TrainConfig(Job):
     verify_every: int = 100
     # the rows of every batch in reverse order: this run up to rounding (--compare-tp's noise twin)
     twin: bool = False
+    # start from scratch even when --checkpoint DIR holds a checkpoint (else the run continues it)
+    fresh: bool = False
+    # set by dtp.train.resume.validate: resuming from --checkpoint DIR by itself, and from where
+    automatic: bool = False
+    resumed_from: dict | None = None
     # intra-op threads per local rank (None: dtp.runtime.threads.threads_per_rank)
     threads: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.dtype not in TRAIN_DTYPES:
-            raise UsageError(f"--dtype {self.dtype}: dtp train runs {' or '.join(TRAIN_DTYPES)}")
+        if self.recompute not in RECOMPUTE:
+            raise UsageError(
+                f"--recompute must be one of {', '.join(RECOMPUTE)}, got {shorten(self.recompute)}"
+            )
+        if self.dp_mode not in DP_MODES:
+            raise UsageError(
+                f"--dp-mode must be {' or '.join(DP_MODES)}, got {shorten(self.dp_mode)}"
+            )
+        if self.micro_batch is None:
+            object.__setattr__(self, "micro_batch", self.batch // self.dp)
+        positive("--micro-batch", self.micro_batch)
+        if (self.batch // self.dp) % self.micro_batch:
+            raise UsageError(
+                f"--micro-batch {self.micro_batch} must divide the {self.batch // self.dp} "
+                f"sequences each dp rank runs a step (--batch {self.batch} / --dp {self.dp})"
+            )
         if self.init not in INITS:
             raise UsageError(f"--init must be {' or '.join(INITS)}, got {shorten(self.init)}")
         for flag, value in (
@@ -111,31 +145,12 @@ class TrainConfig(Job):
             raise UsageError("--save-every needs --checkpoint DIR (where to save)")
         if self.convert and not self.resume:
             raise UsageError("--convert applies to --resume DIR only")
+        if self.fresh and self.resume:
+            raise UsageError("--fresh starts over; it contradicts --resume DIR")
 
 
 # time collectives on every 10th step only: the timer's dispatch mode sees every op and slows it
 COMM_SAMPLE = 10
-
-
-class Recomputed:
-    """The forward of a block whose activations are recomputed in backward (torch.utils.checkpoint).
-
-    early_stop=False recomputes the whole block as Megatron does, so every forward collective of a
-    block runs again in backward (torch's early stop would skip the last one, whose output nothing
-    saves)."""
-
-    def forward(self, *args, **kwargs):  # noqa: D102 - the class says it
-        return checkpoint(super().forward, *args, use_reentrant=False, early_stop=False, **kwargs)
-
-
-def _checkpoint_blocks(model: torch.nn.Module) -> list[str]:
-    """Make each block `Recomputed` (a subclass, as dtp's styles make their layers: the block's own
-    forward and parameter names stay), and return their paths."""
-    blocks = units(model)
-    for path in blocks:
-        block = model.get_submodule(path)
-        block.__class__ = layer_class(Recomputed, type(block))
-    return blocks
 
 
 class Trainer:
@@ -169,6 +184,7 @@ class Trainer:
                 device=self.device,
                 dp=cfg.dp,
                 plain=True,
+                dp_mode=cfg.dp_mode,
             )
         else:
             self.applied = build_sharded(
@@ -179,18 +195,31 @@ class Trainer:
                 device=self.device,
                 dp=cfg.dp,
                 plain=True,
+                dp_mode=cfg.dp_mode,
             )
         self.model = self.applied.model
         rows = shared_rows(self.applied)  # k/v rows every rank holds: counted once in the clip norm
         self.shared_rows = {id(p): rows[n] for n, p in self.model.named_parameters() if n in rows}
-        self.blocks = _checkpoint_blocks(self.model) if cfg.checkpoint_activations else []
+        self.blocks = recompute_blocks(self.model, cfg.recompute, cfg.seq)
         self.optimizer = adamw(self.model, cfg.lr, cfg.weight_decay)
+        # float16: dynamic loss scaling, the skip decided alike on every rank (the scaler all-reduces
+        # what it found over the world); otherwise a disabled scaler is the identity
+        self.fp16 = cfg.dtype == "float16"
+        self.scaler = LocalGradScaler(device=self.device.type, enabled=self.fp16)
+        # gradient accumulation: FSDP2 and DDP reduce only on the last micro-batch's backward
+        self.sync_grads = (
+            self.model.set_requires_gradient_sync
+            if isinstance(self.model, FSDPModule) and cfg.batch // cfg.dp > cfg.micro_batch
+            else None
+        )
         self.schedule = Schedule(cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
         self.tokens = corpus.tokens()
         self.dp_rank = mesh["dp"].get_local_rank() if cfg.dp > 1 else 0
         self.dp_group = mesh["dp"].get_group() if cfg.dp > 1 else None
         self.step = 0
         self.param_bytes = local_param_bytes(self.model)
+        # what the first step measures, for dtp simulate's prediction (dtp.train.predict)
+        self.measured: dict = {}
         self.val = data.val_batches(
             corpus, self.tokens, cfg.batch, cfg.seq, cfg.dp, self.dp_rank, cfg.eval_batches
         )
@@ -203,18 +232,18 @@ class Trainer:
             "config": self.cfg.to_json(),
             "rng_cpu": torch.get_rng_state(),
             "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
+            # float16's dynamic loss scale (and its growth tracker): resumed, not restarted
+            "loss_scale": self.scaler.state_dict() if self.fp16 else None,
         }
 
     def _autocast(self):
-        if self.cfg.dtype == "bfloat16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return autocast(self.device, AUTOCAST.get(self.cfg.dtype))
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self._autocast():
             logits = self.forward(self.model, inputs.to(self.device), targets.to(self.device))
-        # in float32 from (possibly bf16) logits, as autocast does; vocabulary-parallel logits stay
-        # split
+        # in float32 from (possibly half-precision) logits, as autocast does; vocabulary-parallel
+        # logits stay split
         return cross_entropy(logits, targets.to(self.device))
 
     def _mean_over_dp(self, value: torch.Tensor) -> float:
@@ -226,10 +255,16 @@ class Trainer:
         return float(value.item())
 
     def train_step(
-        self, counters: dict | None = None, timer: CommTimer | None = None, probe=None
+        self,
+        counters: dict | None = None,
+        timer: CommTimer | None = None,
+        probe=None,
+        meter: ForwardMeter | None = None,
     ) -> dict:
-        """One optimizer step on this step's batch; `counters` (forward, backward) count its
-        collectives; `probe` (dtp.verify.dropout) records the forward's random masks."""
+        """One optimizer step on this step's batch, its gradient accumulated over the micro-batches;
+        `counters` (forward, backward, optimizer) count its collectives and measure its training
+        state (`self.measured`); `probe` (dtp.verify.dropout) records the first forward's random
+        masks; `meter` the bytes the first micro-batch's forward leaves for backward."""
         cfg = self.cfg
         lr = self.schedule(self.step)
         set_lr(self.optimizer, lr)
@@ -238,33 +273,63 @@ class Trainer:
         )
         if cfg.twin:  # the same sums in another order: only rounding differs
             inputs, targets = inputs.flip(0), targets.flip(0)
+        micro = list(zip(inputs.split(cfg.micro_batch), targets.split(cfg.micro_batch)))
         self.model.train()
         sync(self.device)
         t0 = time.perf_counter()
+        losses = []
         with timer or contextlib.nullcontext():
-            with (
-                counters["forward"] if counters else contextlib.nullcontext(),
-                probe.recording() if probe else contextlib.nullcontext(),
-            ):
-                loss = self._loss(inputs, targets)
-            with counters["backward"] if counters else contextlib.nullcontext():
-                loss.backward()
-            # not counted: see analytic()
-            norm = clip_(self.model.parameters(), cfg.clip, self.shared_rows)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            for i, (x, y) in enumerate(micro):
+                last = i == len(micro) - 1
+                if self.sync_grads is not None:  # FSDP2/DDP reduce the gradient once, at the end
+                    self.sync_grads(last)
+                with (
+                    counters["forward"] if counters else contextlib.nullcontext(),
+                    probe.recording() if probe and i == 0 else contextlib.nullcontext(),
+                    meter if meter and i == 0 else contextlib.nullcontext(),
+                ):
+                    loss = self._loss(x, y)
+                with counters["backward"] if counters else contextlib.nullcontext():
+                    # every micro-batch has as many tokens: the mean of their means is the batch's
+                    self.scaler.scale(loss / len(micro)).backward()
+                losses.append(loss.detach())
+            norm, skipped = self._optimizer_step(counters["optimizer"] if counters else None)
             sync(self.device)
+        if meter:
+            self.measured["activation_bytes"] = meter.nbytes
         seconds = time.perf_counter() - t0
         self.step += 1
         return {
             "step": self.step,
-            "loss": self._mean_over_dp(loss),
+            "loss": self._mean_over_dp(torch.stack([_value(v) for v in losses]).mean()),
             "lr": lr,
             "grad_norm": float(norm),
             "step_time_ms": seconds * 1e3,
             "tokens_per_s": cfg.batch * cfg.seq / seconds,
             "comm_share": (timer.seconds / seconds) if timer else None,
+            **({"loss_scale": self.scaler.get_scale(), "skipped": skipped} if self.fp16 else {}),
         }
+
+    def _optimizer_step(self, counter: GroupCounter | None = None) -> tuple[torch.Tensor, bool]:
+        """Unscale (float16), clip, step: (the gradient norm, whether the step was skipped for a
+        non-finite gradient — every rank decides alike: the scaler all-reduces what it found).
+        `counter`: the collectives of settling the gradients and of the step (not the clip's or the
+        scaler's scalars: nothing prices them), and the training state measured after it."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        with counter or contextlib.nullcontext():
+            settle_grads(params)  # a Partial gradient reduced once, before the scaler reads it
+        self.scaler.unscale_(self.optimizer)
+        # not counted: see analytic()
+        norm = clip_(self.model.parameters(), self.cfg.clip, self.shared_rows)
+        before = self.scaler.get_scale() if self.fp16 else None
+        with counter or contextlib.nullcontext():
+            self.scaler.step(self.optimizer)
+        self.scaler.update()
+        if counter is not None:
+            self.measured.update(state_bytes(self.model, self.optimizer))
+        self.optimizer.zero_grad(set_to_none=True)
+        skipped = self.fp16 and self.scaler.get_scale() < before
+        return norm, skipped
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -276,28 +341,35 @@ class Trainer:
         return total / len(self.val)
 
     def analytic(self) -> dict:
-        """The analytic collectives of forward + backward (recomputed forwards included), as counted
-        on the first step. Clipping and the optimizer step are not counted: the gradient norm's
-        scalar reductions run there, and sequence-parallel norms' gradients (DTensor Partial) are
-        reduced there lazily, so for sequence-parallel plans the schedule's norm-gradient
-        all-reduces are not seen by the count."""
+        """The analytic collectives of one step's forwards + backwards (every micro-batch, recomputed
+        forwards included), as counted on the first step. Clipping and the optimizer step are not
+        counted: the gradient norm's scalar reductions run there, and sequence-parallel norms'
+        gradients (DTensor Partial) are reduced there lazily, so for sequence-parallel plans the
+        schedule's norm-gradient all-reduces are not seen by the count."""
+        cfg = self.cfg
         try:
-            dtype = torch.bfloat16 if self.cfg.dtype == "bfloat16" else torch.float32
             steps = schedule(
                 self.checked,
-                self.cfg.tp,
-                self.cfg.batch // self.cfg.dp,
-                self.cfg.seq,
-                dtype=dtype,
+                cfg.tp,
+                cfg.batch // cfg.dp,
+                cfg.seq,
+                dtype=AUTOCAST.get(cfg.dtype, torch.float32),
                 lowered=self.applied.compiled.lowered,
-                dp=self.cfg.dp,
+                dp=cfg.dp,
                 model=self.meta,
-                checkpoint_activations=self.cfg.checkpoint_activations,
+                checkpoint_activations=cfg.recompute == "full",
                 plain=self.applied.plain,
+                dp_mode=cfg.dp_mode,
+                micro_batches=cfg.batch // cfg.dp // cfg.micro_batch,
+                param_dtype=torch.float32,  # the master weights: what FSDP2 and DDP move
             )
-            return summarize(steps, self.cfg.tp, self.cfg.dp)
+            return summarize(steps, cfg.tp, cfg.dp)
         except NotModeled as err:
             return {"not_modeled": str(err)}
+
+
+def _value(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _anywhere(flag: bool, device: torch.device) -> bool:
@@ -333,8 +405,16 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
     # the first step's random masks against their tensors' placement (tp > 1, dropout or a generator)
     masks = DropoutProbe.over(trainer.model) if replicas.group is not None else None
     stopped = False
-    counters = {"forward": CommCounter(), "backward": CommCounter()}
+    groups = {
+        "tp": trainer.mesh["tp"].get_group() if cfg.tp > 1 else None,
+        "dp": trainer.mesh["dp"].get_group() if cfg.dp > 1 else None,
+    }
+    counters = {phase: GroupCounter(groups) for phase in ("forward", "backward", "optimizer")}
+    # the saved activations of the first step, or of the second where the dropout probe holds the
+    # first forward's masks (they would be counted)
+    meter_step = start if masks is None else start + 1
     losses, val_losses, times, shares = [], [], [], []
+    skipped = 0  # float16 steps the loss scaler skipped (a non-finite gradient)
     if trainer.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(trainer.device)
     with contextlib.ExitStack() as stack:
@@ -353,6 +433,7 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
                 counters if first else None,
                 CommTimer() if sampled else None,
                 masks if first else None,
+                ForwardMeter(trainer.model) if step == meter_step else None,
             )
             if first and masks and _anywhere(bool(masks.verdict(replicas.group)), trainer.device):
                 stopped = True  # every rank: dropout masks that break their tensors' placement
@@ -395,6 +476,7 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
                     saves[-1]["seconds"],
                 )
             losses.append(row["loss"])
+            skipped += bool(row.get("skipped"))
             if sampled:
                 shares.append(row["comm_share"])
             elif not first:
@@ -436,9 +518,20 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
             step_time_ms=median,
             tokens_per_s=cfg.batch * cfg.seq / (median / 1e3),
             comm_share=sorted(shares)[len(shares) // 2] if shares else 0.0,
-            collectives=merge(counters),
+            # the schedule has the forward and backward passes' collectives
+            collectives=merge({k: counters[k] for k in ("forward", "backward")}),
+            measured={
+                **collective_bytes(counters.values()),
+                **trainer.measured,
+                "step_ms": median,
+            },
             analytic_collectives=trainer.analytic(),
             blocks_checkpointed=len(trainer.blocks),
+            loss_scale=(
+                {"final": trainer.scaler.get_scale(), "skipped_steps": skipped}
+                if trainer.fp16
+                else None
+            ),
             start_step=start,
             resumed=resumed,
             saves=saves,

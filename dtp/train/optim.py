@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 from torch.optim.sgd import sgd
@@ -134,6 +136,24 @@ class LocalSGD(torch.optim.SGD):
                 self.state[p]["momentum_buffer"] = (
                     like(p, after) if isinstance(p, DTensor) else after
                 )
+
+
+class LocalGradScaler(ShardedGradScaler):
+    """torch's loss scaler for float16 training — dynamic scale, a step with a non-finite gradient
+    skipped, the flag all-reduced over the world so that every rank skips alike (ShardedGradScaler)
+    — unscaling each gradient's local tensor, for the reason LocalAdamW gives (torch's foreach
+    unscale refuses a list mixing DTensors and tensors). Settle Partial gradients first
+    (settle_grads): their local tensors are not yet the gradient."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
+        grads = [
+            SimpleNamespace(grad=local(p.grad))
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+        view = SimpleNamespace(param_groups=[{"params": grads}])
+        return super()._unscale_grads_(view, inv_scale, found_inf, allow_fp16)
 
 
 def _local_steps(opt: torch.optim.Optimizer, closure, update) -> object:

@@ -20,7 +20,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from dtp import models
 from dtp.checkpoint.dcp import check_plan_matches, load_checkpoint, model_shape, save_checkpoint
-from dtp.checkpoint.files import CheckpointError, read_meta, some
+from dtp.checkpoint.files import MARKER, CheckpointError, read_meta, some
+from dtp.checkpoint.lock import refuse_if_held
 from dtp.checkpoint.optim_state import unpack
 from dtp.checkpoint.untrusted import SafeReader
 from dtp.cost.explain import human_bytes
@@ -110,21 +111,79 @@ def validate(cfg):
     with its checkpoint directories absolute: ranks may run elsewhere."""
     if cfg.checkpoint:
         cfg = replace(cfg, checkpoint=str(_resolved(cfg.checkpoint, "--checkpoint")))
+        refuse_if_held(Path(cfg.checkpoint))  # another run saving there: said first
+        # a run restarted with its own --checkpoint DIR continues from it (torchrun's
+        # --max-restarts, a pre-empted job run again): the steps since the last save are lost
+        held = _holds_something(Path(cfg.checkpoint))
+        if held and cfg.fresh and not Path(cfg.checkpoint, MARKER).is_file():
+            # a save replaces only a checkpoint: refused now, not after the training
+            raise UsageError(
+                f"--checkpoint {cfg.checkpoint} holds files and is not a dtp checkpoint; dtp never "
+                "replaces it: name another directory"
+            )
+        if held and not cfg.resume and not cfg.fresh:
+            cfg = replace(cfg, resume=cfg.checkpoint, automatic=True)
     if not cfg.resume:
         return cfg
+    hint = ", or --fresh to start over" if cfg.automatic else ""
     directory = _resolved(cfg.resume, "--resume")
-    meta, extra = saved_state(directory)
     try:
-        check_plan_matches(meta, cfg.plan_text, directory, cfg.convert)
+        meta, extra = saved_state(directory)
+        try:
+            check_plan_matches(meta, cfg.plan_text, directory, cfg.convert)
+        except UsageError as err:
+            raise type(err)(f"{err} (`dtp train --convert`)") from None
+        _check_model(meta, cfg.model, directory)
     except UsageError as err:
-        raise type(err)(f"{err} (`dtp train --convert`)") from None
-    _check_model(meta, cfg.model, directory)
+        if not cfg.automatic:
+            raise
+        raise type(err)(
+            f"this run would continue from its --checkpoint {directory}, but {err}; --fresh "
+            "starts over"
+        ) from None
     if extra["step"] >= cfg.steps:
         raise UsageError(
             f"checkpoint {directory} is at step {extra['step']}, not before --steps "
-            f"{cfg.steps}: nothing left to train (raise --steps)"
+            f"{cfg.steps}: nothing left to train (raise --steps{hint})"
         )
-    return replace(cfg, resume=str(directory))
+    saved = extra.get("config") or {}
+    return replace(
+        cfg,
+        resume=str(directory),
+        resumed_from={
+            "step": extra["step"],
+            "tp": saved.get("tp"),
+            "dp": saved.get("dp"),
+            "dp_mode": saved.get("dp_mode", "fsdp"),
+        },
+    )
+
+
+def _holds_something(directory: Path) -> bool:
+    """Whether --checkpoint DIR exists with anything in it (a checkpoint to continue, or something
+    that is not one: refused)."""
+    try:
+        return directory.is_dir() and any(directory.iterdir())
+    except OSError:
+        return False
+
+
+def continuing_line(cfg) -> str | None:
+    """The report's first line for a run that continues from its own --checkpoint (none else)."""
+    if not cfg.automatic:
+        return None
+    was = cfg.resumed_from
+    return (
+        f"dtp train: continuing from {cfg.checkpoint} at step {was['step']} (saved at "
+        f"{_layout(was['tp'], was['dp'], was['dp_mode'])}; now "
+        f"{_layout(cfg.tp, cfg.dp, cfg.dp_mode)}); --fresh starts over"
+    )
+
+
+def _layout(tp, dp, mode) -> str:
+    return f"tp {tp} × dp {dp}" + (
+        f" ({str(mode).upper()})" if isinstance(dp, int) and dp > 1 else ""
+    )
 
 
 def _stored(trainer, plan_text: str):
@@ -154,6 +213,8 @@ def restore(trainer, cfg) -> dict:
     torch.set_rng_state(extra["rng_cpu"])
     if trainer.device.type == "cuda" and extra.get("rng_cuda") is not None:
         torch.cuda.set_rng_state(extra["rng_cuda"])
+    if trainer.fp16 and extra.get("loss_scale"):  # a float32 or bfloat16 checkpoint has none
+        trainer.scaler.load_state_dict(extra["loss_scale"])
     return {
         "path": cfg.resume,
         "step": trainer.step,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -20,14 +21,18 @@ from dtp.checkpoint.lock import held
 from dtp.cost.explain import human_bytes
 from dtp.cost.param_bytes import param_bytes_per_rank
 from dtp.errors import RunError, Terminated, UsageError
+from dtp.layout.styles.spec import NotModeled
+from dtp.runtime.data_parallel import ddp_available
 from dtp.runtime.keyed_init import init_rule
 from dtp.runtime.preflight import Prepared, launch, prepare
 from dtp.runtime.threads import cores
+from dtp.simulate import profile
 from dtp.train import data, replica_checks, resume, verify
 from dtp.train.budget import check_budget, check_init_memory, check_train_memory
 from dtp.train.loop import TrainConfig, train
-from dtp.train.parity import compare, markdown
+from dtp.train.parity import FLOORS, compare, markdown
 from dtp.train.plot import loss_png
+from dtp.train.predict import predict, table
 from dtp.train.resume import resumed_line, saved_line
 
 
@@ -40,11 +45,11 @@ def _preflight(cfg: TrainConfig, max_rank_memory: int | None) -> Prepared:
     prepared = prepare(cfg, weights=cfg.init == "model")
     job, model, checked = prepared.job, prepared.meta, prepared.checked
     whole_on_rank0 = job.init == "model" and prepared.source.pretrained is None
-    if job.checkpoint_activations and any(
+    if job.recompute != "none" and any(
         getattr(m, "p", 0) > 0 for m in model.modules() if type(m).__name__ == "Dropout"
     ):
         raise UsageError(
-            "--checkpoint-activations with dropout > 0 would redraw different masks when the "
+            f"--recompute {job.recompute} with dropout > 0 would redraw different masks when the "
             "forward is recomputed; use a model with dropout 0"
         )
     if job.dp > 1:  # FSDP2 refuses these mid-start-up on every rank: one paragraph here instead
@@ -69,14 +74,23 @@ def _preflight(cfg: TrainConfig, max_rank_memory: int | None) -> Prepared:
             model,
             job.tp,
             job.dp,
-            batch=job.batch,
+            batch=job.micro_batch * job.dp,
             seq=job.seq,
             vocab=prepared.vocab,
-            act_elem=2 if job.dtype == "bfloat16" else 4,
+            ddp=job.dp_mode == "ddp",
+            act_elem=4 if job.dtype == "float32" else 2,
             init_model=whole_on_rank0,
         )
+    if job.dp_mode == "ddp" and job.dp > 1 and not ddp_available():
+        raise UsageError(
+            "--dp-mode ddp needs torch's replicate over FSDP2 parameter groups "
+            "(torch.distributed._composable.replicate_with_fsdp), which this torch lacks; use "
+            "--dp-mode fsdp or a newer torch"
+        )
+    if job.profile is not None:  # a bad profile is exit 2 here, not after training
+        profile.load(job.profile)
     if max_rank_memory is not None:
-        check_budget(checked, model, job.tp, job.dp, max_rank_memory)
+        check_budget(checked, model, job.tp, 1 if job.dp_mode == "ddp" else job.dp, max_rank_memory)
     return prepared
 
 
@@ -116,7 +130,10 @@ def _replicas_held(results: list[dict]) -> list[dict]:
 def summary(prepared: Prepared, corpus: data.Corpus, results: list[dict]) -> dict:
     """The final summary (also written as OUT/summary.json)."""
     first, cfg = results[0], prepared.job
-    table = param_bytes_per_rank(prepared.checked, prepared.meta, cfg.tp, cfg.dp)
+    # DDP: every dp rank holds its tp rank's whole shard
+    ddp = cfg.dp_mode == "ddp"
+    table = param_bytes_per_rank(prepared.checked, prepared.meta, cfg.tp, 1 if ddp else cfg.dp)
+    table = table * cfg.dp if ddp else table
     return {
         "config": cfg.to_json(),
         "corpus": {
@@ -150,7 +167,22 @@ def summary(prepared: Prepared, corpus: data.Corpus, results: list[dict]) -> dic
         "ranks": len(results),
         "cores": cores(),
         "plain": first["plain"],
+        "loss_scale": first["loss_scale"],
+        "predicted": _predicted(prepared),
+        "measured": first["measured"],
     }
+
+
+def _predicted(prepared: Prepared) -> dict:
+    """`dtp simulate`'s figures for rank 0 of this run's layout (on --profile, if given); what the
+    simulator cannot model (a model without a transformer's config, a plan beyond its schedule) is
+    said, not guessed: the run itself is not wrong for it."""
+    job = prepared.job
+    on = profile.load(job.profile) if job.profile else None
+    try:
+        return predict(job, prepared.meta, on, rank=0, checked=prepared.checked)
+    except (UsageError, NotModeled) as err:
+        return {"not_modeled": str(err)[:300]}
 
 
 def render(s: dict) -> str:
@@ -169,9 +201,8 @@ def render(s: dict) -> str:
     ops = ", ".join(f"{n} {op}" for op, n in sorted(coll["by_op"].items())) or "none"
     return "\n".join(
         [
-            f"dtp train: {cfg['model']} under {cfg['plan']}, tp={cfg['tp']} dp={cfg['dp']}, "
-            f"{cfg['dtype']}, "
-            f"{cfg['steps']} steps of {cfg['batch']} × {cfg['seq']} tokens",
+            f"dtp train: {cfg['model']} under {cfg['plan']}, {_layout(cfg)}, "
+            f"{cfg['steps']} steps of {cfg['batch']} × {cfg['seq']} tokens{_micro(cfg)}",
             f"  data: {corpus['name']} ({corpus['tokens']} tokens, {corpus['tokenizer']}; unigram "
             "entropy "
             f"{corpus['unigram_entropy']:.3f} nats)",
@@ -182,6 +213,8 @@ def render(s: dict) -> str:
             f"  speed: {s['tokens_per_s']:.0f} tokens/s, {s['step_time_ms']:.1f} ms/step (median), "
             f"communication {s['comm_share']:.0%} of the step; {_threads(s)}",
             f"  collectives per step: {coll['total']} ({ops}); {agree}",
+            *_scale_line(s["loss_scale"], cfg["steps"] - s["start_step"]),
+            *table(s["predicted"], s["measured"]),
             f"  parameters per rank: {', '.join(human_bytes(b) for b in s['param_bytes_per_rank'])} "
             ""
             f"(placement table: {', '.join(human_bytes(b) for b in s['param_bytes_table'])})",
@@ -193,6 +226,29 @@ def render(s: dict) -> str:
             *saved_line(s),
         ]
     )
+
+
+def _layout(cfg: dict) -> str:
+    """'tp=2 dp=2 (DDP), float16, recompute selective'."""
+    dp = f"dp={cfg['dp']}" + (f" ({cfg['dp_mode'].upper()})" if cfg["dp"] > 1 else "")
+    recompute = f", recompute {cfg['recompute']}" if cfg["recompute"] != "none" else ""
+    return f"tp={cfg['tp']} {dp}, {cfg['dtype']}{recompute}"
+
+
+def _micro(cfg: dict) -> str:
+    """' (4 micro-batches of 2 per dp rank)' under gradient accumulation, else nothing."""
+    n = cfg["batch"] // cfg["dp"] // cfg["micro_batch"]
+    return f" ({n} micro-batches of {cfg['micro_batch']} per dp rank)" if n > 1 else ""
+
+
+def _scale_line(record: dict | None, steps: int) -> list[str]:
+    """float16's loss scaler: its scale at the end and the steps it skipped."""
+    if record is None:
+        return []
+    return [
+        f"  loss scale: {record['final']:.0f} at the end; {record['skipped_steps']} of {steps} "
+        "steps skipped for a non-finite gradient"
+    ]
 
 
 def _dropout_line(record: dict | None) -> list[str]:
@@ -231,11 +287,19 @@ def train_command(
     """`dtp train PLAN MODEL ...`: pre-flight, train `cfg` (or the same job at each tp of
     `compare_tp`), summarise; the exit status. `data_path`: --data (None: the standard library's
     source); `json_path`: the summary's copy."""
+    if compare_tp and cfg.dtype not in FLOORS:
+        raise UsageError(
+            f"--compare-tp has measured noise floors for {' and '.join(FLOORS)} only, not "
+            f"{cfg.dtype}: compare in one of those"
+        )
     if compare_tp and (cfg.checkpoint or cfg.resume):
         raise UsageError(
             "--compare-tp trains from scratch at each tp; it takes no --checkpoint or --resume"
         )
     cfg = resume.validate(cfg)
+    continuing = resume.continuing_line(cfg)
+    if continuing and os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 says it
+        print(continuing, flush=True)
     out = Path(cfg.out)
     jobs = (
         [replace(cfg, tp=tp, out=str(out / f"tp{tp}")) for tp in compare_tp]

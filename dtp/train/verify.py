@@ -7,7 +7,7 @@ after the last, every rank runs the sharded model without gradients on a fixed b
 validation batch, one label in eight ignored as -100, so the ignored-label path of the loss runs
 too). Rank 0 loads the gathered weights, the buffers and the Python scalars training changed into
 two unsharded copies of the model, the float64 truth and one in the weights' dtype (float32, under
-bfloat16 autocast where the run computes in it), runs the whole global batch through each and
+the run's autocast (bfloat16 or float16) where it computes in one), runs the whole global batch through each and
 compares its own rows' logits and loss by dtp.verify.parity's rule: the bound is this step's own
 rounding, measured by the unsharded copy, not a fixed band. A tensor over its bound, or a
 non-finite one, stops every rank (exit 1).
@@ -31,13 +31,13 @@ from dtp import models
 from dtp.compiler.vocab_parallel import cross_entropy as sharded_cross_entropy
 from dtp.cost.explain import human_bytes
 from dtp.train import data
-from dtp.verify.parity import ParityCheck, dropout_sources
+from dtp.verify.parity import FLOOR_SHARE, ParityCheck, compare_grads, dropout_sources
 from dtp.verify.reference import (
-    bf16_autocast,
     cross_entropy,
     full_value,
     ignore_some,
     own_rng,
+    reference_step,
     references,
 )
 
@@ -99,7 +99,7 @@ class Verification:
     targets: torch.Tensor
     mine: slice  # this rank's rows of it
     mode: str  # "train" | "eval"
-    autocast: bool
+    autocast: torch.dtype | None  # the run's autocast dtype (bfloat16, float16), None: float32
     refs: list = field(default_factory=list)  # rank 0: the float64 truth, the run's dtype
     born: dict = field(default_factory=dict)  # the scalars as built: what training changes is state
     records: list[dict] = field(default_factory=list)
@@ -117,7 +117,7 @@ class Verification:
         per = cfg.batch // cfg.dp
         mine = slice(trainer.dp_rank * per, (trainer.dp_rank + 1) * per)
         mode = "eval" if dropout_sources(trainer.model) else "train"
-        out = cls(every, inputs, targets, mine, mode, cfg.dtype == "bfloat16")
+        out = cls(every, inputs, targets, mine, mode, AUTOCAST.get(cfg.dtype))
         out.born = scalars(trainer.model)
         if every <= 0:
             out.skipped = "--verify-every 0"
@@ -142,45 +142,75 @@ class Verification:
         mine = self.inputs[self.mine].to(device), self.targets[self.mine].to(device)
         with untouched(model, device):
             model.train(self.mode == "train")
-            with bf16_autocast(device, self.autocast):
+            with autocast(device, self.autocast):
                 logits = trainer.forward(model, *mine)
             loss = sharded_cross_entropy(logits, mine[1])
             got = full_value(logits), full_value(loss)
+            grads = self._grads(trainer, mine) if self.autocast else None
             model.train()
         weights = {n: trainer.applied.full(n, p.detach()) for n, p in model.named_parameters()}
         buffers = {n: full_value(b) for n, b in model.named_buffers()}
         record = [None]
         if self.refs:
             changed = {k: v for k, v in scalars(model).items() if self.born.get(k) != v}
-            record[0] = self._compare(step, got, weights, buffers, changed, device)
+            record[0] = self._compare(step, got, grads, weights, buffers, changed, device)
         dist.broadcast_object_list(record, src=0)
         self.records.append(record[0])
         return record[0]
 
-    def _compare(self, step, got, weights, buffers, changed, device) -> dict:
-        """Rank 0: load the copies, run the global batch, compare this rank's rows."""
+    def _grads(self, trainer, mine) -> dict:
+        """Under autocast, every gradient of one more forward and backward of the fixed batch,
+        gathered (then cleared: the step that follows starts from none, as it would have). A path
+        only autocast takes can move the logits less than half precision's own rounding and the
+        gradients of what it touches by O(1) (dtp.verify.rank's autocast step)."""
+        model = trainer.model
+        with torch.enable_grad():  # the check itself runs without
+            with autocast(trainer.device, self.autocast):
+                logits = trainer.forward(model, *mine)
+            sharded_cross_entropy(logits, mine[1]).backward()
+        grads = {
+            n: (trainer.applied.full(n, p.grad) if p.grad is not None else None)
+            for n, p in model.named_parameters()
+        }
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    def _compare(self, step, got, grads, weights, buffers, changed, device) -> dict:
+        """Rank 0: load the copies, run the global batch, compare this rank's rows (and, under
+        autocast, every gradient)."""
         parity = ParityCheck(torch.float32)
         inputs, targets = self.inputs.to(device), self.targets.to(device)
         outs = []
         for i, ref in enumerate(self.refs):
             _load(ref.model, weights, buffers, changed)
             ref.model.train(self.mode == "train")
-            with torch.no_grad(), own_rng(device), bf16_autocast(device, self.autocast and i > 0):
-                rows = ref.run(inputs, targets)[self.mine]
-            # the loss in float32 from bfloat16 logits, as training takes it
-            wide = rows.float() if rows.dtype == torch.bfloat16 else rows
+            with own_rng(device), autocast(device, self.autocast if i else None):
+                if grads is None:
+                    with torch.no_grad():
+                        rows = ref.run(inputs, targets)[self.mine]
+                else:  # one forward and backward of the whole batch, this rank's rows of it
+                    with torch.enable_grad():
+                        rows, _ = reference_step(ref, inputs, targets, self.mine, True, device)
+            # the loss in float32 from half-precision logits, as training takes it
+            wide = rows.float() if rows.dtype in (torch.bfloat16, torch.float16) else rows
             outs.append((rows, cross_entropy(wide, targets[self.mine])))
-        held = torch.bfloat16 if self.autocast else None
+        held = self.autocast
         when = f"after step {step}"
         for k, name in enumerate(("logits", "loss")):
             parity.compare(name, f"{name} ({when})", got[k], outs[0][k], outs[1][k], held_in=held)
+        if grads is not None:
+            compare_grads(parity, "grads", grads, self.refs, f" ({when})", held, FLOOR_SHARE)
+            for ref in self.refs:
+                ref.opt.zero_grad()
+        checked = ("logits", "loss", "grads") if grads is not None else ("logits", "loss")
         return {
             "step": step,
             "ok": parity.ok,
-            "margin": max(parity.quantities[q].margin for q in ("logits", "loss")),
+            "margin": max(parity.quantities[q].margin for q in checked),
             "logits_rel": parity.quantities["logits"].max_rel,
             "loss_rel": parity.quantities["loss"].max_rel,
-            "problems": parity.quantities["logits"].problems + parity.quantities["loss"].problems,
+            "grads_margin": parity.quantities["grads"].margin if grads is not None else None,
+            "problems": [p for q in checked for p in parity.quantities[q].problems],
             "state_copied": sorted(f"{p}.{k}".lstrip(".") for p, k in changed),
         }
 
@@ -193,6 +223,15 @@ class Verification:
             "checks": self.records,
             "ok": all(r["ok"] for r in self.records),
         }
+
+
+# what `dtp train --precision` runs its forward in
+AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """torch.autocast in `dtype` on `device`'s type, or nothing for None."""
+    return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
 
 @torch.no_grad()
@@ -209,9 +248,17 @@ def _load(model: nn.Module, weights: dict, buffers: dict, changed: dict) -> None
 
 def message(record: dict) -> str:
     """Why a verification failed, in one paragraph."""
+    grads = record.get("grads_margin")
     what = "; ".join(record["problems"]) or (
         f"logits off by {record['logits_rel']:.2e} and the loss by {record['loss_rel']:.2e} "
-        f"relative, {record['margin']:.1f}× the bound this step's own rounding allows"
+        "relative"
+        + (
+            f" and the gradients of one more forward and backward under autocast {grads:.1f}× "
+            "their bound; worst"
+            if grads is not None
+            else ","
+        )
+        + f" {record['margin']:.1f}× the bound this step's own rounding allows"
     )
     return (
         f"after step {record['step']} the sharded model no longer computes what its own weights "
@@ -231,5 +278,10 @@ def line(record: dict) -> list[str]:
         f"  verified against a float64 replay of its own weights after {len(checks)} step"
         f"{'s' if len(checks) > 1 else ''} ({', '.join(str(r['step']) for r in checks)}; "
         f"{record['mode']} mode): worst {worst['margin']:.2f} of the bound (logits "
-        f"{worst['logits_rel']:.1e}, loss {worst['loss_rel']:.1e} relative)"
+        f"{worst['logits_rel']:.1e}, loss {worst['loss_rel']:.1e} relative"
+        + (
+            f"; gradients under autocast {worst['grads_margin']:.2f} of theirs)"
+            if worst.get("grads_margin") is not None
+            else ")"
+        )
     ]

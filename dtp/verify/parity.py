@@ -235,3 +235,41 @@ def dropout_sources(model: nn.Module) -> list[str]:
         for where, how, module, key in dropout_rates(model)
         if positive(value := getattr(module, key, 0))
     ]
+
+
+# the autocast step's gradient floor, as a share of the parity rule's (Z · eps · G): bfloat16's eps
+# makes the full floor 9 % of the largest gradient, above a wrong path's whole error on a smaller
+# one; 1/16 of it kept correct plans at ≤ 0.21 of their bounds and a wrong path at 5.3
+FLOOR_SHARE = 1 / 16
+
+
+def compare_grads(
+    parity: ParityCheck,
+    quantity: str,
+    grads: dict,
+    refs: list,
+    label: str = "",
+    held_in: torch.dtype | None = None,
+    floor_share: float = 1.0,
+) -> None:
+    """Every gathered gradient against the references' (rank 0), its floor's G the truth's largest
+    gradient of the step (times `floor_share`)."""
+    truth, unsharded = refs[0], (refs[1] if len(refs) > 1 else None)
+    largest = max(
+        (
+            truth.grad(n).detach().abs().max().item()
+            for n in grads
+            if truth.grad(n) is not None and truth.grad(n).numel()
+        ),
+        default=0.0,
+    )
+    for n, g in grads.items():
+        parity.compare(
+            quantity,
+            f"{n}.grad{label}",
+            g,
+            truth.grad(n),
+            unsharded.grad(n) if unsharded else None,
+            held_in=held_in,
+            floor_scale=largest * floor_share,
+        )

@@ -34,7 +34,7 @@ from dtp.runtime.mesh import make_mesh, sync
 from dtp.runtime.preflight import trusted
 from dtp.runtime.shard import Applied, tied_groups
 from dtp.verify.instruments import ActivationMeter, ModuleTrail
-from dtp.verify.parity import ParityCheck, dropout_sources
+from dtp.verify.parity import FLOOR_SHARE, ParityCheck, compare_grads, dropout_sources
 from dtp.verify.probes import compare_buffers, compare_replicas, plan_probes, run_probes
 from dtp.verify.reference import (
     LOW_PRECISION,
@@ -48,10 +48,6 @@ from dtp.verify.reference import (
 )
 from dtp.verify.report import ApplyReport
 
-# the autocast step's gradient floor, as a share of the parity rule's (Z · eps · G): bfloat16's eps
-# makes the full floor 9 % of the largest gradient, above a wrong path's whole error on a smaller
-# one; 1/16 of it kept correct plans at ≤ 0.21 of their bounds and a wrong path at 5.3
-FLOOR_SHARE = 1 / 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -273,42 +269,10 @@ def _compare_step(
     lowp = outs[1] if len(built.refs) > 1 else (None, None)
     parity.compare("logits", f"logits (step {step + 1})", full_logits, outs[0][0], lowp[0])
     parity.compare("loss", f"loss (step {step + 1})", full_loss, outs[0][1], lowp[1])
-    _compare_grads(parity, "grads", grads, built.refs)
+    compare_grads(parity, "grads", grads, built.refs)
     for r in built.refs:
         r.opt.step()
         r.opt.zero_grad()
-
-
-def _compare_grads(
-    parity: ParityCheck,
-    quantity: str,
-    grads: dict,
-    refs: list,
-    label: str = "",
-    held_in: torch.dtype | None = None,
-    floor_share: float = 1.0,
-) -> None:
-    """Every gathered gradient against the references' (rank 0), its floor's G the truth's largest
-    gradient of the step (times `floor_share`)."""
-    truth, unsharded = refs[0], (refs[1] if len(refs) > 1 else None)
-    largest = max(
-        (
-            truth.grad(n).detach().abs().max().item()
-            for n in grads
-            if truth.grad(n) is not None and truth.grad(n).numel()
-        ),
-        default=0.0,
-    )
-    for n, g in grads.items():
-        parity.compare(
-            quantity,
-            f"{n}.grad{label}",
-            g,
-            truth.grad(n),
-            unsharded.grad(n) if unsharded else None,
-            held_in=held_in,
-            floor_scale=largest * floor_share,
-        )
 
 
 def _compare_params(parity: ParityCheck, built: _Built, opt: MixedSGD, step: int) -> None:
@@ -432,7 +396,7 @@ def _autocast_grads(
     for i, ref in enumerate(built.refs):
         with bf16_autocast(device, i > 0):
             reference_step(ref, inputs, targets, mine, cfg.dp > 1, device)
-    _compare_grads(
+    compare_grads(
         parity, "probes", grads, built.refs, " (bfloat16 autocast)", torch.bfloat16, FLOOR_SHARE
     )
     for ref in built.refs:

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from dtp.cli import main
+from dtp.errors import UsageError
+from dtp.generate.prompts import Tokens
 from tests.fixtures.decode_paths import PLAN as DECODE_PLAN
 
 PADDED = "5 6 7;8 9 10 11 12 13"  # two prompts of different lengths: the first is left-padded
@@ -119,3 +121,24 @@ def test_bad_prompts_are_usage_errors(repo, tmp_path, capsys, argv, message):
     assert main(["generate", str(plan), f"{DECODE}:decodes", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("kind", ["link", "directory", "huge"])
+def test_a_tokenizer_json_that_is_not_a_bounded_file_is_refused(tmp_path, kind):
+    # a link (to anything), a directory in its place, a 129 MiB file (sparse: nothing is written):
+    # one line each, before a byte of it is parsed
+    target = tmp_path / "tokenizer.json"
+    if kind == "link":
+        (tmp_path / "elsewhere.json").write_text("{}")
+        target.symlink_to(tmp_path / "elsewhere.json")
+        message = "is a symbolic link; dtp reads a model's files only as files"
+    elif kind == "directory":
+        target.mkdir()
+        message = "is not a regular file"
+    else:
+        with open(target, "wb") as f:
+            f.truncate(129 << 20)
+        message = f"is {129 << 20} bytes; a tokenizer is at most 131072 KiB"
+    with pytest.raises(UsageError) as info:
+        Tokens(tmp_path, 1000)
+    assert message in str(info.value) and "\n" not in str(info.value)

@@ -73,7 +73,11 @@ def test_a_job_refuses_each_bad_field_with_its_own_message(repo, fields, message
     [
         (RunConfig, {"steps": 0}, "--steps must be a positive integer, got 0"),
         (RunConfig, {"max_seq": 0}, "--max-seq must be a positive integer, got 0"),
-        (TrainConfig, {"dtype": "float64"}, "--dtype float64: dtp train runs float32 or bfloat16"),
+        (
+            TrainConfig,
+            {"dtype": "float64"},
+            "--dtype must be one of float32, bfloat16, float16, got 'float64'",
+        ),
         (TrainConfig, {"lr": math.inf}, "--lr must be a finite number > 0, got inf"),
         (TrainConfig, {"clip": -1.0}, "--clip must be a finite number ≥ 0, got -1.0"),
         (TrainConfig, {"min_lr": 1.0}, "--min-lr 1.0 is above --lr 0.003"),

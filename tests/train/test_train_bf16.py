@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,10 @@ def test_bf16_curves_stay_in_the_band_and_a_wrong_plan_leaves_it(repo, tmp_path,
                 "--compare-tp",
                 "1,2",
                 *SHORT,
+                # the band is what this holds: with the verification on, its gradients under
+                # autocast stop the tp 2 run first (9.4× their bound; test below)
+                "--verify-every",
+                "0",
                 "--out",
                 str(bad_out),
             ]
@@ -161,3 +166,15 @@ def test_compare_tp_needs_two_distinct_sizes(value, capsys):
         f"argument --compare-tp: expected two or more distinct positive tp sizes, got '{value}'"
         in capsys.readouterr().err
     )
+
+
+def test_bf16_verification_catches_the_unpacked_plan_before_the_band(repo, tmp_path, capsys):
+    # the same planted bug, one bfloat16 run with the default verification: its logits stay near
+    # bfloat16's own rounding, the gradients of the mixed heads do not
+    broken = tmp_path / "unpacked.tp"
+    broken.write_text(Path("plans/gpt2.tp").read_text().replace("colwise(packed=3)", "colwise"))
+    args = ["train", str(broken), "gpt2-tiny", "--tp", "2", *SHORT, "--out", str(tmp_path / "o")]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    found = re.search(r"under autocast (\S+)× their bound", err)
+    assert found and float(found.group(1)) > 2, err

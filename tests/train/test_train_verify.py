@@ -6,6 +6,7 @@ are in tests/fixtures/user_paths.py and tests/fixtures/dropout_paths.py."""
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import pytest
@@ -15,6 +16,11 @@ from tests.fixtures.dropout_paths import PLAN as DROPOUT_PLAN
 from tests.fixtures.user_paths import PLAN
 
 USER, DROPOUT = "tests.fixtures.user_paths", "tests.fixtures.dropout_paths"
+WORDS = (
+    "the model shards its heads and the loss by vocabulary while every rank keeps a copy of the "
+    "norms so that a step of training moves each replica alike and the curves agree"
+).split()
+_CORPUS = " ".join(random.Random(0).choice(WORDS) for _ in range(3600))[:20000]
 TINY = ["--batch", "2", "--seq", "16", "--warmup", "0", "--eval-every", "100", "--device", "cpu"]
 
 
@@ -22,7 +28,8 @@ TINY = ["--batch", "2", "--seq", "16", "--warmup", "0", "--eval-every", "100", "
 def flags(repo, tmp_path):
     """The plans (attention colwise/rowwise) and the flags every run shares: a small corpus."""
     text = tmp_path / "text.txt"
-    text.write_text((repo / "README.md").read_text(encoding="utf-8")[:20000], encoding="utf-8")
+    # a fixed text, not a file of this repository: the planted models' margins depend on the data
+    text.write_text(_CORPUS, encoding="utf-8")
     (tmp_path / "user.tp").write_text(PLAN)
     (tmp_path / "dropout.tp").write_text(DROPOUT_PLAN)
     return ["--data", str(text), *TINY]
@@ -78,10 +85,16 @@ def test_a_model_whose_state_changes_its_computation_is_replayed_with_that_state
 def test_a_model_wrong_only_under_autocast_fails_a_bfloat16_run(tmp_path, flags, capsys):
     args = ("--steps", "3", "--dtype", "bfloat16")
     assert _train(tmp_path, flags, f"{USER}:autocast_wrong", *args, out="bad") == 1
-    assert "error: after step 3 the sharded model no longer computes" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "error: after step 3 the sharded model no longer computes" in err
+    # its logits stay within bfloat16's own rounding (0.92 of the bound on this corpus); the
+    # gradients of the path only autocast takes do not (2.6×)
+    found = re.search(r"under autocast (\S+)× their bound", err)
+    assert found and float(found.group(1)) > 2, err
     assert _train(tmp_path, flags, f"{USER}:masked", *args, out="ok") == 0
     checks = _summary(tmp_path, "ok")["verify"]["checks"]
     assert [c["step"] for c in checks] == [3] and checks[0]["margin"] <= 1.0
+    assert 0 < checks[0]["grads_margin"] <= 0.5
 
 
 @pytest.mark.parametrize("model", [f"{USER}:warm", f"{DROPOUT}:placed"])
