@@ -10,10 +10,8 @@ import sys
 from dtp.cli.args import bounded, memory_size, positive_int, seed_int, timeout_seconds, tp_list
 from dtp.errors import UsageError
 from dtp.files import writable_dir, writable_file
+from dtp.runtime.job import DP_MODES, RECOMPUTE, TRAIN_PRECISIONS
 
-# --precision as the simulator names it → the dtype a rank computes in
-PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-RECOMPUTE = ("none", "full", "selective", "op")
 # steps: far beyond any run, so a typo is an error rather than a silent "never"
 MAX_INTERVAL = 10**9
 interval = bounded(MAX_INTERVAL, low=0)  # 0, or a number of steps
@@ -37,7 +35,7 @@ def add_parser(sub) -> None:
     )
     t.add_argument(
         "--dp-mode",
-        choices=("fsdp", "ddp"),
+        choices=DP_MODES,
         default="fsdp",
         help="fsdp (default): FSDP2 shards parameters, gradients and AdamW state over dp; ddp: "
         "replicated, gradients all-reduced",
@@ -84,11 +82,13 @@ def add_parser(sub) -> None:
     )
     t.add_argument(
         "--precision",
-        choices=tuple(PRECISIONS),
+        choices=tuple(TRAIN_PRECISIONS),
         help="fp32 (default); bf16 or fp16: autocast forward over float32 master weights and AdamW "
         "state, fp16 with dynamic loss scaling",
     )
-    t.add_argument("--dtype", choices=tuple(PRECISIONS.values()), help="the same as --precision")
+    t.add_argument(
+        "--dtype", choices=tuple(TRAIN_PRECISIONS.values()), help="the same as --precision"
+    )
     t.add_argument(
         "--eval-every",
         type=positive_int,
@@ -262,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _dtype(args: argparse.Namespace) -> str:
     """--precision or its older name --dtype (one of them, or agreeing); float32 by default."""
-    named = PRECISIONS.get(args.precision) if args.precision else None
+    named = TRAIN_PRECISIONS.get(args.precision) if args.precision else None
     if named and args.dtype and named != args.dtype:
         raise UsageError(f"--precision {args.precision} and --dtype {args.dtype} disagree")
     return named or args.dtype or "float32"

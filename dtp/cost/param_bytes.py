@@ -32,16 +32,27 @@ def _unique(checked: Checked, model: nn.Module) -> Iterator[tuple[ParamPlacement
 
 
 def param_bytes_per_rank(
-    checked: Checked, model: nn.Module, tp: int, dp: int = 1, elem: int = 4
+    checked: Checked,
+    model: nn.Module,
+    tp: int,
+    dp: int = 1,
+    elem: int = 4,
+    *,
+    padded: bool = True,
 ) -> list[int]:
     """Parameter bytes on each rank (rank = dp_index · tp + tp_index) from the placement table;
-    `model` may be on meta."""
+    `model` may be on meta. `padded` False: each dp rank's own rows of torch.chunk's dim-0 split
+    (the last shards shorter or empty), what a tensor shaped like its shard holds (an optimizer's
+    state), instead of FSDP2's padded allocation."""
     out = []
     for rank in range(tp * dp):
         total = 0
         for placement, shape in _unique(checked, model):
             local = placement.local_shape(shape, tp, rank % tp)
-            rows = (-(-local[0] // dp) if dp > 1 else local[0]) if local else 1
+            rows = local[0] if local else 1
+            if dp > 1 and local:
+                chunk = -(-rows // dp)
+                rows = chunk if padded else max(0, min(chunk, rows - chunk * (rank // tp)))
             total += rows * int(torch.Size(local[1:]).numel()) * elem
         out.append(total)
     return out

@@ -118,22 +118,29 @@ def op_name(op: object) -> str:
     )
 
 
-def _group_size(tree: object) -> int:
+def group_of(tree: object) -> ProcessGroup | None:
+    """The process group a collective's arguments name: the group itself, boxed (c10d ops, FSDP2's)
+    or by name (the functional collectives); None when none does."""
     leaves, _ = tree_flatten(tree)
     for leaf in leaves:
         if isinstance(leaf, ProcessGroup):
-            return leaf.size()
-        if isinstance(leaf, torch.ScriptObject):  # c10d ops (FSDP2's) carry the group boxed
+            return leaf
+        if isinstance(leaf, torch.ScriptObject):
             try:
-                return ProcessGroup.unbox(leaf).size()
+                return ProcessGroup.unbox(leaf)
             except RuntimeError:
                 continue
         if isinstance(leaf, str):
             try:
-                return _resolve_process_group(leaf).size()
+                return _resolve_process_group(leaf)
             except (ValueError, RuntimeError, KeyError):
                 continue
-    return 1
+    return None
+
+
+def _group_size(tree: object) -> int:
+    group = group_of(tree)
+    return group.size() if group is not None else 1
 
 
 def _bytes(tree: object) -> int:

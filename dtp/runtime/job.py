@@ -19,6 +19,19 @@ from dtp.lang.parse import read_plan_text
 
 # what a rank runs in (dtp.verify.rank.DTYPES maps them to torch's)
 DTYPES = ("float32", "bfloat16", "float64")
+# what `dtp train` takes (its TrainConfig and its command line's choices): the simulator's precision
+# names → the dtype a rank computes in (bf16, fp16: autocast over float32 master weights)
+TRAIN_PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+RECOMPUTE = ("none", "full", "selective", "op")  # what backward recomputes (dtp.train.recompute)
+DP_MODES = ("fsdp", "ddp")  # data parallelism over dp (dtp.runtime.data_parallel)
+
+
+def state_shards(dp: int, dp_mode: str) -> int:
+    """How many dp ranks share the parameters, gradients and AdamW state: FSDP2 shards them over dp;
+    DDP replicates them (each dp rank holds its tp rank's whole share)."""
+    return dp if dp_mode == "fsdp" else 1
+
+
 # auto: CUDA when there is a GPU for every local rank (dtp.runtime.launcher)
 DEVICES = ("auto", "cpu", "cuda")
 MAX_SEED = 2**63 - 2**16  # torch seeds are 64-bit; ranks add their index

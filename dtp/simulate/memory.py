@@ -92,36 +92,6 @@ def activation_bytes(
     `working_set` False: what the forward leaves allocated, without the recomputed layer's working
     set (full and per-op recompute bring one layer's tensors back while its backward runs; the
     forward has freed them): what a meter reads between forward and backward."""
-    saved, working = _activations(
-        shape,
-        batch,
-        seq,
-        tp,
-        elem,
-        recompute,
-        sequence_parallel,
-        dropout,
-        flash,
-        residual_elem,
-        gathered_inputs,
-    )
-    return saved + (working if working_set else 0.0)
-
-
-def _activations(
-    shape: Shape,
-    batch: int,
-    seq: int,
-    tp: int,
-    elem: int,
-    recompute: str,
-    sequence_parallel: bool,
-    dropout: bool,
-    flash: bool,
-    residual_elem: int | None,
-    gathered_inputs: bool,
-) -> tuple[float, float]:
-    """(kept after the forward, one layer's recomputed working set) in bytes."""
     res = residual_elem or elem
     sb = seq * batch
     h = shape.hidden
@@ -147,14 +117,16 @@ def _activations(
     outside = (
         (res + mask) * sb * h / rep_div + elem * sb * h / input_div + 4 * sb * shape.vocab / tp
     )
+    # kept after the forward, and what is back while one layer's backward recomputes it
     if recompute == "full":  # each block's input
-        return shape.layers * res * sb * h / rep_div + outside, layer
-    # and while one layer's backward runs, its recomputed tensors are all back
-    if recompute == "op":
-        saved = shape.mm_outputs(tp)[0::2]  # the 1st, 3rd, … matrix multiply of the layer
-        kept = res * sb * h / rep_div + elem * sb * (sum(saved) + h / tp) + lse
-        return shape.layers * kept + outside, layer - kept
-    return shape.layers * layer + outside, 0.0
+        saved, working = shape.layers * res * sb * h / rep_div + outside, layer
+    elif recompute == "op":
+        products = shape.mm_outputs(tp)[0::2]  # the 1st, 3rd, … matrix multiply of the layer
+        kept = res * sb * h / rep_div + elem * sb * (sum(products) + h / tp) + lse
+        saved, working = shape.layers * kept + outside, layer - kept
+    else:
+        saved, working = shape.layers * layer + outside, 0.0
+    return saved + (working if working_set else 0.0)
 
 
 def loss_bytes(shape: Shape, batch: int, seq: int, tp: int, elem: int) -> float:

@@ -26,14 +26,14 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.distributed_c10d import ProcessGroup, _resolve_process_group
+from torch.distributed.distributed_c10d import ProcessGroup
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from dtp.cost.schedule import sent_bytes
-from dtp.runtime.comm import CommCounter, op_name
+from dtp.runtime.comm import CommCounter, group_of, op_name
 
 # ops that copy a tensor (a dtype cast, a device move): their copy of a parameter is a weight copy
 _COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.clone.default}
@@ -137,34 +137,14 @@ class GroupCounter(CommCounter):
         if self.get_total_counts() > before:  # a collective (not a DTensor handed back)
             name = op_name(func._overloadpacket)
             nbytes, n = self.comm_sizes[name][-1]
-            group = self.names.get(_group_ranks((args, kwargs or {})), "other")
-            self.sent[group] += sent_bytes(name, nbytes, n)
+            group = group_of((args, kwargs or {}))
+            dim = self.names.get(_ranks(group) if group is not None else None, "other")
+            self.sent[dim] += sent_bytes(name, nbytes, n)
         return out
 
 
 def _ranks(group: ProcessGroup) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
-
-
-def _group_ranks(tree: object) -> tuple[int, ...] | None:
-    """The global ranks of the process group a collective's arguments name."""
-    for leaf in tree_leaves(tree):
-        group = None
-        if isinstance(leaf, ProcessGroup):
-            group = leaf
-        elif isinstance(leaf, torch.ScriptObject):  # c10d ops (FSDP2's) carry the group boxed
-            try:
-                group = ProcessGroup.unbox(leaf)
-            except RuntimeError:
-                continue
-        elif isinstance(leaf, str):
-            try:
-                group = _resolve_process_group(leaf)
-            except (ValueError, RuntimeError, KeyError):
-                continue
-        if group is not None:
-            return _ranks(group)
-    return None
 
 
 def collective_bytes(counters) -> dict:

@@ -86,16 +86,14 @@ def train_memory(
     vocab: int | None,
     act_elem: int,
     init_model: bool,
-    ddp: bool = False,
+    shards: int | None = None,
 ) -> tuple[int, int, int]:
     """(total, training state, activations) in bytes for every local rank of a run together, plus
     rank 0's whole float32 model under `--init model`; `batch` is what the ranks run at once (the
-    global micro-batch); `ddp`: every dp rank holds the whole tp-sharded state."""
-    state = (
-        sum(state_bytes_per_rank(checked, model, tp, 1)) * dp
-        if ddp
-        else sum(state_bytes_per_rank(checked, model, tp, dp))
-    )
+    global micro-batch); `shards`: how many dp ranks share the state (TrainConfig.state_shards;
+    default dp: FSDP2's), each group of them holding it all."""
+    shards = shards or dp
+    state = sum(state_bytes_per_rank(checked, model, tp, shards)) * (dp // shards)
     acts = tp * dp * activation_elements(model, batch // dp, seq, vocab, tp) * act_elem
     full = sum(p.numel() for p in model.parameters()) * 4 if init_model else 0
     return state + acts + full + tp * dp * TORCH_FLOOR, state, acts
@@ -113,7 +111,7 @@ def check_train_memory(
     act_elem: int,
     init_model: bool,
     available: int | None = None,
-    ddp: bool = False,
+    shards: int | None = None,
 ) -> None:
     """Exit 2 when the local ranks' training state, activations and torch itself would not fit the
     memory this host has available (`available`, default: measured now), before any rank starts."""
@@ -128,7 +126,7 @@ def check_train_memory(
         vocab=vocab,
         act_elem=act_elem,
         init_model=init_model,
-        ddp=ddp,
+        shards=shards,
     )
     if available is not None and total > available:
         raise UsageError(

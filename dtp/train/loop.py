@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from dtp import models
@@ -33,7 +32,15 @@ from dtp.lang.parse import parse
 from dtp.models import calling
 from dtp.runtime.build import build_from_model, build_sharded
 from dtp.runtime.comm import merge
-from dtp.runtime.job import Job, finite, positive
+from dtp.runtime.job import (
+    DP_MODES,
+    RECOMPUTE,
+    TRAIN_PRECISIONS,
+    Job,
+    finite,
+    positive,
+    state_shards,
+)
 from dtp.runtime.mesh import make_mesh, sync
 from dtp.runtime.preflight import trusted
 from dtp.runtime.rows import shared_rows
@@ -41,14 +48,14 @@ from dtp.train import data, replica_checks, resume, verify
 from dtp.train.activations import ForwardMeter, GroupCounter, collective_bytes, state_bytes
 from dtp.train.meter import CommTimer, peak_memory
 from dtp.train.optim import LocalGradScaler, Schedule, adamw, clip_, set_lr, settle_grads
-from dtp.train.recompute import RECOMPUTE, recompute_blocks
-from dtp.train.verify import AUTOCAST, autocast
+from dtp.train.recompute import recompute_blocks
+from dtp.train.verify import AUTOCAST
 from dtp.verify.dropout import DropoutProbe
+from dtp.verify.reference import autocast, full_value
 
 # bfloat16, float16: autocast over float32 master weights and AdamW state (float16 with loss scaling)
-TRAIN_DTYPES = ("float32", "bfloat16", "float16")
+TRAIN_DTYPES = tuple(TRAIN_PRECISIONS.values())
 INITS = ("model", "keyed")
-DP_MODES = ("fsdp", "ddp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,6 +154,11 @@ class TrainConfig(Job):
             raise UsageError("--convert applies to --resume DIR only")
         if self.fresh and self.resume:
             raise UsageError("--fresh starts over; it contradicts --resume DIR")
+
+    @property
+    def state_shards(self) -> int:
+        """How many dp ranks share the training state (dtp.runtime.job.state_shards)."""
+        return state_shards(self.dp, self.dp_mode)
 
 
 # time collectives on every 10th step only: the timer's dispatch mode sees every op and slows it
@@ -247,8 +259,7 @@ class Trainer:
         return cross_entropy(logits, targets.to(self.device))
 
     def _mean_over_dp(self, value: torch.Tensor) -> float:
-        value = value.full_tensor() if isinstance(value, DTensor) else value
-        value = value.detach().float().reshape(1).clone()
+        value = full_value(value).detach().float().reshape(1).clone()
         if self.dp_group is not None:
             dist.all_reduce(value, group=self.dp_group)
             value /= self.cfg.dp
@@ -301,7 +312,7 @@ class Trainer:
         self.step += 1
         return {
             "step": self.step,
-            "loss": self._mean_over_dp(torch.stack([_value(v) for v in losses]).mean()),
+            "loss": self._mean_over_dp(torch.stack([full_value(v) for v in losses]).mean()),
             "lr": lr,
             "grad_norm": float(norm),
             "step_time_ms": seconds * 1e3,
@@ -366,10 +377,6 @@ class Trainer:
             return summarize(steps, cfg.tp, cfg.dp)
         except NotModeled as err:
             return {"not_modeled": str(err)}
-
-
-def _value(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _anywhere(flag: bool, device: torch.device) -> bool:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
 import torch.nn as nn
 
 from dtp.checks.checker import Checked, check
@@ -33,13 +32,14 @@ from dtp.cost.fsdp import unit_bytes, units
 from dtp.cost.param_bytes import param_bytes_per_rank
 from dtp.cost.schedule import Collective, sent_bytes
 from dtp.lang.parse import parse
+from dtp.runtime.job import TRAIN_PRECISIONS, state_shards
 from dtp.simulate import flops as fl
 from dtp.simulate.kernels import ELEM
 from dtp.simulate.memory import activation_bytes, params_per_rank
 from dtp.simulate.model import Run, Workload, simulate, tp_collectives, workload
 from dtp.simulate.prepare import shape_of
 
-PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+PRECISION = {dtype: name for name, dtype in TRAIN_PRECISIONS.items()}  # the simulator's names
 MASTER_ELEM = 4  # dtp train keeps float32 parameters, gradients and AdamW moments
 KEYS = (
     "tp_bytes",
@@ -170,7 +170,7 @@ def dp_bytes(job, checked: Checked, meta_model: nn.Module) -> int:
     if job.dp == 1:
         return 0
     fsdp = job.dp_mode == "fsdp"
-    units = unit_bytes(checked, meta_model, job.tp, job.dp if fsdp else 1, MASTER_ELEM)
+    units = unit_bytes(checked, meta_model, job.tp, state_shards(job.dp, job.dp_mode), MASTER_ELEM)
     if not fsdp:
         return sum(sent_bytes("all_reduce", nbytes, job.dp) for _, nbytes in units)
     gathers = sum((2 if path else 1) * sent_bytes("all_gather", n, job.dp) for path, n in units)
@@ -180,33 +180,12 @@ def dp_bytes(job, checked: Checked, meta_model: nn.Module) -> int:
 
 def state(job, checked: Checked, meta_model: nn.Module, rank: int) -> dict:
     """Parameter, gradient and AdamW state bytes of `rank` (rank = dp index · tp + tp index)."""
-    shard = job.dp if job.dp_mode == "fsdp" else 1  # DDP: every dp rank holds its tp rank's all
-    table = param_bytes_per_rank(checked, meta_model, job.tp, shard, MASTER_ELEM)
-    mine = table[rank if shard > 1 else rank % job.tp]
-    return {
-        "parameter_bytes": mine,
-        "gradient_bytes": mine,
-        "optimizer_bytes": 2 * _unpadded(checked, meta_model, job.tp, shard, rank),
-    }
-
-
-def _unpadded(checked: Checked, meta_model: nn.Module, tp: int, dp: int, rank: int) -> int:
-    """This rank's parameter bytes without FSDP2's padding: torch.chunk's dim-0 rows over dp (the
-    last shards shorter or empty), what a tensor shaped like the local parameter holds."""
-    res, seen, total = checked.resolution, set(), 0
-    for path, module in meta_model.named_modules():
-        placements = res.placements(path)
-        for name, p in module.named_parameters(recurse=False):
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            local = placements[name].local_shape(tuple(p.shape), tp, rank % tp)
-            rows = local[0] if local else 1
-            if dp > 1 and local:
-                chunk = -(-rows // dp)
-                rows = max(0, min(chunk, rows - chunk * (rank // tp)))
-            total += rows * int(torch.Size(local[1:]).numel()) * MASTER_ELEM
-    return total
+    shard = state_shards(job.dp, job.dp_mode)
+    mine = rank if shard > 1 else rank % job.tp
+    padded = param_bytes_per_rank(checked, meta_model, job.tp, shard, MASTER_ELEM)[mine]
+    # AdamW's moments are shaped like the rank's own rows, without FSDP2's padding
+    own = param_bytes_per_rank(checked, meta_model, job.tp, shard, MASTER_ELEM, padded=False)
+    return {"parameter_bytes": padded, "gradient_bytes": padded, "optimizer_bytes": 2 * own[mine]}
 
 
 def activations(work: Workload, run: Run, *, norms_kept: bool = True) -> float:

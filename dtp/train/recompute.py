@@ -36,8 +36,6 @@ from dtp.compiler.layer import layer_class
 from dtp.cost.fsdp import units
 from dtp.runtime.comm import is_collective
 
-RECOMPUTE = ("none", "full", "selective", "op")
-
 _ATTENTION = {
     name
     for name in (

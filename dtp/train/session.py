@@ -77,7 +77,7 @@ def _preflight(cfg: TrainConfig, max_rank_memory: int | None) -> Prepared:
             batch=job.micro_batch * job.dp,
             seq=job.seq,
             vocab=prepared.vocab,
-            ddp=job.dp_mode == "ddp",
+            shards=job.state_shards,
             act_elem=4 if job.dtype == "float32" else 2,
             init_model=whole_on_rank0,
         )
@@ -90,7 +90,7 @@ def _preflight(cfg: TrainConfig, max_rank_memory: int | None) -> Prepared:
     if job.profile is not None:  # a bad profile is exit 2 here, not after training
         profile.load(job.profile)
     if max_rank_memory is not None:
-        check_budget(checked, model, job.tp, 1 if job.dp_mode == "ddp" else job.dp, max_rank_memory)
+        check_budget(checked, model, job.tp, job.state_shards, max_rank_memory)
     return prepared
 
 
@@ -130,10 +130,9 @@ def _replicas_held(results: list[dict]) -> list[dict]:
 def summary(prepared: Prepared, corpus: data.Corpus, results: list[dict]) -> dict:
     """The final summary (also written as OUT/summary.json)."""
     first, cfg = results[0], prepared.job
-    # DDP: every dp rank holds its tp rank's whole shard
-    ddp = cfg.dp_mode == "ddp"
-    table = param_bytes_per_rank(prepared.checked, prepared.meta, cfg.tp, 1 if ddp else cfg.dp)
-    table = table * cfg.dp if ddp else table
+    shards = cfg.state_shards  # DDP: every dp rank holds its tp rank's whole shard
+    table = param_bytes_per_rank(prepared.checked, prepared.meta, cfg.tp, shards)
+    table *= cfg.dp // shards
     return {
         "config": cfg.to_json(),
         "corpus": {

@@ -33,6 +33,7 @@ from dtp.cost.explain import human_bytes
 from dtp.train import data
 from dtp.verify.parity import FLOOR_SHARE, ParityCheck, compare_grads, dropout_sources
 from dtp.verify.reference import (
+    autocast,
     cross_entropy,
     full_value,
     ignore_some,
@@ -227,11 +228,6 @@ class Verification:
 
 # what `dtp train --precision` runs its forward in
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def autocast(device: torch.device, dtype: torch.dtype | None):
-    """torch.autocast in `dtype` on `device`'s type, or nothing for None."""
-    return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
 
 @torch.no_grad()

@@ -181,10 +181,15 @@ def ignore_some(targets: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return out.scatter_(1, ignored, IGNORE_INDEX)
 
 
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """torch.autocast in `dtype` on `device`'s type (as `dtp train --precision bf16|fp16`
+    computes), or nothing for None."""
+    return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+
+
 def bf16_autocast(device: torch.device, on: bool = True):
-    """torch.autocast in bfloat16 on `device`'s type where `on` (as `dtp train --dtype bfloat16`
-    computes), else nothing."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
+    """`autocast` in bfloat16 where `on`, else nothing."""
+    return autocast(device, torch.bfloat16 if on else None)
 
 
 def own_rng(device: torch.device):

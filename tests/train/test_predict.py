@@ -20,6 +20,7 @@ from dtp.train.activations import ForwardMeter, GroupCounter, collective_bytes, 
 from dtp.train.optim import adamw
 from dtp.train.predict import KEYS, _norms_kept, predict, table
 from dtp.train.recompute import recompute_blocks
+from dtp.train.verify import AUTOCAST
 from dtp.verify.instruments import ActivationMeter
 
 PLAN = "plans/gpt2.tp"
@@ -51,9 +52,6 @@ class Job:
     def __post_init__(self) -> None:
         if self.plan_text is None:
             object.__setattr__(self, "plan_text", read_plan_text(self.plan))
-
-
-AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _model(recompute: str, seed: int = 0, name: str = "gpt2-tiny") -> torch.nn.Module:
