@@ -18,15 +18,13 @@ import torch.nn as nn
 
 from dtp.auto.rules import Line, Unit
 from dtp.auto.sizes import fused_view, input_width_sizes, size_reads
-from dtp.auto.structure import Pair
+from dtp.auto.structure import HEAD_SIZES, Pair, Reading, module_heads, stated, stated_int
 from dtp.checks.attention_shapes import ALIBI_INPUTS
-from dtp.layout.attention import Heads, fused_parts, heads, module_heads
-from dtp.layout.forward_source import forward_facts
+from dtp.layout.attention import Heads, fused_parts
 from dtp.layout.modules import features, forward_inputs
 from dtp.layout.norms import is_norm, norm_width
 from dtp.layout.styles import Style
 
-_SIZE_NAMES = ("head_dim", "head_size")
 _PRIORITY = (
     "query heads per key/value head",
     "key/value features",
@@ -39,12 +37,12 @@ _WORDS = ("head", "kv", "key_value", "group", "rep", "embed_dim", "split_size")
 
 
 def attention_unit(
-    model: nn.Module, owner_path: str, module: nn.Module, pair: Pair, tp: int
+    reading: Reading, owner_path: str, module: nn.Module, pair: Pair, tp: int
 ) -> Unit:
     """The rules for attention `module` (at `owner_path` in the model) at `tp`, or why it stays
     whole."""
     unit = Unit(pair.owner, "attention")
-    info = _own_heads(module, owner_path, pair, heads(model, owner_path, module))
+    info = _own_heads(module, owner_path, pair, _heads(reading, owner_path, module))
     if info is None:
         return unit.refuse("neither the config nor the module states its head count")
     if info.n_head % tp:
@@ -61,7 +59,7 @@ def attention_unit(
         return unit.refuse(
             "it keeps one module per head in a list, which split heads would pair with other heads"
         )
-    width = input_width_sizes(module)
+    width = reading.source(input_width_sizes, module)
     if width:
         return unit.refuse(
             f"its forward sizes the heads' output with `{width}`, its input's whole width, read "
@@ -72,7 +70,7 @@ def attention_unit(
     rel = lambda c: f"{pair.owner}.{c}" if pair.owner else c
     lines: list[Line] = []
     if len(pair.firsts) == 1:
-        found = _fused(module, pair.firsts[0], info, kv, tp)
+        found = _fused(reading, module, pair.firsts[0], info, kv, tp)
         if isinstance(found, str):
             return unit.refuse(found)
         style, why, local_kv, info, grouped = found
@@ -89,27 +87,31 @@ def attention_unit(
             f"{pair.second} reads {features(second)[0]} features, not the {info.n_head} heads × "
             f"{info.head_dim} the projections make"
         )
-    how = (
-        " (the forward's source does not show the flow: projections by name, the output by "
-        "elimination)"
-        if pair.by_names
-        else ""
-    )
     lines.append(
         Line(
             rel(pair.second),
             "rowwise",
-            f"output projection: partial sums over this rank's heads, all-reduced{how}",
+            "output projection: partial sums over this rank's heads, all-reduced",
         )
     )
-    extra = _around(module, pair, info, kv, rel)
+    extra = _around(reading, module, pair, info, kv, rel)
     if isinstance(extra, str):
         return unit.refuse(extra)
     lines += extra
-    sets = _sets(module, info, tp, local_kv, pair.owner, grouped)
+    sets = _sets(reading, module, info, tp, local_kv, pair.owner, grouped)
     if isinstance(sets, str):
         return unit.refuse(sets)
     return Unit(pair.owner, "attention", tuple(lines + sets))
+
+
+def _heads(reading: Reading, path: str, module: nn.Module) -> Heads | None:
+    """The heads of attention module `path`: the model's config first (its head size where the
+    module states one), the module's own attributes second (dtp/layout/attention.py's `heads`, each
+    read once)."""
+    if reading.heads is None:
+        return module_heads(path, module)
+    size = stated_int(module, HEAD_SIZES)
+    return replace(reading.heads, head_dim=size[1]) if size else reading.heads
 
 
 def _own_heads(module: nn.Module, path: str, pair: Pair, info: Heads | None) -> Heads | None:
@@ -137,10 +139,11 @@ def _heads_text(info: Heads) -> str:
     return f"{info.n_head} query heads ({info.source}){kv}, head size {info.head_dim}"
 
 
-def _fused(module: nn.Module, name: str, info: Heads, kv: str | None, tp: int):
+def _fused(reading: Reading, module: nn.Module, name: str, info: Heads, kv: str | None, tp: int):
     """(style, why, local key/value heads, heads as the weight says, attributes counting interleaved
     groups) for a fused q/k/v projection, or why it cannot be split."""
-    found = _fused_style(module, name, info, kv, tp)
+    layout, reads = reading.source(fused_view, module, name) or (None, frozenset())
+    found = _fused_style(module, name, info, kv, tp, layout)
     if isinstance(found, str):
         return found
     style, why, local_kv = found
@@ -151,7 +154,6 @@ def _fused(module: nn.Module, name: str, info: Heads, kv: str | None, tp: int):
         if n_kv != info.n_kv_head
         else info
     )
-    layout, reads = fused_view(module, name)
     return (
         style,
         why,
@@ -161,7 +163,9 @@ def _fused(module: nn.Module, name: str, info: Heads, kv: str | None, tp: int):
     )
 
 
-def _fused_style(module: nn.Module, name: str, info: Heads, kv: str | None, tp: int):
+def _fused_style(
+    module: nn.Module, name: str, info: Heads, kv: str | None, tp: int, layout: str | None
+):
     linear = module.get_submodule(name)
     parts = fused_parts(module, linear, info)
     if parts is None:
@@ -174,7 +178,6 @@ def _fused_style(module: nn.Module, name: str, info: Heads, kv: str | None, tp: 
             f"{shape}: multi-query, the one key/value head whole on every rank",
             1,
         )
-    layout = fused_view(module, name)[0]
     if layout is None:
         return f"the forward's source does not show whether {name} packs [q | k | v] or interleaves heads"
     if layout == "interleaved":
@@ -249,7 +252,9 @@ def _separate(module: nn.Module, firsts: tuple[str, ...], info: Heads, kv: str |
     return out, local
 
 
-def _around(module: nn.Module, pair: Pair, info: Heads, kv: str | None, rel) -> list[Line] | str:
+def _around(
+    reading: Reading, module: nn.Module, pair: Pair, info: Heads, kv: str | None, rel
+) -> list[Line] | str:
     """Rules for what sits between the projections (norms of q or k), per-head parameters and ALiBi
     inputs."""
     q_width, kv_width, out = info.n_head * info.head_dim, info.n_kv_head * info.head_dim, []
@@ -296,11 +301,11 @@ def _around(module: nn.Module, pair: Pair, info: Heads, kv: str | None, rel) -> 
         )
     elif any(True for _ in module.parameters(recurse=False)):
         return "it holds parameters of its own that are not one per query head"
-    named, _ = forward_inputs(module)
+    named, _ = reading.source(forward_inputs, module) or ([], True)
     bias = next((n for n in ALIBI_INPUTS if n in named), None)
-    config = getattr(module, "config", None)
-    folded = getattr(config, "alibi", None) is True and "attention_mask" in named
-    if bias and getattr(config, "alibi", True) is not False:
+    alibi = reading.value(stated(module, "config"), "alibi")
+    folded = alibi is True and "attention_mask" in named
+    if bias and alibi is not False:
         style = (
             f"slice_input(name=[{bias}, attention_mask], dim=1)"
             if folded
@@ -327,13 +332,19 @@ def _around(module: nn.Module, pair: Pair, info: Heads, kv: str | None, rel) -> 
 
 
 def _sets(
-    module: nn.Module, info: Heads, tp: int, local_kv: int, owner: str, grouped: frozenset[str]
+    reading: Reading,
+    module: nn.Module,
+    info: Heads,
+    tp: int,
+    local_kv: int,
+    owner: str,
+    grouped: frozenset[str],
 ) -> list[Line] | str:
     """`set` lines for every head-count attribute (read by the forward as a size, or named as one)
     whose value this rank holds less of; `grouped`: the attributes an interleaved projection is
     viewed to groups by."""
-    reads = size_reads(module) or set()
-    facts = forward_facts(module)
+    reads = reading.source(size_reads, module) or set()
+    facts = reading.facts(module)
     named = {
         n
         for n, v in vars(module).items()
@@ -366,8 +377,8 @@ def _sets(
     }
     out = []
     for name in names:
-        value = _read(module, name)
-        if value is None or name.rpartition(".")[2] in _SIZE_NAMES:
+        value = _read(reading, module, name)
+        if value is None or name.rpartition(".")[2] in HEAD_SIZES:
             continue
         if name in grouped:  # the number of interleaved groups: a rank holds 1/tp of them
             if value % tp:
@@ -401,8 +412,10 @@ def _sets(
     return out
 
 
-def _read(module: nn.Module, name: str) -> int | None:
-    obj: object = module
-    for part in name.split("."):
-        obj = getattr(obj, part, None)
+def _read(reading: Reading, module: nn.Module, name: str) -> int | None:
+    """`self.NAME` as the module stores it, or `self.config.NAME` as its config gives it (once)."""
+    first, *rest = name.split(".")
+    obj = stated(module, first)
+    for part in rest:
+        obj = reading.value(obj, part)
     return obj if isinstance(obj, int) and not isinstance(obj, bool) and obj > 0 else None

@@ -12,13 +12,13 @@ import torch.nn as nn
 
 from dtp.auto.rules import Line, Unit
 from dtp.auto.sizes import fused_layout
-from dtp.auto.structure import Pair
+from dtp.auto.structure import NO_SOURCE, Pair, Reading, unreadable
 from dtp.layout.experts import experts_layout
 from dtp.layout.modules import features
 from dtp.layout.norms import is_norm, norm_width
 
 
-def mlp_unit(module: nn.Module, pair: Pair, tp: int) -> Unit:
+def mlp_unit(reading: Reading, module: nn.Module, pair: Pair, tp: int) -> Unit:
     """The rules for feed-forward `module` at `tp`, or why it stays whole."""
     unit = Unit(pair.owner, "mlp")
     rel = lambda c: f"{pair.owner}.{c}" if pair.owner else c
@@ -32,7 +32,7 @@ def mlp_unit(module: nn.Module, pair: Pair, tp: int) -> Unit:
             lines.append(
                 Line(rel(name), "colwise", f"{inner} hidden features: this rank's {inner // tp}")
             )
-        elif width % inner == 0 and fused_layout(module, name) == "concat":
+        elif width % inner == 0 and reading.source(fused_layout, module, name) == "concat":
             k = width // inner
             lines.append(
                 Line(
@@ -79,9 +79,14 @@ def mlp_unit(module: nn.Module, pair: Pair, tp: int) -> Unit:
 
 
 def experts_unit(path: str, module: nn.Module, tp: int) -> Unit:
-    """`experts` for a module holding every expert's FFN as 3-D parameters, or why it stays whole."""
-    layout = experts_layout(module)
+    """`experts` for a module holding every expert's FFN as 3-D parameters, or why it stays whole
+    (also when its forward's source cannot be read: the parameters' names are no evidence of how it
+    computes)."""
     unit = Unit(path, "experts")
+    why = unreadable(module)
+    if why:
+        return unit.refuse(f"its forward's source cannot be read ({why}): {NO_SOURCE}")
+    layout = experts_layout(module)
     if layout is None:
         return unit.refuse("its expert parameters have a layout dtp cannot split")
     if layout.inter % tp:

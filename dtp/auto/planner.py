@@ -4,6 +4,10 @@ The draft (dtp/auto/attention.py, ffn.py) is written for one tp. The checker the
 unit a diagnostic points into is left replicated with the checker's own words as the reason, and the
 plan is checked again, until it passes. What reaches the user is a plan the checker accepts at every
 tp its header names; `--verify` adds the parity proof of `dtp apply`.
+
+The planner's work grows linearly with the blocks: the model is read once (dtp/auto/structure.py's
+Reading), each block's pairs are found once for every tp, another tp is tried on each group's first
+block before all of them, and the checker runs once per round and once per other tp claimed.
 """
 
 from __future__ import annotations
@@ -16,16 +20,13 @@ import torch.nn as nn
 from dtp.auto.attention import attention_unit
 from dtp.auto.ffn import experts_unit, mlp_unit
 from dtp.auto.rules import Line, Unit
-from dtp.auto.structure import Ends, blocks, ends, experts, pairs
-from dtp.checks.checker import check
+from dtp.auto.structure import Reading
+from dtp.checks.checker import Checked, check
 from dtp.checks.messages import MAX_TP_SHOWN
 from dtp.cost.param_bytes import replicated_fraction
 from dtp.errors import PlanError, UsageError
 from dtp.lang.parse import parse
-from dtp.layout.attention import attention_like
-from dtp.layout.modules import is_linear
 from dtp.layout.norms import is_norm
-from dtp.layout.trace import model_trace
 
 _MAX_ROUNDS = 64  # each round replicates at least one unit; a model has few kinds of unit
 
@@ -49,12 +50,15 @@ class _Group:
 
     prefix: str
     units: tuple[Unit, ...]
+    first: str  # the path of its first block
 
 
-def block_units(model: nn.Module, path: str, tp: int, sp: bool = False) -> list[Unit]:
-    """The units of block `path`: each attention and MLP pair, each experts module (and, with `sp`,
-    its residual-stream norms)."""
-    block = model.get_submodule(path)
+def block_units(reading: Reading, path: str, tp: int, sp: bool = False) -> list[Unit]:
+    """The units of block `path`: each attention and MLP pair, each experts module, each module
+    whose linears form no pair (replicated, with the reason) and, with `sp`, its residual-stream
+    norms."""
+    block = reading.modules[path]
+    parts = reading.parts(path)
     units = []
     if sp:
         norms = tuple(
@@ -68,42 +72,27 @@ def block_units(model: nn.Module, path: str, tp: int, sp: bool = False) -> list[
             if is_norm(c) or _dropout(c)
         )
         units.append(Unit("", "sequence", norms))
-    for pair in pairs(block, model_trace(model), path):
-        module = block.get_submodule(pair.owner) if pair.owner else block
+    for pair, attention in parts.pairs:
         owner = f"{path}.{pair.owner}" if pair.owner else path
-        if attention_like(module):
-            units.append(attention_unit(model, owner, module, pair, tp))
+        module = reading.modules[owner]
+        if attention:
+            units.append(attention_unit(reading, owner, module, pair, tp))
         else:
-            units.append(mlp_unit(module, pair, tp))
-    units += [experts_unit(p, block.get_submodule(p), tp) for p in experts(block)]
-    owners = {u.owner for u in units}
+            units.append(mlp_unit(reading, module, pair, tp))
+    units += [experts_unit(p, block.get_submodule(p), tp) for p in parts.experts]
     # linears that form no pair: say so, never guess, never silently
-    for sub, module in block.named_modules():
-        linears = [n for n, c in module.named_children() if is_linear(c)]
-        if sub in owners or not linears or not (attention_like(module) or len(linears) >= 2):
-            continue
-        kind = "attention" if attention_like(module) else "mlp"
-        units.append(
-            Unit(
-                sub,
-                kind,
-                (),
-                "its linear layers form no colwise → rowwise pair that its forward shows "
-                "(e.g. low-rank or latent projections, or a forward dtp could neither read nor "
-                "run)",
-            )
-        )
+    units += [Unit(sub, kind, (), why) for sub, kind, why in parts.unpaired]
     return units
 
 
-def _groups(model: nn.Module, tp: int, sp: bool) -> list[_Group]:
+def _groups(reading: Reading, tp: int, sp: bool) -> list[_Group]:
     """Runs of blocks with the same rules under one parent: `parent.*` when they are all its
     children (a ModuleList, Sequential or ModuleDict), `parent.[a..b]` for numbered runs, else one
     group per block."""
     runs: list[tuple[str, list[str], tuple[Unit, ...]]] = []
-    for path in blocks(model):
+    for path in reading.blocks:
         parent, _, name = path.rpartition(".")
-        units = tuple(block_units(model, path, tp, sp))
+        units = tuple(block_units(reading, path, tp, sp))
         last = runs[-1] if runs else None
         if (
             last
@@ -118,16 +107,20 @@ def _groups(model: nn.Module, tp: int, sp: bool) -> list[_Group]:
             runs.append((parent, [name], units))
     out: list[_Group] = []
     for parent, names, units in runs:
-        holder = model.get_submodule(parent)
+        holder = reading.modules[parent]
+        first = ".".join(p for p in (parent, names[0]) if p)
         every = isinstance(holder, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) and len(
             holder
         ) == len(names)
         if every:
-            out.append(_Group(f"{parent}.*" if parent else "*", units))
+            out.append(_Group(f"{parent}.*" if parent else "*", units, first))
         elif all(n.isdigit() for n in names) and len(names) > 1:
-            out.append(_Group(f"{parent}.[{names[0]}..{names[-1]}]", units))
+            out.append(_Group(f"{parent}.[{names[0]}..{names[-1]}]", units, first))
         else:
-            out += [_Group(".".join(p for p in (parent, n) if p), units) for n in names]
+            out += [
+                _Group(path, units, path)
+                for path in (".".join(p for p in (parent, n) if p) for n in names)
+            ]
     return out
 
 
@@ -135,14 +128,9 @@ def _dropout(module: nn.Module) -> bool:
     return isinstance(module, nn.Dropout)
 
 
-def _top(model: nn.Module, e: Ends, sp: bool) -> list[Line]:
-    lines = []
-    inside = tuple(blocks(model))
-    outside = [
-        (p, m)
-        for p, m in model.named_modules()
-        if p and not any(p.startswith(b + ".") or p == b for b in inside)
-    ]
+def _top(reading: Reading, sp: bool) -> list[Line]:
+    lines, e = [], reading.ends
+    outside = [(p, m) for p, m in reading.modules.items() if p and not reading.in_block(p)]
     positions = [p for p, m in outside if isinstance(m, nn.Embedding) and p != e.embedding]
     if e.embedding:
         tied = f", tied to {e.head}" if e.tied else ""
@@ -178,14 +166,13 @@ def _top(model: nn.Module, e: Ends, sp: bool) -> list[Line]:
             )
         )
     if sp:
-        lines += _sequence_parallel(model, e)
+        lines += _sequence_parallel(reading)
     return lines
 
 
-def _sequence_parallel(model: nn.Module, e: Ends) -> list[Line]:
+def _sequence_parallel(reading: Reading) -> list[Line]:
     """`sequence_parallel` on every norm and dropout outside the blocks (the blocks' own are their
     units)."""
-    inside = tuple(blocks(model))
     return [
         Line(
             path,
@@ -193,9 +180,8 @@ def _sequence_parallel(model: nn.Module, e: Ends) -> list[Line]:
             f"{'norm' if is_norm(module) else 'dropout'} of the residual stream: runs "
             "on this rank's tokens",
         )
-        for path, module in model.named_modules()
-        if (is_norm(module) or _dropout(module))
-        and not any(path.startswith(b + ".") for b in inside)
+        for path, module in reading.modules.items()
+        if (is_norm(module) or _dropout(module)) and not reading.in_block(path, strict=True)
     ]
 
 
@@ -245,8 +231,8 @@ def auto_plan(
     """The plan for `model` at `tp` that `dtp check` accepts, each part it could not split left
     replicated; `scan`: also find every other tp the checker accepts it at (else only `tp` is
     claimed)."""
-    e = ends(model)
-    top, groups = _top(model, e, sp), _groups(model, tp, sp)
+    reading = Reading(model)
+    top, groups = _top(reading, sp), _groups(reading, tp, sp)
     name = (
         "auto-" + re.sub(r"[^A-Za-z0-9_.\-]", "-", model_name.rsplit("/", 1)[-1].rsplit(":", 1)[-1])
         or "auto"
@@ -254,10 +240,10 @@ def auto_plan(
     refused_sp = ""
     for _ in range(_MAX_ROUNDS):
         text, where = render(
-            name, model_name, tp, top, groups, "Checked by dtp check at tp {tp}.", sp
+            name, model_name, tp, top, groups, f"Checked by dtp check at tp {tp}.", sp
         )
         try:
-            check(parse(text, "<auto>"), model, tp)
+            checked = check(parse(text, "<auto>"), model, tp)
             break
         except PlanError as err:
             sp_hit = next(
@@ -267,19 +253,24 @@ def auto_plan(
             # sequence parallelism is all or nothing: without it, the rest is judged again
             if sp and sp_hit:
                 refused_sp, sp = _first_sentence(sp_hit.message), False
-                top, groups = _top(model, e, False), _groups(model, tp, False)
+                top, groups = _top(reading, False), _groups(reading, tp, False)
                 continue
             top, groups = _replicate(err, where, top, groups)
     else:
         # each round removes a unit: unreachable
         raise RuntimeError("dtp plan --auto did not converge")
     tps = range(1, max(MAX_TP_SHOWN, tp) + 1) if scan else (tp,)
-    # another tp is claimed only where auto would write the same rules and check accepts them
-    mine = _rules(groups)
+    # another tp is claimed only where auto would write the same rules and check accepts them;
+    # one that does not divide every size the plan shards, check refuses: it is not asked
     admitted = tuple(
         t
         for t in tps
-        if t == tp or (_rules(_groups(model, t, sp)) == mine and _passes(text, model, t))
+        if t == tp
+        or (
+            (t > MAX_TP_SHOWN or t in checked.admissible_tp)
+            and _same_rules(reading, groups, t, sp)
+            and _passes(text, model, t)
+        )
     )
     shown = ", ".join(map(str, admitted))
     text, _ = render(
@@ -291,13 +282,26 @@ def auto_plan(
         text = text.replace(
             "\ndtp 1\n", f"\n# Without sequence parallelism: {refused_sp}\ndtp 1\n", 1
         )
-    return AutoPlan(text, tp, admitted, tuple(refused), _summary(model, text, tp, groups))
+    return AutoPlan(text, tp, admitted, tuple(refused), _summary(reading, checked, groups))
 
 
-def _summary(model: nn.Module, text: str, tp: int, groups: list[_Group]) -> str:
+def _same_rules(reading: Reading, groups: list[_Group], t: int, sp: bool) -> bool:
+    """Whether auto would write the rules of `groups` at tp `t` too: each group's first block
+    first (where most tp values differ), then every block."""
+    mine = _rules(groups)
+    if any(
+        [_unit_rules(u) for u in block_units(reading, g.first, t, sp)] != rules
+        for g, (_, rules) in zip(groups, mine)
+    ):
+        return False
+    return _rules(_groups(reading, t, sp)) == mine
+
+
+def _summary(reading: Reading, checked: Checked, groups: list[_Group]) -> str:
     """How much of the model the plan splits: blocks with a split part, blocks whose attention or
-    MLP stays whole, and the share of the parameter bytes every rank keeps whole."""
-    counts = {g.prefix: _count(model, g.prefix) for g in groups}
+    MLP stays whole, and the share of the parameter bytes every rank keeps whole (of the plan
+    `checked`, the one the user gets but for its header)."""
+    counts = {g.prefix: _count(reading, g.prefix) for g in groups}
     total = sum(counts.values())
     split = sum(n for g in groups for n in [counts[g.prefix]] if any(u.lines for u in g.units))
     whole = {
@@ -306,7 +310,7 @@ def _summary(model: nn.Module, text: str, tp: int, groups: list[_Group]) -> str:
         )
         for kind in ("attention", "mlp")
     }
-    share = replicated_fraction(check(parse(text, "<auto>"), model, tp), model)
+    share = replicated_fraction(checked, reading.model)
     return (
         f"blocks split {split}/{total}, attention whole in {whole['attention']}, MLP whole in "
         f"{whole['mlp']}; "
@@ -314,11 +318,11 @@ def _summary(model: nn.Module, text: str, tp: int, groups: list[_Group]) -> str:
     )
 
 
-def _count(model: nn.Module, prefix: str) -> int:
+def _count(reading: Reading, prefix: str) -> int:
     """The blocks a group's pattern names."""
     parent, _, segment = prefix.rpartition(".")
     if segment == "*":
-        return len(model.get_submodule(parent)) if parent else 1
+        return len(reading.modules[parent]) if parent else 1
     if segment.startswith("["):
         a, b = segment[1:-1].split("..")
         return int(b) - int(a) + 1
@@ -336,16 +340,11 @@ def _is_sequence(key: tuple | None, top: list[Line], groups: list[_Group]) -> bo
 
 def _rules(groups: list[_Group]) -> list:
     """The statements of `groups` without their comments (which name tp-specific sizes)."""
-    return [
-        (
-            g.prefix,
-            [
-                (u.owner, bool(u.refused), [(x.path, x.text, x.is_set) for x in u.lines])
-                for u in g.units
-            ],
-        )
-        for g in groups
-    ]
+    return [(g.prefix, [_unit_rules(u) for u in g.units]) for g in groups]
+
+
+def _unit_rules(unit: Unit) -> tuple:
+    return unit.owner, bool(unit.refused), [(x.path, x.text, x.is_set) for x in unit.lines]
 
 
 def _passes(text: str, model: nn.Module, tp: int) -> bool:
@@ -380,6 +379,7 @@ def _replicate(err: PlanError, where: dict[int, tuple], top: list[Line], groups:
                 u.refuse(f"dtp check: {hit_units[(gi, ui)]}") if (gi, ui) in hit_units else u
                 for ui, u in enumerate(g.units)
             ),
+            g.first,
         )
         for gi, g in enumerate(groups)
     ]

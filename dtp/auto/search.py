@@ -7,6 +7,11 @@ batch. Each is priced with the plan `dtp plan --auto` writes for its tp (and seq
 on the simulator's own model; what does not fit the profile's memory is dropped with its size; the
 rest are ranked by predicted iteration time. `commands` writes the shell lines that run the winner as
 it was priced: its plan, then `dtp train` with every flag of the layout.
+
+`search_decode` (`dtp search --decode`) serves instead of training: each tp of a node (powers of two
+dividing the job) decodes its own rows on gpus / tp replicas, its step priced by `dtp simulate
+--decode`'s model (dtp.simulate.decode.decode_step) on the auto plan for that tp; `serving_pick`
+chooses by the stated objective, `stops_paying` says where a larger tp buys too little.
 """
 
 from __future__ import annotations
@@ -19,9 +24,14 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from dtp import models
 from dtp.auto.planner import auto_plan
+from dtp.checks.checker import check
 from dtp.errors import PlanError, UsageError
 from dtp.files import write_text
+from dtp.lang.parse import parse
+from dtp.simulate import decode
+from dtp.simulate.decode import DecodeStep, decode_step
 from dtp.simulate.model import Run, simulate
 from dtp.simulate.prepare import Prepared
 
@@ -30,6 +40,10 @@ RECOMPUTE = ("none", "selective", "op", "full")
 # bf16 first: the same tensor-core rate as fp16 without loss scaling; fp32 only as the last resort
 HALF_FIRST = ("bf16", "fp16", "fp32")
 PLAN_FILE = "plan.tp"  # the file the printed `dtp plan` writes and `dtp train` reads
+# a tp is worth its GPUs when it is more than this much faster (or serves more) than the choice
+MEANINGFUL = 0.05
+# `dtp generate`'s --dtype for each precision: it has no float16; bfloat16 moves the same bytes
+GENERATE_DTYPE = {"bf16": "bfloat16", "fp16": "bfloat16", "fp32": "float32"}
 
 
 @dataclass(frozen=True)
@@ -62,6 +76,7 @@ class Candidate:
     fits: bool
     parts: dict  # seconds: compute, tp_comm, dp_comm, optimizer
     plan: str  # the auto plan's text
+    left_whole: tuple[str, ...] = ()  # "PATH: why" of each part the auto plan keeps replicated
 
     def key(self) -> str:
         """The layout in one phrase."""
@@ -101,6 +116,16 @@ def default_precision(profile) -> str:
     return next(p for p in HALF_FIRST if p in profile.peak_tflops)
 
 
+def check_seq(model: nn.Module, name: str, seq: int) -> None:
+    """A --seq beyond the positions the model's config states is a UsageError naming both, before
+    anything is priced."""
+    limit = models.max_sequence(model)
+    if limit is not None and seq > limit:
+        raise UsageError(
+            f"--seq {seq} exceeds the block size of {name}: at most {limit} tokens per sequence"
+        )
+
+
 def tp_values(gpus: int, per_node: int, limit: int = 64) -> list[int]:
     """Powers of two dividing the job, those within a node first, up to `limit`."""
     out = [t for t in (1 << i for i in range(13)) if t <= min(gpus, limit) and gpus % t == 0]
@@ -116,8 +141,10 @@ def search(
     dp_modes: tuple[str, ...],
     log=None,
 ) -> list[Candidate]:
-    """Every layout priced; feasible ones first, fastest first."""
+    """Every layout priced; feasible ones first, fastest first. Nothing priced because a tp's plan
+    could not be is that pricing's own error (a UsageError), not an empty list."""
     out: list[Candidate] = []
+    unpriced: list[str] = []  # why a tp's plan could not be priced
     with tempfile.TemporaryDirectory(prefix="dtp-search-") as scratch:
         for tp in tp_values(job.gpus, profile.gpus_per_node):
             dp = job.gpus // tp
@@ -130,7 +157,8 @@ def search(
                 write_text(path, found.text)
                 try:
                     prepared = Prepared(path, job.model, job.seq)
-                except (PlanError, UsageError):
+                except (PlanError, UsageError) as err:
+                    unpriced.append(str(err).splitlines()[0])
                     continue
                 if log:
                     log(f"priced: tp {tp}{' with sequence parallelism' if sp else ''}")
@@ -175,8 +203,11 @@ def search(
                                     r.memory.fits,
                                     parts,
                                     found.text,
+                                    found.refused,
                                 )
                             )
+    if unpriced and not out:
+        raise UsageError(f"no layout could be priced: {unpriced[0]}")
     return sorted(out, key=lambda c: (not c.fits, c.iteration_s))
 
 
@@ -247,3 +278,182 @@ def commands(best: Candidate, job: Job, gpus_per_node: int) -> list[str]:
         torchrun = ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(per_node), "-m"]
         train = torchrun + train
     return [shlex.join(plan_argv(best, job)), shlex.join(train)]
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What a decode search is for: `model` served on `gpus` accelerators, each replica decoding
+    `batch` rows together with `context` tokens of KV cache per row."""
+
+    model: str
+    gpus: int
+    batch: int
+    context: int
+    precision: str
+    objective: str = "latency"  # or "throughput"
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One tp for decoding: gpus / tp replicas of tp GPUs, each decoding its own rows, and the step
+    `dtp simulate --decode`'s model predicts for one of them."""
+
+    tp: int
+    replicas: int
+    batch: int
+    step: DecodeStep
+    capacity_bytes: int  # the profile's memory per GPU
+    plan: str  # the auto plan's text
+    left_whole: tuple[str, ...] = ()
+
+    @property
+    def ms(self) -> float:
+        """Per-token latency: one decode step."""
+        return self.step.ms
+
+    @property
+    def tokens_per_s(self) -> float:
+        """One replica's tokens per second over its rows."""
+        return self.step.tokens_per_s(self.batch)
+
+    @property
+    def cluster_tokens_per_s(self) -> float:
+        """Every replica's together."""
+        return self.replicas * self.tokens_per_s
+
+    @property
+    def gpu_tokens_per_s(self) -> float:
+        """Tokens per second per GPU: what each of the cluster's GPUs serves."""
+        return self.tokens_per_s / self.tp
+
+    @property
+    def memory_bytes(self) -> int:
+        """Weights and KV cache on the fullest GPU."""
+        return self.step.weight_bytes + self.step.kv_bytes
+
+    @property
+    def memory_gib(self) -> float:
+        """The same, in GiB."""
+        return self.memory_bytes / GiB
+
+    @property
+    def fits(self) -> bool:
+        """Weights and cache within the profile's memory per GPU."""
+        return self.memory_bytes <= self.capacity_bytes
+
+    def why_not_fit(self) -> str:
+        """The sizes that do not fit, in GiB."""
+        return (
+            f"does not fit: {self.memory_gib:.1f} GiB (weights "
+            f"{self.step.weight_bytes / GiB:.1f} + KV cache {self.step.kv_bytes / GiB:.1f}) > "
+            f"{self.capacity_bytes / GiB:.0f} GiB"
+        )
+
+    def to_json(self) -> dict:
+        """The candidate as JSON (the plan text included)."""
+        return {
+            "tp": self.tp,
+            "replicas": self.replicas,
+            "ms_per_token": self.ms,
+            "tokens_per_s_per_replica": self.tokens_per_s,
+            "tokens_per_s_cluster": self.cluster_tokens_per_s,
+            "tokens_per_s_per_gpu": self.gpu_tokens_per_s,
+            "memory_gib": self.memory_gib,
+            "weight_gib": self.step.weight_bytes / GiB,
+            "kv_cache_gib": self.step.kv_bytes / GiB,
+            "collectives_per_token": self.step.collectives,
+            "collectives_ms": self.step.comm_ms,
+            "memory_ms": self.step.memory_ms,
+            "fits": self.fits,
+            "left_whole": list(self.left_whole),
+            "plan": self.plan,
+        }
+
+
+def serving_tp_values(gpus: int, profile) -> list[int]:
+    """The tps a decode replica can take: 1, 2, 4, … within one node, as `dtp simulate --decode`
+    prices them (a token's collectives are latency; across nodes they would cross the slow link),
+    dividing the job and each full node."""
+    per_node = profile.gpus_per_node
+    return [
+        t
+        for t in decode.tp_values(profile, 1)
+        if t <= gpus and gpus % t == 0 and (gpus <= per_node or per_node % t == 0)
+    ]
+
+
+def search_decode(model: nn.Module, job: Serving, profile) -> tuple[list[Replica], dict[int, str]]:
+    """Each tp's decode step on its auto plan, by tp; and the tps that could not be planned, with
+    why."""
+    out, refused = [], {}
+    for tp in serving_tp_values(job.gpus, profile):
+        try:
+            found = auto_plan(model, job.model, tp, scan=False)
+            checked = check(parse(found.text, "<auto>"), model, tp)
+        except PlanError as err:
+            refused[tp] = str(err).splitlines()[0]
+            continue
+        step = decode_step(
+            checked,
+            model,
+            tp,
+            profile,
+            batch=job.batch,
+            context=job.context,
+            precision=job.precision,
+        )
+        capacity = int(profile.memory_GiB * GiB)
+        out.append(
+            Replica(tp, job.gpus // tp, job.batch, step, capacity, found.text, found.refused)
+        )
+    return out, refused
+
+
+def serving_pick(rows: list[Replica], objective: str) -> Replica | None:
+    """The choice among the tps that fit (None when none does). latency: the smallest tp that no
+    tp beats by more than MEANINGFUL in ms per token (the fastest, or a smaller tp nearly as fast:
+    it leaves more replicas). throughput: the most tokens/s over the cluster, or a tp within
+    MEANINGFUL of it that answers sooner."""
+    fit = [r for r in rows if r.fits]
+    if not fit:
+        return None
+    if objective == "latency":
+        return stops_paying(fit)
+    most = max(r.cluster_tokens_per_s for r in fit)
+    near = [r for r in fit if r.cluster_tokens_per_s >= (1 - MEANINGFUL) * most]
+    return min(near, key=lambda r: (r.ms, r.tp))
+
+
+def stops_paying(rows: list[Replica]) -> Replica | None:
+    """The smallest tp that fits and that no larger tp beats by more than MEANINGFUL in per-token
+    latency (then no smaller one does either): from there, more GPUs per replica buy too
+    little."""
+    fit = sorted((r for r in rows if r.fits), key=lambda r: r.tp)
+    for r in fit:
+        if all(o.ms >= (1 - MEANINGFUL) * r.ms for o in fit if o.tp > r.tp):
+            return r
+    return None
+
+
+def decode_commands(best: Replica, job: Serving, max_prompts: int, max_new: int) -> list[str]:
+    """The shell lines that check the chosen replica with `dtp generate` (token-exact against the
+    unsharded model): its plan, then `batch` one-token prompts (at most `max_prompts`, what
+    generate takes) decoding until the cache holds `context` tokens (at most `max_new` new ones)."""
+    rows = min(job.batch, max_prompts)
+    new = max(1, min(job.context - 1, max_new))
+    generate = [
+        "dtp",
+        "generate",
+        PLAN_FILE,
+        job.model,
+        "--tp",
+        str(best.tp),
+        "--prompt-ids",
+        ";".join(["1"] * rows),
+        "--max-new-tokens",
+        str(new),
+        "--dtype",
+        GENERATE_DTYPE[job.precision],
+    ]
+    plan = ["dtp", "plan", "--auto", job.model, "--tp", str(best.tp), "-o", PLAN_FILE]
+    return [shlex.join(plan), shlex.join(generate)]

@@ -6,23 +6,50 @@ by names alone.
   class, that hold modules of their own (dtp/layout/blocks.py);
 - inside a block, every module whose linear children form Megatron's pair: "first" layers reading
   the module's input (colwise) and one "second" layer reading only what they computed (rowwise), as
-  the forward's source says (dtp/layout/forward_source.py) or, where the source cannot be followed
-  (a lambda, a partial, a ModuleDict called from its parent), as one forward on fake tensors ran it
-  (dtp/layout/trace.py); a module with linears but no such pair (a router, a gate) is not one.
+  the forward's source says (dtp/layout/forward_source.py) or, where the source is read but cannot
+  be followed (a loop, a `match`, a ModuleDict called from its parent through a lambda or a
+  partial), as one forward on fake tensors ran it (dtp/layout/trace.py); a module with linears but
+  no such pair (a router, a gate) is not one. A module whose forward's source cannot be read at all
+  (a class made by `exec` or compiled code, a lambda, partial or builtin as `forward`, a forward set
+  on the instance) has no pair: its layers' names are no evidence.
+
+A `Reading` reads each of these once per model, whatever the number of blocks or tp values asked
+about: one walk of the modules (at most MAX_MODULES), the forward's source once per kind of module,
+the config once per attribute, the trace only when a source does not show a pair. Attributes of
+modules are read as stored (`inspect.getattr_static`): no property runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import inspect
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch.nn as nn
 
-from dtp.layout.attention import PROJECTIONS, attention_like
+from dtp.errors import UsageError
+from dtp.layout.attention import (
+    HEAD_COUNTS,
+    HEAD_SIZES,
+    KV_HEAD_COUNTS,
+    PROJECTIONS,
+    Heads,
+    config_heads,
+)
+from dtp.layout.attention import attention_like as layout_attention_like
 from dtp.layout.blocks import blocks as layout_blocks
-from dtp.layout.forward_source import forward_facts
+from dtp.layout.forward_source import ForwardFacts, forward_facts, method_ast
 from dtp.layout.modules import features, is_experts, is_linear
-from dtp.layout.trace import Trace
+from dtp.layout.trace import Trace, model_trace
 from dtp.models.spec import vocab_size
+
+# Modules read: the largest real models hold about 10^4 (a MoE with every expert a module), a stack
+# of 20,000 tiny blocks 2.6 × 10^5; past this a plan is written by hand (`layers.*`), not searched.
+MAX_MODULES = 500_000
+
+# Why no pair is read from a module whose forward's source dtp cannot read.
+NO_SOURCE = "dtp splits only what a forward's source shows, never by the layers' names"
 
 
 @dataclass(frozen=True)
@@ -36,8 +63,6 @@ class Pair:
     between: tuple[str, ...]
     # linear children outside the pair (routers, gates): they stay replicated
     others: tuple[str, ...]
-    # the source did not show the flow: q/k/v by their names, the output by elimination
-    by_names: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,68 +78,252 @@ class Ends:
     also: tuple[str, ...] = ()
 
 
-def ends(model: nn.Module) -> Ends:
-    """The input embedding (an nn.Embedding of vocabulary rows) and the output head (a linear of
-    vocabulary outputs)."""
-    vocab = vocab_size(model)
-    names = {id(m): n for n, m in model.named_modules()}
-    embedding = head = None
-    getter = getattr(model, "get_input_embeddings", None)
-    if callable(getter):
-        try:
-            found = getter()
-            embedding = names.get(id(found)) if isinstance(found, nn.Embedding) else None
-        except (NotImplementedError, AttributeError):
-            embedding = None
-    if embedding is None:
-        embedding = next(
+@dataclass(frozen=True)
+class Parts:
+    """What one block holds that rules are written for; the same at every tp."""
+
+    pairs: tuple[tuple[Pair, bool], ...]  # each pair, and whether its owner is an attention
+    experts: tuple[str, ...]  # paths (in the block) of expert modules
+    # (path in the block, "attention" or "mlp", why) of modules with linears but no pair
+    unpaired: tuple[tuple[str, str, str], ...]
+
+
+def stated(obj: object, name: str) -> object:
+    """`obj.name` as stored, in the instance or on its class (what `inspect.getattr_static` finds,
+    without its cost); None for a property or any other descriptor (reading it would run code) and
+    for what is not there."""
+    on_class = next((c.__dict__[name] for c in type(obj).__mro__ if name in c.__dict__), None)
+    if hasattr(type(on_class), "__get__"):
+        return None  # a property, a method: on the class, it wins over the instance's value
+    value = getattr(obj, "__dict__", {}).get(name, on_class)
+    return None if hasattr(type(value), "__get__") else value
+
+
+def stated_int(obj: object, names: tuple[str, ...]) -> tuple[str, int] | None:
+    """The first of `names` that `obj` stores as a positive integer, and its value."""
+    for name in names:
+        value = stated(obj, name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return name, value
+    return None
+
+
+def attention_like(module: nn.Module) -> bool:
+    """Whether `module` is an attention layer, judged as dtp/layout/attention.py judges it, with
+    attributes read as stored."""
+    return layout_attention_like(module, read=stated_int)
+
+
+def module_heads(path: str, module: nn.Module) -> Heads | None:
+    """The heads of attention module `path` from its own stored attributes alone (a head count, a
+    key/value count, a head size or the projections' width), as dtp/layout/attention.py reads
+    them."""
+    name = path.rsplit(".", 1)[-1] or "attention"
+    size = stated_int(module, HEAD_SIZES)
+    count = stated_int(module, HEAD_COUNTS)
+    if count is None:
+        return None
+    kv = stated_int(module, KV_HEAD_COUNTS)
+    if size is None:  # the hidden size
+        width = next(
             (
-                n
-                for n, m in model.named_modules()
-                if isinstance(m, nn.Embedding) and m.num_embeddings == vocab
+                c.in_features
+                for n, c in module.named_children()
+                if n in PROJECTIONS and isinstance(c, nn.Linear)
             ),
             None,
         )
-    heads = [n for n, m in model.named_modules() if is_linear(m) and features(m)[1] == vocab]
-    head = heads[-1] if heads else None
-    tied = (
-        bool(embedding and head)
-        and model.get_submodule(embedding).weight is model.get_submodule(head).weight
+        if width is None or width % count[1]:
+            return None
+        size = ("", width // count[1])
+    source = f"{name}.{count[0]}"
+    return Heads(
+        count[1], kv[1] if kv else count[1], size[1], source, f"{name}.{kv[0]}" if kv else source
     )
-    weight = model.get_submodule(embedding).weight if embedding else None
-    also = tuple(
-        n
-        for n, m in model.named_modules()
-        if n not in (embedding, head)
-        and weight is not None
-        and isinstance(m, nn.Embedding)
-        and m.weight is weight
-    )
-    return Ends(vocab, embedding, head, tied, also)
 
 
-def blocks(model: nn.Module) -> list[str]:
-    """The model's repeated blocks, however the code holds them (dtp/layout/blocks.py)."""
-    return layout_blocks(dict(model.named_modules()))
+def unreadable(module: nn.Module) -> str | None:
+    """Why the source of the forward `module` runs cannot be read (None when it can)."""
+    if "forward" in vars(module):
+        return "it is set on the instance, not by the class"
+    if method_ast(type(module), "forward") is not None:
+        return None
+    fn = inspect.getattr_static(type(module), "forward", None)
+    if isinstance(fn, functools.partial):
+        return "a functools.partial"
+    if inspect.isfunction(fn) and fn.__name__ == "<lambda>":
+        return "a lambda"
+    if inspect.isfunction(fn):
+        return "inspect.getsource finds none: a class made by exec or compiled code"
+    return f"a {type(fn).__name__}, not a Python function"
 
 
-def pairs(block: nn.Module, tr: Trace | None = None, at: str = "") -> list[Pair]:
-    """Every module in `block` (the block itself included) whose linear children form a colwise →
-    rowwise pair: as the forward's source shows, else as the model's trace `tr` saw it run (`at`:
-    the block's path in it)."""
-    out = []
-    for path, module in block.named_modules():
-        linears = [n for n, c in module.named_children() if is_linear(c)]
-        if len(linears) < 2:
-            continue
-        pair = _pair(path, module, linears)
-        if pair is None and tr is not None:
-            pair = _traced_pair(tr, ".".join(p for p in (at, path) if p), path, module, linears)
-        if pair is None and attention_like(module):
-            pair = _named_pair(path, linears)
-        if pair is not None:
-            out.append(pair)
-    return out
+def _kind(module: nn.Module) -> tuple:
+    """All that reading a forward's source depends on: the class, the children's names and the
+    boolean attributes (the branches `if self.FLAG:` takes)."""
+    flags = tuple(sorted((k, v) for k, v in vars(module).items() if isinstance(v, bool)))
+    return type(module), tuple(n for n, _ in module.named_children()), flags
+
+
+class Reading:
+    """What `dtp plan --auto` reads of one model, each thing once (see the module docstring)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.modules = _walk(model)
+        self.blocks = tuple(layout_blocks(self.modules))
+        self._blocks = frozenset(self.blocks)
+        self._sources: dict[tuple, object] = {}
+        self._kinds: dict[int, tuple | None] = {}  # by id: every module is held in self.modules
+        self._values: dict[tuple[int, str], tuple[object, object]] = {}
+        self._parts: dict[str, Parts] = {}
+
+    def in_block(self, path: str, strict: bool = False) -> bool:
+        """Whether module `path` is a block (unless `strict`) or inside one."""
+        if strict:
+            path = path.rpartition(".")[0]
+        while path:
+            if path in self._blocks:
+                return True
+            path = path.rpartition(".")[0]
+        return False
+
+    def source(self, fn: Callable, module: nn.Module, *args: object):
+        """`fn(module, *args)`, a reading of the module's forward's source, once per kind of module;
+        None when that source cannot be read."""
+        if id(module) not in self._kinds:
+            self._kinds[id(module)] = None if unreadable(module) else _kind(module)
+        if self._kinds[id(module)] is None:
+            return None
+        key = (fn, self._kinds[id(module)], args)
+        if key not in self._sources:
+            self._sources[key] = fn(module, *args)
+        return self._sources[key]
+
+    def facts(self, module: nn.Module) -> ForwardFacts | None:
+        """What `module`'s forward reads (dtp/layout/forward_source.py); None without its source."""
+        return self.source(forward_facts, module)
+
+    def value(self, obj: object, name: str) -> object:
+        """`getattr(obj, name, None)` for a config (Hugging Face's map names in
+        `__getattribute__`), read once; None where reading it raises."""
+        key = (id(obj), name)
+        if key not in self._values:
+            try:
+                got = getattr(obj, name, None)
+            except Exception:  # noqa: BLE001 - whatever a config raises, it does not state this
+                got = None
+            self._values[key] = (obj, got)  # obj kept: its id stays its own
+        return self._values[key][1]
+
+    @functools.cached_property
+    def heads(self) -> Heads | None:
+        """The config's head counts (dtp/layout/attention.py's config_heads; a multi-query config
+        has one key/value head), read once."""
+        cfg = config_heads(self.model)
+        if cfg is None:
+            return None
+        holder = cfg.source.split(".")[0]
+        config = self.value(self.model, holder)
+        if cfg.kv_source == cfg.source and self.value(config, "multi_query") is True:
+            return replace(cfg, n_kv_head=1, kv_source=f"{holder}.multi_query")
+        return cfg
+
+    @functools.cached_property
+    def trace(self) -> Trace | None:
+        """The model's one forward on fake tensors, run the first time a source does not show a
+        pair."""
+        return model_trace(self.model)
+
+    @functools.cached_property
+    def ends(self) -> Ends:
+        """The input embedding (an nn.Embedding of vocabulary rows) and the output head (a linear of
+        vocabulary outputs)."""
+        model, modules = self.model, self.modules
+        vocab = vocab_size(model)
+        names = {id(m): n for n, m in modules.items()}
+        embedding = None
+        getter = getattr(model, "get_input_embeddings", None)
+        if callable(getter):
+            try:
+                found = getter()
+                embedding = names.get(id(found)) if isinstance(found, nn.Embedding) else None
+            except Exception:  # noqa: BLE001 - the model's own method: the rows then tell
+                embedding = None
+        if embedding is None:
+            embedding = next(
+                (
+                    n
+                    for n, m in modules.items()
+                    if isinstance(m, nn.Embedding) and m.num_embeddings == vocab
+                ),
+                None,
+            )
+        heads = [n for n, m in modules.items() if is_linear(m) and features(m)[1] == vocab]
+        head = heads[-1] if heads else None
+        weight = modules[embedding].weight if embedding else None
+        tied = bool(embedding and head) and weight is modules[head].weight
+        also = tuple(
+            n
+            for n, m in modules.items()
+            if n not in (embedding, head)
+            and weight is not None
+            and isinstance(m, nn.Embedding)
+            and m.weight is weight
+        )
+        return Ends(vocab, embedding, head, tied, also)
+
+    def parts(self, path: str) -> Parts:
+        """The pairs, experts and unpaired linear modules of block `path`."""
+        if path not in self._parts:
+            self._parts[path] = self._read_parts(path)
+        return self._parts[path]
+
+    def _read_parts(self, at: str) -> Parts:
+        block = self.modules[at]
+        pairs, experts, unpaired = [], [], []
+        for path, module in block.named_modules():
+            # experts hold their FFNs as parameters (dtp/layout/experts.py): no other is asked
+            if path and "gate_up_proj" in module._parameters and is_experts(module):
+                experts.append(path)
+                continue
+            linears = [n for n, c in module.named_children() if is_linear(c)]
+            attention = bool(linears) and attention_like(module)
+            if not (attention or len(linears) >= 2):
+                continue
+            why = unreadable(module)
+            pair = None
+            if why is None and len(linears) >= 2:
+                facts = self.facts(module)
+                pair = _pair(path, module, linears, facts) if facts is not None else None
+                if pair is None and self.trace is not None:
+                    full = ".".join(p for p in (at, path) if p)
+                    pair = _traced_pair(self.trace, full, path, module, linears)
+            if pair is not None:
+                pairs.append((pair, attention))
+                continue
+            reason = (
+                f"its forward's source cannot be read ({why}): {NO_SOURCE}"
+                if why
+                else "its linear layers form no colwise → rowwise pair that its forward shows "
+                "(e.g. low-rank or latent projections, or a forward dtp could neither read nor "
+                "run)"
+            )
+            unpaired.append((path, "attention" if attention else "mlp", reason))
+        return Parts(tuple(pairs), tuple(experts), tuple(unpaired))
+
+
+def _walk(model: nn.Module) -> dict[str, nn.Module]:
+    """`dict(model.named_modules())`, refused past MAX_MODULES."""
+    modules: dict[str, nn.Module] = {}
+    for path, module in model.named_modules():
+        if len(modules) == MAX_MODULES:
+            raise UsageError(
+                f"dtp plan --auto reads at most {MAX_MODULES:,} modules and this model holds more: "
+                "write its plan by hand, one rule per kind of block (`layers.*`)"
+            )
+        modules[path] = module
+    return modules
 
 
 def _traced_pair(
@@ -158,9 +367,8 @@ def _traced_pair(
     return Pair(path, feeding, second, between, others)
 
 
-def _pair(path: str, module: nn.Module, linears: list[str]) -> Pair | None:
-    facts = forward_facts(module)
-    if facts is None or any(n not in facts.inputs for n in linears):
+def _pair(path: str, module: nn.Module, linears: list[str], facts: ForwardFacts) -> Pair | None:
+    if any(n not in facts.inputs for n in linears):
         return None
     lin = set(linears)
 
@@ -189,19 +397,6 @@ def _pair(path: str, module: nn.Module, linears: list[str]) -> Pair | None:
     return Pair(path, feeding, second, between, others)
 
 
-def _named_pair(path: str, linears: list[str]) -> Pair | None:
-    """An attention whose forward's source does not show its flow (projections called in a loop):
-    the children named as q/k/v projections are the firsts, the one other linear the second."""
-    firsts = tuple(n for n in linears if n in PROJECTIONS)
-    rest = [n for n in linears if n not in PROJECTIONS]
-    return Pair(path, firsts, rest[0], (), (), by_names=True) if firsts and len(rest) == 1 else None
-
-
 def _downstream(name: str, inputs: dict[str, frozenset[str]]) -> frozenset[str]:
     """The children whose input comes from `name`'s output."""
     return frozenset(n for n, src in inputs.items() if name in src)
-
-
-def experts(block: nn.Module) -> list[str]:
-    """Paths (in `block`) of modules holding every expert's FFN as 3-D parameters dtp can split."""
-    return [p for p, m in block.named_modules() if p and is_experts(m)]

@@ -32,7 +32,10 @@ from dtp.checkpoint.files import (
     LAYOUT,
     VERSION,
     CheckpointError,
+    NoSpaceError,
     finalize,
+    free_space,
+    no_space,
     plan_label,
     read_meta,
     some,
@@ -48,6 +51,57 @@ from dtp.lang.parse import parse
 from dtp.runtime.shard import tied_groups
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
+
+# what a stored tensor adds to its bytes: torch.save's zip records (1.6 KiB, DCP saves each tensor
+# on its own) and its entries in `.metadata` and dtp.json
+ENTRY_BYTES = 2048
+
+
+class _Writer(FileSystemWriter):
+    """torch's FileSystemWriter, whose failures keep their OSError: torch.save reports a full disk
+    as a RuntimeError ("unexpected pos …") whose context is the OSError, and DCP drops the context
+    when it gathers the ranks' failures, and with it the reason."""
+
+    def write_data(self, plan, planner):
+        try:
+            return super().write_data(plan, planner)
+        except Exception as err:  # noqa: BLE001 - re-raised, as what the file system said
+            raise _underlying(err) from None
+
+    def finish(self, metadata, results) -> None:
+        try:
+            super().finish(metadata, results)
+        except Exception as err:  # noqa: BLE001 - re-raised, as what the file system said
+            raise _underlying(err) from None
+
+
+def _underlying(err: Exception) -> BaseException:
+    """The OSError in `err`'s chain (what the file system said), else `err`."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, OSError):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return err
+
+
+def wrapped(err: BaseException) -> list[BaseException]:
+    """The exceptions a DCP CheckpointException wraps (each failed rank's, in rank order), else
+    [err]."""
+    failures = getattr(err, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return [err]
+    return [f[0] if isinstance(f, tuple) else f for _, f in sorted(failures.items())]
+
+
+def raise_interrupt(err: BaseException) -> None:
+    """Raise the Ctrl-C or SIGTERM (dtp's Terminated) that DCP caught and wrapped into `err`: DCP
+    catches BaseException, and an interrupted read or write is a stop, never a corrupt checkpoint."""
+    for e in wrapped(err):
+        if isinstance(e, KeyboardInterrupt):
+            raise e from None
 
 
 def _meshes(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh | None]:
@@ -174,7 +228,9 @@ def save_checkpoint(
 ) -> dict:
     """Save with DCP: model, optimizer state, the plan text and its hash, tp/dp, and `extra` (plain
     picklable data, kept per rank). Atomic: a run killed mid-save never leaves a checkpoint that
-    loads as complete. Returns stats: path, bytes, seconds. Every rank calls it."""
+    loads as complete. A full disk, found before writing or while writing, is the same NoSpaceError
+    on every rank, and leaves the previous checkpoint in `directory` as it was. Returns stats: path,
+    bytes, seconds. Every rank calls it."""
     t0 = time.perf_counter()
     directory = Path(directory)
     views, objects = _views(model, optimizer, plan_text, mesh)
@@ -194,17 +250,29 @@ def save_checkpoint(
     if any(p for _, p in gathered):
         raise CheckpointError(next(p for _, p in gathered if p))
     sizes = [n for n, _ in gathered]
-    tmp_name, locked = _agree(lambda: begin_save(directory))
+    # what the save writes, all ranks together: every stored tensor once (the lowest rank holding a
+    # replicated chunk writes it), each rank's `extra`, and each entry's headers
+    needed = sum(sizes) + sum(
+        t.numel() * t.dtype.itemsize + ENTRY_BYTES
+        for k, t in state.items()
+        if not k.startswith("extra/")
+    )
+    tmp_name, locked = _agree(lambda: begin_save(directory, needed))
     tmp = Path(tmp_name)
     try:
-        stats = _write(
-            state, views, tmp, directory, model, optimizer, mesh, plan_text, objects, sizes
-        )
-    finally:  # on rank 0, which made them: a failed save leaves no DIR.tmp-* and no lock
-        if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if locked:
-                release(directory)
+        try:
+            stats = _write(
+                state, views, tmp, directory, model, optimizer, mesh, plan_text, objects, sizes
+            )
+        finally:  # on rank 0, which made them: a failed save leaves no DIR.tmp-* and no lock
+            if dist.get_rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if locked:
+                    release(directory)
+    except NoSpaceError as err:
+        # counted on rank 0 once the partial files are gone: every rank says the same
+        free, mount = _agree(lambda: free_space(directory))
+        raise err.told(needed=needed, free=free, mount=mount) from None
     return {**stats, "seconds": time.perf_counter() - t0}
 
 
@@ -228,10 +296,17 @@ def _write(
         # hashes.
         dcp.save(
             state,
-            storage_writer=FileSystemWriter(tmp),
+            storage_writer=_Writer(tmp),
             planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
         )
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
+        raise_interrupt(err)
+        # every rank holds every rank's failure (DCP gathers them): all raise the same error
+        reason = next(filter(None, map(no_space, wrapped(err))), None)
+        if reason:
+            raise NoSpaceError(
+                f"saving checkpoint {directory}", reason, f"{directory} is as it was"
+            ) from None
         raise CheckpointError(f"cannot save checkpoint {directory}: {_reason(err)}") from None
     tp, dp = _meshes(mesh)
     plan = parse(plan_text)
@@ -415,6 +490,7 @@ def load_checkpoint(
     try:
         dcp.load(state, storage_reader=reader)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - any failure of DCP is one CheckpointError
+        raise_interrupt(err)
         raise CheckpointError(
             f"checkpoint {directory} is corrupt or unreadable: {_reason(err)}"
         ) from None

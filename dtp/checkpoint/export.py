@@ -19,7 +19,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dtp.checkpoint.files import CheckpointError, read_meta, some
+from dtp.checkpoint.dcp import raise_interrupt
+from dtp.checkpoint.files import (
+    CheckpointError,
+    NoSpaceError,
+    check_room,
+    free_space,
+    no_space,
+    read_meta,
+    some,
+)
 from dtp.checkpoint.fingerprint import fingerprint
 from dtp.checkpoint.untrusted import SafeReader
 from dtp.checkpoint.zoo_hf import to_hf_state
@@ -59,6 +68,7 @@ def read_model(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
+        raise_interrupt(err)  # SIGTERM or Ctrl-C mid-read: a stop (exit 143/130), not corruption
         reason = str(err).strip().splitlines()[-1][:400] if str(err).strip() else type(err).__name__
         raise CheckpointError(
             f"checkpoint {directory} is corrupt or unreadable: {reason}"
@@ -86,9 +96,12 @@ def read_model(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return meta, out
 
 
-def _save(state: dict[str, torch.Tensor], path: Path, fmt: str) -> None:
+def _write(state: dict[str, torch.Tensor], path: Path, fmt: str) -> None:
+    """Write the weights file `path` (not atomic: a staging directory's, or a temporary file's)."""
     if fmt == "torch":
-        replace_atomically(path, lambda tmp: torch.save(state, tmp))
+        # through a Python file: torch's own file writer reports a full disk without its errno
+        with open(path, "wb") as f:
+            torch.save(state, f)
         return
     try:
         from safetensors.torch import save_file
@@ -102,7 +115,50 @@ def _save(state: dict[str, torch.Tensor], path: Path, fmt: str) -> None:
     for name, t in state.items():
         plain[name] = t.clone() if t.untyped_storage().data_ptr() in seen else t.contiguous()
         seen.add(t.untyped_storage().data_ptr())
-    replace_atomically(path, lambda tmp: save_file(plain, str(tmp), metadata={"format": "pt"}))
+    save_file(plain, str(path), metadata={"format": "pt"})
+
+
+def _nbytes(state: dict[str, torch.Tensor], fmt: str) -> int:
+    """About what the weights file takes: torch.save writes each storage once, safetensors every
+    name's tensor (tied ones copied)."""
+    if fmt == "torch":
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state.values()
+        }
+        return sum(storages.values())
+    return sum(t.numel() * t.dtype.itemsize for t in state.values())
+
+
+def _no_room(
+    err: Exception, what: str, where: Path, needed: int, after: str
+) -> NoSpaceError | None:
+    """A NoSpaceError when `err` is a full disk (an OSError, or torch's and safetensors' own errors
+    around one), with the free space counted now that the partial file is gone; else None."""
+    reason = no_space(err)
+    if reason is None:
+        return None
+    free, mount = free_space(where)
+    return NoSpaceError(what, reason, after, needed, free, mount)
+
+
+def _save(state: dict[str, torch.Tensor], path: Path, fmt: str) -> None:
+    """`-o PATH`: the weights written beside `path`, then renamed over it; a full disk is a
+    NoSpaceError that leaves `path` as it was."""
+    what, after, needed = f"writing {path}", f"{path} is as it was", _nbytes(state, fmt)
+
+    def write(tmp: Path) -> None:
+        check_room(tmp.parent, needed, what, after)  # once `path` is known to be a file's place
+        _write(state, tmp, fmt)
+
+    try:
+        replace_atomically(path, write)
+    except NoSpaceError:
+        raise
+    except Exception as err:  # torch and safetensors raise their own errors for a full disk
+        full = _no_room(err, what, path.parent, needed, after)
+        if full is None:
+            raise
+        raise full from None
 
 
 # what a Hugging Face directory's weights may be stored as: all of it is the old model once a new
@@ -138,13 +194,17 @@ def _export_dir(target: Path, config_text: str, state: dict, fmt: str | None) ->
         raise UsageError(f"--hf-dir {target} is not a directory")
     fmt = fmt or "safetensors"
     name = "model.safetensors" if fmt == "safetensors" else "pytorch_model.bin"
+    what, after = f"writing --hf-dir {target}", f"{target} is as it was"
+    needed = _nbytes(state, fmt) + len(config_text)
+    check_room(target, needed, what, after)  # before anything is written
     try:
         target.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     except OSError as err:
-        raise UsageError(f"cannot create {target}: {err.strerror}") from None
+        full = _no_room(err, what, target, needed, after)
+        raise full or UsageError(f"cannot create {target}: {err.strerror}") from None
     try:
-        _save(state, staging / name, fmt)
+        _write(state, staging / name, fmt)
         (staging / "config.json").write_text(config_text, encoding="utf-8")
         os.replace(staging / name, target / name)
         for old in os.listdir(target):
@@ -153,8 +213,14 @@ def _export_dir(target: Path, config_text: str, state: dict, fmt: str | None) ->
                     raise UsageError(f"--hf-dir {target} holds a directory named {old}")
                 os.unlink(target / old)
         os.replace(staging / "config.json", target / "config.json")
-    except OSError as err:
-        raise UsageError(f"cannot write {target}: {err.strerror or err}") from None
+    except Exception as err:  # torch and safetensors raise their own errors for a full disk
+        shutil.rmtree(staging, ignore_errors=True)  # first: the free space is counted without it
+        full = _no_room(err, what, target, needed, after)
+        if full is not None:
+            raise full from None
+        if isinstance(err, OSError):
+            raise UsageError(f"cannot write {target}: {err.strerror or err}") from None
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target

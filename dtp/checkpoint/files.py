@@ -5,7 +5,8 @@ Layout of DIR: DCP's files (`.metadata`, `__R_0.distcp`), `dtp.json` (plan, mesh
 dtypes and fingerprints) and, written last, `COMPLETE` (every file's size, the hashes of the two
 metadata files). A save writes `DIR.tmp-XXXX`, fsyncs every file, then renames it to DIR (a previous
 DIR is moved aside first and removed after). A run killed at any point leaves DIR as it was, or
-absent, or complete. No process group here: `dtp export` reads checkpoints offline.
+absent, or complete; a save that finds the disk full is a NoSpaceError that leaves DIR as it was. No
+process group here: `dtp export` reads checkpoints offline.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from dtp.cost.explain import human_bytes
 from dtp.errors import UsageError
 from dtp.files import load_json
 
@@ -33,11 +35,92 @@ META = "dtp.json"
 MARKER = "COMPLETE"
 DCP_META = ".metadata"
 MAX_META_BYTES = 64 << 20  # dtp.json holds the plan text and one entry per tensor
+# a write that found no room, by errno, in a message's words
+NO_SPACE = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
 
 
 class CheckpointError(UsageError):
     """A checkpoint that is missing, incomplete, corrupt, or written for another plan or model: exit
     2."""
+
+
+class NoSpaceError(UsageError):
+    """A write that found no room (a full disk or quota), in one line: what failed and why, about
+    how many bytes it needed and how many were free on which file system, and what was left as it
+    was. Exit 2 as a command's own error (`dtp export`); a rank's, it fails the run (exit 1)."""
+
+    def __init__(
+        self,
+        what: str,
+        reason: str,
+        after: str,
+        needed: int | None = None,
+        free: int | None = None,
+        mount: str | None = None,
+    ):
+        self.what, self.reason, self.after = what, reason, after
+        self.needed, self.free, self.mount = needed, free, mount
+        room = [f"needs about {human_bytes(needed)}"] if needed is not None else []
+        if free is not None:
+            room.append(f"{human_bytes(free)} free on {mount}")
+        space = f" ({', '.join(room)})" if room else ""
+        super().__init__(f"{what} failed: {reason}{space}; {after}")
+
+    def __reduce__(self):
+        # sent between ranks (a collective save agrees on it): rebuilt from its parts, not its text
+        return type(self), (self.what, self.reason, self.after, self.needed, self.free, self.mount)
+
+    def told(self, **changes) -> NoSpaceError:
+        """The same failure with some parts replaced (a caller that knows the step, the space)."""
+        parts = dict(
+            what=self.what,
+            reason=self.reason,
+            after=self.after,
+            needed=self.needed,
+            free=self.free,
+            mount=self.mount,
+        )
+        return NoSpaceError(**{**parts, **changes})
+
+
+def no_space(err: BaseException) -> str | None:
+    """Why `err` is a full disk or quota ("no space left on device"), else None. Its errno, or one
+    in its chain (torch.save raises a RuntimeError whose context is the OSError), or the words of an
+    error that keeps only the text (safetensors': "No space left on device (os error 28)")."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in NO_SPACE:
+            return NO_SPACE[err.errno]
+        for code, words in NO_SPACE.items():
+            if os.strerror(code).lower() in str(err).lower():
+                return words
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def free_space(path: Path) -> tuple[int | None, str]:
+    """The bytes free to this process on the file system holding `path` (or its nearest existing
+    ancestor: a save may create it), and that file system's mount point; None when it cannot be
+    read."""
+    here = Path(os.path.abspath(path))
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    mount = here
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    try:
+        return shutil.disk_usage(here).free, str(mount)
+    except OSError:
+        return None, str(mount)
+
+
+def check_room(path: Path, needed: int, what: str, after: str) -> None:
+    """A NoSpaceError, before anything is written, when the file system of `path` has fewer than
+    `needed` bytes free. (A write can still find the disk full: others write too.)"""
+    free, mount = free_space(path)
+    if free is not None and free < needed:
+        raise NoSpaceError(what, NO_SPACE[errno.ENOSPC], after, needed, free, mount)
 
 
 def _sha256(path: Path) -> str:
@@ -91,6 +174,11 @@ def prepare(directory: Path) -> Path:
         tmp = directory.parent / f"{directory.name}.tmp-{secrets.token_hex(4)}"
         tmp.mkdir()
     except OSError as err:
+        reason = no_space(err)
+        if reason:
+            raise NoSpaceError(
+                f"saving checkpoint {directory}", reason, f"{directory} is as it was"
+            ) from None
         raise CheckpointError(
             f"cannot create checkpoint directory beside {directory}: {err.strerror}"
         ) from None
@@ -121,6 +209,7 @@ def seal(directory: Path) -> int:
 def finalize(tmp: Path, directory: Path, meta: dict) -> int:
     """Write dtp.json and the completion marker into `tmp`, sync, and rename it to `directory`; its
     bytes."""
+    renamed = False
     try:
         _write_synced(tmp / META, json.dumps(meta, indent=1, sort_keys=True, default=str) + "\n")
         nbytes = seal(tmp)
@@ -129,8 +218,14 @@ def finalize(tmp: Path, directory: Path, meta: dict) -> int:
             old = directory.parent / f"{directory.name}.old-{tmp.name.rpartition('-')[2]}"
             os.rename(directory, old)
         os.rename(tmp, directory)
+        renamed = True
         _fsync_dir(directory.parent)
     except OSError as err:
+        reason = no_space(err)
+        if reason and not renamed:  # dtp.json or the marker did not fit: DIR is untouched
+            raise NoSpaceError(
+                f"saving checkpoint {directory}", reason, f"{directory} is as it was"
+            ) from None
         raise CheckpointError(
             f"cannot write checkpoint {directory}: {err.strerror or err}"
         ) from None

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from dtp import files
-from dtp.checkpoint.files import CheckpointError, prepare
+from dtp.checkpoint.files import CheckpointError, check_room, prepare
 from dtp.errors import UsageError
 
 MAX_LOCK_BYTES = 1024  # {"pid": …, "host": …}
@@ -121,9 +121,12 @@ def release(directory: Path) -> None:
             lock.unlink()
 
 
-def begin_save(directory: Path) -> tuple[str, bool]:
-    """Take the lock (unless this run holds it already) and make the save's temporary directory:
-    (its path, whether this call took the lock and must release it)."""
+def begin_save(directory: Path, needed: int) -> tuple[str, bool]:
+    """Refuse a save of about `needed` bytes that the file system has no room for (a NoSpaceError,
+    before anything is written: the previous checkpoint stays until the new one is complete, so the
+    new one needs its whole size), take the lock (unless this run holds it already) and make the
+    save's temporary directory: (its path, whether this call took the lock and must release it)."""
+    check_room(directory, needed, f"saving checkpoint {directory}", f"{directory} is as it was")
     locked = claim(directory)
     try:
         return str(prepare(directory)), locked

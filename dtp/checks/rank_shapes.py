@@ -107,9 +107,7 @@ def _prepare(res: Resolution, low: Lowered, tp: int, short: bool):
     def prepare(twin: nn.Module, fake) -> None:
         dropped = _shorten(twin) if short else set()
         for path in res.claims:
-            if any(path == d or path.startswith(d + ".") for d in dropped) or not _local(
-                res, low, tp, path
-            ):
+            if _dropped(path, dropped) or not _local(res, low, tp, path):
                 continue
             module = twin.get_submodule(path)
             placements = res.placements(path)
@@ -121,10 +119,19 @@ def _prepare(res: Resolution, low: Lowered, tp: int, short: bool):
                     nn.Parameter(fake(shape, param.dtype), requires_grad=param.requires_grad),
                 )
         for path, values in low.rewrites.items():
-            if not any(path == d or path.startswith(d + ".") for d in dropped):
+            if not _dropped(path, dropped):
                 rewrite(twin.get_submodule(path), values)
 
     return prepare
+
+
+def _dropped(path: str, dropped: set[str]) -> bool:
+    """Whether `path` or an ancestor of it is in `dropped`."""
+    while path:
+        if path in dropped:
+            return True
+        path = path.rpartition(".")[0]
+    return False
 
 
 # One rank's run by model and by what the twin changes: a plan checked again (auto's rounds, apply's

@@ -49,6 +49,16 @@ def timeout_seconds(text: str) -> float:
     return value
 
 
+def stall_seconds(text: str) -> float:
+    """argparse type: 0 (off), or seconds in [1, one week] (the watchdog ticks a tenth of it)."""
+    if text.strip() in ("0", "0.0"):
+        return 0.0
+    value = timeout_seconds(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 0 (off) or at least 1 second, got {text[:40]}")
+    return value
+
+
 def seed_int(text: str) -> int:
     """argparse type: an integer seed in [0, 2^63 - 2^16]."""
     try:

@@ -1,5 +1,5 @@
 """`dtp export CHECKPOINT [--format torch|safetensors] [-o PATH | --hf-dir DIR]`: exit 0 written, 2
-a bad input."""
+a bad input or no room to write (one line; the output as it was), 143/130 stopped by a signal."""
 
 from __future__ import annotations
 

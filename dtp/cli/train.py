@@ -7,7 +7,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dtp.cli.args import bounded, memory_size, positive_int, seed_int, timeout_seconds, tp_list
+from dtp.cli.args import (
+    bounded,
+    memory_size,
+    positive_int,
+    seed_int,
+    stall_seconds,
+    timeout_seconds,
+    tp_list,
+)
 from dtp.errors import UsageError
 from dtp.files import writable_dir, writable_file
 from dtp.runtime.job import DP_MODES, RECOMPUTE, TRAIN_PRECISIONS
@@ -164,6 +172,14 @@ def add_parser(sub) -> None:
         help="seconds before every rank is stopped (default 900)",
     )
     t.add_argument(
+        "--stall-timeout",
+        type=stall_seconds,
+        default=100.0,
+        metavar="SEC",
+        help="end the run when no rank has made progress for SEC seconds, naming the rank and "
+        "step (default 100; 0: only --timeout)",
+    )
+    t.add_argument(
         "--out", default="dtp-train", help="directory for metrics.jsonl, summary.json, loss.png"
     )
     t.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
@@ -249,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
         check_replicas=args.check_replicas,
         verify_every=args.verify_every,
         threads=args.threads,
+        stall_timeout=args.stall_timeout,
     )
     return train_command(
         cfg,

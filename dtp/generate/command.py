@@ -9,7 +9,7 @@ from dataclasses import replace
 from dtp import models
 from dtp.errors import UsageError
 from dtp.generate.prompts import Tokens, parse_ids
-from dtp.generate.rank import GenerateConfig, generate
+from dtp.generate.rank import GenerateConfig, Sampling, generate
 from dtp.runtime.preflight import launch, prepare
 
 
@@ -45,9 +45,10 @@ def generate_command(
     device: str,
     seed: int,
     timeout: float,
+    sampling: Sampling | None = None,
 ) -> dict | None:
-    """Check everything, decode on tp ranks, return rank 0's report (None on another torchrun
-    rank)."""
+    """Check everything, decode on tp ranks (greedily, or drawing as `sampling` says), return rank
+    0's report (None on another torchrun rank)."""
     source = models.resolve(model)
     meta = models.build(source, device="meta")
     vocab = models.vocab_size(meta)
@@ -75,6 +76,7 @@ def generate_command(
         max_new_tokens=max_new_tokens,
         eos=eos,
         pad=pad,
+        sampling=sampling,
     )
     prepared = prepare(job)
     prepared = replace(prepared, job=replace(prepared.job, forward=prepared.forward))
@@ -88,6 +90,7 @@ def generate_command(
         tp=tp,
         dtype=dtype,
         prompts=[list(p) for p in ids],
+        sampling=sampling.to_json() if sampling else None,
         tokenizer=tokens.name,
         texts=[tokens.decode(t) for t in report["tokens"]]
         if tokens.tokenizer is not False
@@ -101,6 +104,7 @@ def render(r: dict) -> str:
     lines = [
         f"dtp generate: {r['model']} under {r['plan']}, tp={r['tp']}, {r['dtype']}, "
         f"{len(r['prompts'])} prompt(s), {len(r['tokens'][0])} new token(s)",
+        f"  {_decoding(r['sampling'])}",
     ]
     for i, row in enumerate(r["tokens"]):
         text = f"  {r['texts'][i]!r}" if r.get("texts") else ""
@@ -124,7 +128,24 @@ def render(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _decoding(s: dict | None) -> str:
+    if s is None:
+        return "greedy"
+    filters = "".join(
+        f", {name} {s[key]}" for name, key in (("top-k", "top_k"), ("top-p", "top_p")) if s[key]
+    )
+    return (
+        f"sampling: temperature {s['temperature']:g}{filters}, sample seed {s['seed']} "
+        "(Gumbel-max; every rank and the unsharded model draw the same noise)"
+    )
+
+
 def _verdict(r: dict) -> str:
+    if not r["ranks_agree"]:
+        return (
+            f"  token-exact: FAILED — rank {r['first_disagreeing_rank']} decoded other tokens "
+            "than rank 0"
+        )
     if r["ok"]:
         ties = f"; {len(r['ties'])} tie(s) within rounding" if r["ties"] else ""
         return (
@@ -133,10 +154,18 @@ def _verdict(r: dict) -> str:
         )
     d = r["first_difference"]
     if d is not None:
+        sampled = r["sampling"] is not None
+        apart = (
+            f"its top-k/top-p leaves {d['token']} out"
+            if d["truth_gap"] == float("inf")
+            else f"its {'perturbed ' if sampled else ''}logits of the two {d['truth_gap']:.3g} "
+            f"apart, beyond the step's bound {d['bound']:.3g}"
+        )
+        verb = ("sampled", "with the same noise samples") if sampled else ("chose", "chooses")
         return (
             f"  token-exact: FAILED — at step {d['step']} prompt {d['prompt']} the sharded model "
-            f"chose {d['token']} where the unsharded one chooses {d['truth_token']} (its top two "
-            f"logits {d['truth_gap']:.3g} apart, beyond the step's bound {d['bound']:.3g})"
+            f"{verb[0]} {d['token']} where the unsharded one {verb[1]} {d['truth_token']} "
+            f"({apart})"
         )
     q = r["parity"]["logits"]
     what = "; ".join(q["problems"]) or (

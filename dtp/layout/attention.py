@@ -10,6 +10,7 @@ the attention module's own attributes. A fused projection's parts are read from 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch.nn as nn
 
@@ -41,9 +42,9 @@ PROJECTIONS = frozenset(
         "in_proj",
     }
 )
-_COUNT_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads")
-_KV_ATTRS = ("num_key_value_heads", "n_kv_head", "n_kv_heads", "num_kv_heads")
-_SIZE_ATTRS = ("head_dim", "head_size")
+HEAD_COUNTS = ("num_heads", "n_head", "n_heads", "num_attention_heads")
+KV_HEAD_COUNTS = ("num_key_value_heads", "n_kv_head", "n_kv_heads", "num_kv_heads")
+HEAD_SIZES = ("head_dim", "head_size")
 # a config's names, in this order
 _CONFIG_HEAD_KEYS = ("n_head", "num_attention_heads", "n_heads", "num_heads")
 _HIDDEN_KEYS = ("n_embd", "hidden_size", "dim", "d_model")
@@ -57,12 +58,15 @@ def _int_attr(obj: object, names: tuple[str, ...]) -> tuple[str, int] | None:
     return None
 
 
-def attention_like(module: nn.Module) -> bool:
-    """Whether `module` is an attention layer, judged by its class, its attributes and its
-    projections."""
+def attention_like(
+    module: nn.Module,
+    read: Callable[[object, tuple[str, ...]], tuple[str, int] | None] = _int_attr,
+) -> bool:
+    """Whether `module` is an attention layer, judged by its class, its attributes (`read(module,
+    names)`: the first positive integer among them) and its projections."""
     if "attention" in type(module).__name__.lower():
         return True
-    if _int_attr(module, _COUNT_ATTRS + _KV_ATTRS + _SIZE_ATTRS):
+    if read(module, HEAD_COUNTS + KV_HEAD_COUNTS + HEAD_SIZES):
         return True
     return any(
         name in PROJECTIONS and isinstance(child, nn.Linear)
@@ -85,7 +89,7 @@ def heads(model: nn.Module, path: str, module: nn.Module) -> Heads | None:
     """The heads of attention module `path`: the model's config first, the module's own attributes
     second."""
     cfg = config_heads(model)
-    size = _int_attr(module, _SIZE_ATTRS)
+    size = _int_attr(module, HEAD_SIZES)
     if cfg is not None:
         n_kv, kv_source = cfg.n_kv_head, cfg.kv_source
         config = getattr(model, cfg.source.split(".")[0], None)
@@ -99,11 +103,11 @@ def module_heads(path: str, module: nn.Module) -> Heads | None:
     """The heads of attention module `path` from its own attributes alone (a head count, a key/value
     count, a head size or the projections' width)."""
     name = path.rsplit(".", 1)[-1] or "attention"
-    size = _int_attr(module, _SIZE_ATTRS)
-    count = _int_attr(module, _COUNT_ATTRS)
+    size = _int_attr(module, HEAD_SIZES)
+    count = _int_attr(module, HEAD_COUNTS)
     if count is None:
         return None
-    kv = _int_attr(module, _KV_ATTRS)
+    kv = _int_attr(module, KV_HEAD_COUNTS)
     if size is None:
         # the hidden size
         width = next(
@@ -163,7 +167,8 @@ def config_heads(model: nn.Module) -> Heads | None:
         if n_head is None:
             continue
         kv = next(
-            ((k, _read(config, k)) for k in _KV_ATTRS if isinstance(_read(config, k), int)), None
+            ((k, _read(config, k)) for k in KV_HEAD_COUNTS if isinstance(_read(config, k), int)),
+            None,
         )
         head_dim = _read(config, "head_dim")
         if not isinstance(head_dim, int):

@@ -50,7 +50,18 @@ def blocks(modules: Mapping[str, nn.Module]) -> list[str]:
             if len(paths) >= 2 and not any(h.startswith(p + ".") for p in paths for h in held):
                 held.update(paths)
     out: list[str] = []
+    chosen: set[str] = set()
     for path in modules:
-        if path in held and not any(path.startswith(b + ".") for b in out):
+        if path in held and not _inside(path, chosen):
             out.append(path)
+            chosen.add(path)
     return out
+
+
+def _inside(path: str, outer: set[str]) -> bool:
+    """Whether an ancestor of `path` is in `outer` (its depth in steps, not `outer`'s size)."""
+    while "." in path:
+        path = path.rpartition(".")[0]
+        if path in outer:
+            return True
+    return False

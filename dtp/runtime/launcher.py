@@ -26,7 +26,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
-from dtp.errors import RunError, Terminated
+from dtp.errors import DtpError, RunError, Terminated
 from dtp.runtime.threads import threads_per_rank
 from dtp.runtime.torchrun import RENDEZVOUS
 
@@ -119,7 +119,8 @@ def error_summary(err: BaseException, rank: int) -> dict:
     return {
         "rank": rank,
         "where": getattr(err, "__dtp_where__", None) or "start-up",
-        "error": f"{type(err).__name__}: {message}",
+        # dtp's own errors are sentences for the user; anything else is named by its class
+        "error": message if isinstance(err, DtpError) else f"{type(err).__name__}: {message}",
         "time": time.time(),
         "at": f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "",
     }
@@ -150,6 +151,8 @@ def _child(
         except Exception as err:
             err.__dtp_where__ = RENDEZVOUS
             raise
+        # where a rank's watchdog (dtp.runtime.watchdog) reports a stall before it ends the rank
+        os.environ["DTP_ERROR_FILE"] = str(Path(out, f"error-{rank}.json"))
         try:
             result = fn(rank, world, *args)
         finally:

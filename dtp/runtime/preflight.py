@@ -37,7 +37,7 @@ from dtp.layout.trace import TRACES
 from dtp.models.calling import Forward
 from dtp.runtime.job import Job
 from dtp.runtime.launcher import error_summary, launch_local
-from dtp.runtime.torchrun import torchrun_group, torchrun_world
+from dtp.runtime.torchrun import rendezvous_note, torchrun_group, torchrun_world
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,10 @@ def prepare(job: Job, *, weights: bool = True) -> Prepared:
     holds differs between commands."""
     # None: not launched by torchrun (a stray variable is ignored, with a warning)
     world = torchrun_world()
+    if world is not None and os.environ.get("RANK") == "0":
+        note = rendezvous_note()  # the first line: a store that listens beyond this machine
+        if note:
+            print(note, file=sys.stderr, flush=True)
     ranks = job.tp * job.dp
     if world is not None and ranks != world:
         raise UsageError(

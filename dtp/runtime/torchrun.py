@@ -5,12 +5,15 @@ dtp.runtime.launcher starts the ranks on loopback."""
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
+import socket
 import sys
 from datetime import timedelta
 from typing import Iterator, NoReturn
 
 from dtp.errors import RunError, UsageError
+from dtp.runtime.watchdog import exit_on_term
 
 RENDEZVOUS = "rendezvous"  # where a rank failed that never joined the process group
 TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -90,7 +93,7 @@ def torchrun_group(device: str, timeout: float | None = None) -> Iterator[int]:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     kwargs = {"timeout": timedelta(seconds=timeout)} if timeout else {}
     try:
-        store, rank, world = next(dist.rendezvous("env://", **kwargs))
+        store, rank, world = _rendezvous(timedelta(seconds=timeout or 1800))
         # A round torchrun restarts (--max-restarts) meets the agent's store again, which still
         # holds the dead round's addresses: gloo then connects to a port nobody listens on (half
         # the restarts here; pytorch/pytorch#167288 for NCCL). Each round keys its own.
@@ -117,9 +120,69 @@ def torchrun_group(device: str, timeout: float | None = None) -> Iterator[int]:
             message,
         ) from None
     try:
-        yield dist.get_rank()
+        with exit_on_term():  # torchrun's SIGTERM ends a rank blocked in a collective, too
+            yield dist.get_rank()
     finally:
         dist.destroy_process_group()
+
+
+def loopback(host: str) -> bool:
+    """Whether `host` names this machine's loopback interface (every address it resolves to)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def rendezvous_note() -> str | None:
+    """The first line a torchrun launch whose MASTER_ADDR is not loopback prints (None when it is):
+    its store and process group are reachable from the network."""
+    addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    if loopback(addr):
+        return None
+    return (
+        f"note: MASTER_ADDR={addr[:80]} is not a loopback address: the rendezvous store "
+        f"({addr[:80]}:{port}) and the process group listen on the network"
+    )
+
+
+def _rendezvous(timeout: timedelta):
+    """(store, rank, world) as torch's env:// rendezvous gives them, except that where this rank
+    hosts the store (no torchrun agent's store to join: variables set by hand or by a scheduler),
+    the store listens on MASTER_ADDR only — torch's listens on every interface — and with a
+    loopback MASTER_ADDR gloo's and NCCL's sockets stay on loopback too."""
+    import torch.distributed as dist
+
+    env = os.environ
+    addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    if loopback(addr):  # every rank is on this machine
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or rank != 0:
+        store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+        return store, rank, world
+    family, kind, proto, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(where)
+        sock.listen(max(128, world))
+    except OSError:
+        sock.close()
+        raise
+    # the store owns the descriptor from here on (detach: Python must not close it as well)
+    store = dist.TCPStore(
+        addr,
+        port,
+        world,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
+    return store, rank, world
 
 
 def leave_rank(code: int) -> NoReturn:

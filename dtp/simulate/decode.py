@@ -14,7 +14,8 @@ replays them as one graph, so the launch is hidden).
 
 Weight bytes per rank come from the plan's placement table (dtp.cost.param_bytes: what is replicated
 is read by every rank), the collectives from the plan's own schedule (dtp.cost.schedule) at one token
-per row; KV bytes are 2 × layers × key/value heads per rank × head size × context × batch. Small
+per row; KV bytes are 2 × layers × key/value heads per rank × head size × context × batch (a block
+whose attention the plan leaves whole caches every head on every rank). Small
 collectives run as NCCL's tree/LL protocols do, in log₂ tp steps each way, not a ring's 2(tp − 1).
 
 HBM_FRACTION is FITTED, one number: gpt-fast's Llama-2-7B row at TP 1 on A100-80GB (104.9 tokens/s,
@@ -37,14 +38,18 @@ from dtp.cost.schedule import schedule, sent_bytes
 from dtp.errors import PlanError, UsageError
 from dtp.files import write_text
 from dtp.lang.parse import load
+from dtp.layout.attention import PROJECTIONS
 from dtp.layout.styles import Style
 from dtp.simulate import profile
+from dtp.simulate.flops import block_paths
 from dtp.simulate.prepare import shape_of
 from dtp.simulate.profile import Profile
 
 HBM_FRACTION = 1397 / 2039  # FITTED: gpt-fast, Llama-2-7B, TP 1, A100-80GB
 ELEMENT = {"fp16": 2, "bf16": 2, "fp32": 4}
 DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# the projections that make keys and values (a query-only one says nothing about the cache)
+KV_PROJECTIONS = PROJECTIONS - {"q_proj", "q_attn", "wq", "query"}
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,35 @@ def kv_bytes(model: nn.Module, tp: int, batch: int, context: int, elem: int) -> 
     return 2 * s.layers * local * head * context * batch * elem
 
 
+def whole_attention_blocks(checked: Checked, model: nn.Module) -> int:
+    """Blocks whose key/value projections the plan leaves replicated (`dtp plan --auto` does so
+    where the heads do not divide by tp): every rank computes, and caches, all their heads."""
+    r = checked.resolution
+    whole = 0
+    for block in block_paths(model):
+        kv = [
+            f"{block}.{path}"
+            for path, _ in model.get_submodule(block).named_modules()
+            if path.rsplit(".", 1)[-1] in KV_PROJECTIONS
+        ]
+        placed = [r.placements(path).get("weight") for path in kv]
+        if placed and all(p is None or p.shard_dim is None for p in placed):
+            whole += 1
+    return whole
+
+
+def plan_kv_bytes(
+    checked: Checked, model: nn.Module, tp: int, batch: int, context: int, elem: int
+) -> int:
+    """The KV cache one rank holds under the plan: its own heads in the blocks whose attention is
+    split, every head in those left whole."""
+    layers = shape_of(model).layers
+    whole = whole_attention_blocks(checked, model)
+    split = kv_bytes(model, tp, batch, context, elem) // layers
+    full = kv_bytes(model, 1, batch, context, elem) // layers
+    return split * (layers - whole) + full * whole
+
+
 def collective_s(op: str, nbytes: int, tp: int, prof: Profile) -> float:
     """A small collective inside a node: overhead, log₂ tp latency steps each way, its bytes."""
     if tp <= 1:
@@ -108,7 +142,7 @@ def decode_step(
     tokens of cache."""
     elem = ELEMENT[precision]
     weights = max(param_bytes_per_rank(checked, model, tp, 1, elem=elem))
-    kv = kv_bytes(model, tp, batch, context, elem)
+    kv = plan_kv_bytes(checked, model, tp, batch, context, elem)
     memory_s = (weights + kv) / (prof.hbm_GBps * 1e9 * HBM_FRACTION)
     ops = [
         (c.op, c.buffer_bytes)

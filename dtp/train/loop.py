@@ -44,6 +44,7 @@ from dtp.runtime.job import (
 from dtp.runtime.mesh import make_mesh, sync
 from dtp.runtime.preflight import trusted
 from dtp.runtime.rows import shared_rows
+from dtp.runtime.watchdog import Heartbeat, watching
 from dtp.train import data, replica_checks, resume, verify
 from dtp.train.activations import ForwardMeter, GroupCounter, collective_bytes, state_bytes
 from dtp.train.meter import CommTimer, peak_memory
@@ -105,6 +106,8 @@ class TrainConfig(Job):
     resumed_from: dict | None = None
     # intra-op threads per local rank (None: dtp.runtime.threads.threads_per_rank)
     threads: int | None = None
+    # end the run when no rank has made progress for this long (seconds; 0: only --timeout)
+    stall_timeout: float = 100.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -148,6 +151,7 @@ class TrainConfig(Job):
             raise UsageError(f"--check-replicas must be 0 or more steps, got {self.check_replicas}")
         if self.verify_every < 0:
             raise UsageError(f"--verify-every must be 0 or more steps, got {self.verify_every}")
+        finite("--stall-timeout", self.stall_timeout)
         if self.save_every and not self.checkpoint:
             raise UsageError("--save-every needs --checkpoint DIR (where to save)")
         if self.convert and not self.resume:
@@ -229,6 +233,7 @@ class Trainer:
         self.dp_rank = mesh["dp"].get_local_rank() if cfg.dp > 1 else 0
         self.dp_group = mesh["dp"].get_group() if cfg.dp > 1 else None
         self.step = 0
+        self.heartbeat = Heartbeat()  # what this rank last began, for the stall watchdog
         self.param_bytes = local_param_bytes(self.model)
         # what the first step measures, for dtp simulate's prediction (dtp.train.predict)
         self.measured: dict = {}
@@ -294,16 +299,19 @@ class Trainer:
                 last = i == len(micro) - 1
                 if self.sync_grads is not None:  # FSDP2/DDP reduce the gradient once, at the end
                     self.sync_grads(last)
+                self.heartbeat.beat(self.step + 1, "forward")
                 with (
                     counters["forward"] if counters else contextlib.nullcontext(),
                     probe.recording() if probe and i == 0 else contextlib.nullcontext(),
                     meter if meter and i == 0 else contextlib.nullcontext(),
                 ):
                     loss = self._loss(x, y)
+                self.heartbeat.beat(self.step + 1, "backward")
                 with counters["backward"] if counters else contextlib.nullcontext():
                     # every micro-batch has as many tokens: the mean of their means is the batch's
                     self.scaler.scale(loss / len(micro)).backward()
                 losses.append(loss.detach())
+            self.heartbeat.beat(self.step + 1, "optimizer")
             norm, skipped = self._optimizer_step(counters["optimizer"] if counters else None)
             sync(self.device)
         if meter:
@@ -348,6 +356,7 @@ class Trainer:
         self.model.eval()
         total = 0.0
         for inputs, targets in self.val:
+            self.heartbeat.beat(self.step, "evaluation")
             total += self._mean_over_dp(self._loss(inputs, targets))
         return total / len(self.val)
 
@@ -430,6 +439,9 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
             stack.callback(bar.close)
         if bar is not None:
             bar.update(start)
+        # from the first step on, a rank that stops (or a collective that never completes) ends the
+        # run within --stall-timeout; building and restoring are bounded by --timeout alone
+        stack.enter_context(watching(trainer.heartbeat, rank, world, cfg.stall_timeout))
         for step in range(start, cfg.steps):
             first = step == start  # collectives are counted, not timed, on this run's first step
             # a plain model has no collectives to time; else every COMM_SAMPLE-th step is timed, and
@@ -450,6 +462,7 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
                     f"the loss became {row['loss']} at step {row['step']}; lower --lr "
                     "or keep --clip on"
                 )
+            trainer.heartbeat.beat(row["step"], "checks")
             # Before evaluating (FSDP2 leaves the root gathered after it) and before any save: never
             # a drifted checkpoint.
             if replicas.group is not None and (
@@ -477,6 +490,7 @@ def train(rank: int, world: int, cfg: TrainConfig, corpus: data.Corpus) -> dict:
                 val_losses.append((row["step"], row["val_loss"]))
             row["peak_memory_bytes"] = peak_memory(trainer.device)[0]
             if resume.due(cfg, row["step"]):  # after the step's timing: a save is not step time
+                trainer.heartbeat.beat(row["step"], "save")
                 saves.append(resume.save(trainer, cfg))
                 row["checkpoint_bytes"], row["checkpoint_seconds"] = (
                     saves[-1]["bytes"],

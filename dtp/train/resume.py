@@ -19,8 +19,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 
 from dtp import models
-from dtp.checkpoint.dcp import check_plan_matches, load_checkpoint, model_shape, save_checkpoint
-from dtp.checkpoint.files import MARKER, CheckpointError, read_meta, some
+from dtp.checkpoint.dcp import (
+    check_plan_matches,
+    load_checkpoint,
+    model_shape,
+    raise_interrupt,
+    save_checkpoint,
+)
+from dtp.checkpoint.files import MARKER, CheckpointError, NoSpaceError, read_meta, some
 from dtp.checkpoint.lock import refuse_if_held
 from dtp.checkpoint.optim_state import unpack
 from dtp.checkpoint.untrusted import SafeReader
@@ -58,6 +64,7 @@ def saved_state(directory: Path) -> tuple[dict, dict]:
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
+        raise_interrupt(err)
         raise CheckpointError(
             f"checkpoint {directory} is corrupt or unreadable: {type(err).__name__}"
         ) from None
@@ -230,9 +237,14 @@ def due(cfg, step: int) -> bool:
     )
 
 
+# where a failed save says the run failed ("the run failed on rank R in WHERE: …")
+_SAVING = "the checkpoint save"
+
+
 def save(trainer, cfg) -> dict:
     """Save the rank's model, optimizer and train_state to cfg.checkpoint (every rank calls it);
-    stats."""
+    stats. A full disk fails the run: every rank raises the same one-line NoSpaceError, which says
+    what the checkpoint left in cfg.checkpoint holds (docs/train.md, "When the disk is full")."""
     # FSDP2 keeps the root's parameters gathered after a forward with no backward (an evaluation),
     # and the model then names those instead of the sharded ones the optimizer holds: shard them
     # back first.
@@ -240,16 +252,36 @@ def save(trainer, cfg) -> dict:
         if isinstance(module, FSDPModule):
             module.reshard()
     text = cfg.plan_text  # the text the run was checked and built with
-    with _stored(trainer, text):
-        stats = save_checkpoint(
-            cfg.checkpoint,
-            trainer.model,
-            trainer.optimizer,
-            mesh=trainer.mesh,
-            plan_text=text,
-            extra=trainer.train_state(),
+    try:
+        with _stored(trainer, text):
+            stats = save_checkpoint(
+                cfg.checkpoint,
+                trainer.model,
+                trainer.optimizer,
+                mesh=trainer.mesh,
+                plan_text=text,
+                extra=trainer.train_state(),
+            )
+    except NoSpaceError as err:
+        told = err.told(
+            what=f"saving step {trainer.step} to {cfg.checkpoint}",
+            after=_left_behind(Path(cfg.checkpoint)),
         )
+        told.__dtp_where__ = _SAVING  # the run's failure names the save, not the start-up
+        raise told from None
+    except Exception as err:
+        err.__dtp_where__ = getattr(err, "__dtp_where__", None) or _SAVING
+        raise
     return {"step": trainer.step, "bytes": stats["bytes"], "seconds": stats["seconds"]}
+
+
+def _left_behind(directory: Path) -> str:
+    """What a failed save left in `directory`, for its message: the step of the checkpoint there."""
+    try:
+        _, extra = saved_state(directory)
+    except CheckpointError:
+        return f"there was no checkpoint in {directory} to resume from"
+    return f"the checkpoint of step {extra['step']} in {directory} is unchanged and resumes"
 
 
 def resumed_line(s: dict) -> list[str]:

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from dtp import models
 from dtp.models.calling import MASK, PLAIN, Forward, pad_id, takes_mask
-from dtp.models.decoding import Decoder
+from dtp.models.decoding import CacheHeads, Decoder, as_before
 from dtp.runtime.replicas import check_replicas, replica_rtol, replicated_tensors
 from dtp.verify.parity import ParityCheck
 from dtp.verify.reference import (
@@ -36,6 +36,8 @@ from dtp.verify.reference import (
     own_rng,
 )
 
+# why a probe was not compared: the unsharded model cannot take it, not a sharding fault
+NOT_FINITE = "not compared (the unsharded model's own logits are not finite there)"
 DECODE_STEPS = 4  # tokens the decode probe takes from the KV cache
 # the longest probe by default: attention's cost grows as seq², and float64 runs it too
 MAX_PROBE_SEQ = 2048
@@ -133,7 +135,8 @@ def plan_probes(
         probes.append(Probe("eval", max(batch, 2), seq, padded=True))
     if dtype == torch.float32:
         probes.append(Probe("eval", batch, seq, autocast=True))
-    if Decoder.of(model, forward).cached and seq >= 2:  # prefill and decode, as `dtp generate`
+    decoder = Decoder.of(model, forward)
+    if (decoder.cached or decoder.slots) and seq >= 2:  # prefill and decode, as `dtp generate`
         probes.append(Probe("eval", max(batch, 2), seq, padded=True, decode=DECODE_STEPS))
     if decided[0] is not None:
         probes += [Probe("eval", 1, decided[0]), Probe("train", 1, decided[0])]
@@ -153,14 +156,15 @@ def run_probes(
     vocab: int,
     device: torch.device,
     forward: Forward,
-) -> list[Probe]:
+) -> dict[Probe, str]:
     """Each probe's forward on every rank; on rank 0 its logits against the references'. `inputs` is
     the steps' global batch and `mine` this rank's rows of it: a probe at the training shape runs
     those rows sharded and the whole batch unsharded (one forward, as data parallelism stands for:
-    a batch statistic sees every row), compared at these rows. Returns the left-padded probes not
-    compared because the unsharded float64 model itself gives non-finite logits there (a model that
-    cannot take padding, not a sharding fault)."""
-    skipped = []
+    a batch statistic sees every row), compared at these rows. Returns the probes not compared, each
+    with why: the unsharded float64 model itself gives non-finite logits there (a model that cannot
+    take padding, not a sharding fault), or a gpt-fast model's caches are not made for the rank's
+    heads (its decoding is not proven; `dtp generate` refuses it)."""
+    skipped: dict[Probe, str] = {}
     gen = torch.Generator().manual_seed(seed + 2)
     pad = pad_id(sharded) if pad_id(sharded) < vocab else 0
     masked = takes_mask(sharded)
@@ -169,8 +173,9 @@ def run_probes(
         if probe.decode:
             ids, mask = padded_batch(probe.batch, probe.seq, vocab, pad, gen)
             tokens = torch.randint(0, vocab, (probe.decode, probe.batch), generator=gen)
-            if not _decode(parity, sharded, refs, probe, ids, mask, tokens, device, forward):
-                skipped.append(probe)
+            why = _decode(parity, sharded, refs, probe, ids, mask, tokens, device, forward)
+            if why:
+                skipped[probe] = why
             continue
         if probe.padded:
             ids, mask = padded_batch(probe.batch, probe.seq, vocab, pad, gen)
@@ -196,7 +201,7 @@ def run_probes(
         if keep is not None:  # a padded position's logits are whatever the model makes of them
             got, outs = got[keep.to(got.device)], [o[keep.to(o.device)] for o in outs]
             if not bool(outs[0].isfinite().all()):
-                skipped.append(probe)
+                skipped[probe] = NOT_FINITE
                 continue
         parity.compare(
             "probes",
@@ -221,28 +226,35 @@ def _decode(
     tokens: torch.Tensor,
     device: torch.device,
     forward: Forward,
-) -> bool:
+) -> str | None:
     """Prefill the padded prompts, then feed `tokens` (steps × B) one step at a time through every
-    model's own cache; each step's last logits against the references' (rank 0). False when the
-    float64 truth itself is not finite there (not compared)."""
-    decoder = Decoder.of(sharded, forward)
+    model's own cache; each step's last logits against the references' (rank 0). Why it was not
+    compared (None: it was): the float64 truth itself is not finite there, or a gpt-fast model's
+    caches are not made for the rank's heads."""
+    decoder = Decoder.of(sharded, forward, new_tokens=len(tokens))
     ids, mask, tokens = ids.to(device), mask.to(device), tokens.to(device)
     for m in [sharded] + [r.model for r in refs]:
         m.eval()
-    got, state = decoder.prefill(sharded, ids, mask)
-    steps = [full_value(got)]
-    for token in tokens:
-        steps.append(full_value(decoder.step(sharded, state, token)))
+    # a gpt-fast model's caches (setup_caches) go again after the probe: later forwards and the
+    # buffer comparison see the model as it trains
+    with as_before(sharded, *[r.model for r in refs]):
+        try:
+            got, state = decoder.prefill(sharded, ids, mask)
+        except CacheHeads as err:  # alike on every rank: each has the same local heads
+            return f"not decoded: {err}"
+        steps = [full_value(got)]
+        for token in tokens:
+            steps.append(full_value(decoder.step(sharded, state, token)))
+        theirs = []
+        for ref in refs:
+            with own_rng(device), float64_default(ref.dtype):
+                logits, ref_state = decoder.prefill(ref.model, ids, mask)
+                outs = [logits] + [decoder.step(ref.model, ref_state, t) for t in tokens]
+            theirs.append(outs)
     if not refs:
-        return True
-    theirs = []
-    for ref in refs:
-        with own_rng(device), float64_default(ref.dtype):
-            logits, ref_state = decoder.prefill(ref.model, ids, mask)
-            outs = [logits] + [decoder.step(ref.model, ref_state, t) for t in tokens]
-        theirs.append(outs)
+        return None
     if not all(bool(o.isfinite().all()) for o in theirs[0]):
-        return False
+        return NOT_FINITE
     for k, got in enumerate(steps):
         parity.compare(
             "probes",
@@ -251,7 +263,7 @@ def _decode(
             theirs[0][k],
             theirs[1][k] if len(theirs) > 1 else None,
         )
-    return True
+    return None
 
 
 def compare_buffers(

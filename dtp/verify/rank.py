@@ -178,7 +178,7 @@ def _report(
 
 
 @dataclass
-class _Built:
+class Built:
     """The sharded model on this rank and, on rank 0, its unsharded references."""
 
     applied: Applied
@@ -187,33 +187,40 @@ class _Built:
     dropout: list[str]
 
 
-def _build(
-    cfg: RunConfig,
+def build_beside_references(
+    job: Job,
     plan: ir.Plan,
     mesh: DeviceMesh,
     device: torch.device,
     dtype: torch.dtype,
-    trail: ModuleTrail,
-) -> _Built:
-    """One build path (dtp.runtime.build): rank 0 alone builds the whole model, with the model's own
-    initialisation, for its unsharded references; every rank builds on meta, shards, and receives
-    its blocks from rank 0."""
+    *,
+    forward: Forward = PLAIN,
+    lr: float = 0.0,
+    training: bool = True,
+    trail: ModuleTrail | None = None,
+) -> Built:
+    """The build of every proof (`dtp apply`, `dtp generate`), through the one build path
+    (dtp.runtime.build): rank 0 alone builds the whole model, with the model's own initialisation,
+    for its unsharded references (called as `forward` says; `lr`: their SGD's; `training`: their
+    mode, and the sharded model's); every rank builds on
+    meta, shards, and receives its blocks from rank 0."""
     rank = dist.get_rank()
-    source = models.resolve(cfg.model)
+    source = models.resolve(job.model)
     full = models.build(source, device="cpu", dtype=dtype).to(device) if rank == 0 else None
     # the float64 truth (+ same dtype)
-    refs = references(full.train(), dtype, cfg.lr, cfg.forward) if rank == 0 else []
-    trail.phase = "sharding (apply)"
+    refs = references(full.train(training), dtype, lr, forward) if rank == 0 else []
+    if trail is not None:
+        trail.phase = "sharding (apply)"
     # shapes for the plan, the schedule and the bytes
     meta = models.build(source, device="meta", dtype=dtype)
-    checked = trusted(plan, meta, cfg.tp)
+    checked = trusted(plan, meta, job.tp)
     applied = build_sharded(
         checked,
         source,
         mesh,
-        seed=cfg.seed,
+        seed=job.seed,
         device=device,
-        dp=cfg.dp,
+        dp=job.dp,
         dtype=dtype,
         # tp 1 dp 1: plain PyTorch, no DTensor
         full=full,
@@ -221,10 +228,11 @@ def _build(
         plain=True,
     )
     del full
-    applied.model.train()
+    applied.model.train(training)
     dropout = dropout_sources(applied.model)
-    trail.attach(applied.model)
-    return _Built(applied, meta, refs, dropout)
+    if trail is not None:
+        trail.attach(applied.model)
+    return Built(applied, meta, refs, dropout)
 
 
 def _batch(
@@ -247,7 +255,7 @@ def _batch(
 
 def _compare_step(
     parity: ParityCheck,
-    built: _Built,
+    built: Built,
     step: int,
     logits: torch.Tensor,
     loss: torch.Tensor,
@@ -275,7 +283,7 @@ def _compare_step(
         r.opt.zero_grad()
 
 
-def _compare_params(parity: ParityCheck, built: _Built, opt: MixedSGD, step: int) -> None:
+def _compare_params(parity: ParityCheck, built: Built, opt: MixedSGD, step: int) -> None:
     """Every parameter after the step (its master copy) against the references' (rank 0)."""
     # a collective: every rank
     params = {n: built.applied.full(n, m.detach()) for n, m in opt.masters.items()}
@@ -295,7 +303,7 @@ def _compare_params(parity: ParityCheck, built: _Built, opt: MixedSGD, step: int
 
 def _compare_state(
     parity: ParityCheck,
-    built: _Built,
+    built: Built,
     mesh: DeviceMesh,
     device: torch.device,
     dtype: torch.dtype,
@@ -310,7 +318,7 @@ def _compare_state(
 def _probe(
     parity: ParityCheck,
     cfg: RunConfig,
-    built: _Built,
+    built: Built,
     mesh: DeviceMesh,
     device: torch.device,
     dtype: torch.dtype,
@@ -350,15 +358,7 @@ def _probe(
         f"train, {inputs[mine].shape[0]}×{cfg.seq}: {cfg.steps} steps (logits, loss, gradients, "
         "parameters, "
         "buffers; replicas on every rank)"
-    ] + [
-        f"{p.label}: "
-        + (
-            "not compared (the unsharded model's own logits are not finite there)"
-            if p in skipped
-            else "logits"
-        )
-        for p in probes
-    ]
+    ] + [f"{p.label}: {skipped.get(p, 'logits')}" for p in probes]
     if not any(p.seq > cfg.seq for p in probes):
         parity.shapes.append(
             f"no longer sequence: the model runs none longer than {cfg.seq} "
@@ -369,7 +369,7 @@ def _probe(
 def _autocast_grads(
     parity: ParityCheck,
     cfg: RunConfig,
-    built: _Built,
+    built: Built,
     device: torch.device,
     batch: tuple[torch.Tensor, torch.Tensor, slice],
 ) -> None:
@@ -403,7 +403,7 @@ def _autocast_grads(
         ref.opt.zero_grad()
 
 
-def _analytic(cfg: RunConfig, built: _Built, dtype: torch.dtype) -> dict:
+def _analytic(cfg: RunConfig, built: Built, dtype: torch.dtype) -> dict:
     """dtp.cost.schedule's prediction of one step's collectives, to set beside the measurement."""
     try:
         steps = schedule(
@@ -434,7 +434,9 @@ def _run(
     dtype = DTYPES[cfg.dtype]
     trail = ModuleTrail()
     trails.append(trail)
-    built = _build(cfg, plan, mesh, device, dtype, trail)
+    built = build_beside_references(
+        cfg, plan, mesh, device, dtype, forward=cfg.forward, lr=cfg.lr, trail=trail
+    )
     model = built.applied.model
     batch = _batch(cfg, mesh, models.vocab_size(model), device)
     inputs, targets, mine = batch

@@ -14,6 +14,7 @@ import pytest
 from conftest import REPO, dtp_cli
 
 from dtp.auto.search import Candidate, Job, commands, default_precision, launch
+from dtp.cli import main
 from dtp.cli.program import build_parser
 from dtp.errors import UsageError
 from dtp.simulate.profile import load
@@ -218,3 +219,54 @@ def test_printed_commands_run(tmp_path):
     assert config["recompute"] == best["recompute"]
     assert config["dp_mode"] == best["dp_mode"]
     assert (best["precision"], config["dtype"]) == ("fp32", "float32")  # the fp32-only profile's
+
+
+def test_seq_beyond_the_block_size_is_named_before_any_pricing(repo, capsys):
+    """Not "no layout divides the batch": the sequence is too long for the model."""
+    argv = ["search", *SMALL[:3], "--profile", "h100-sxm"]
+    assert main([*argv, "--seq", "100000", "--global-batch", "16"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (
+        "error: --seq 100000 exceeds the block size of gpt2-tiny: at most 64 tokens per sequence\n"
+    )
+    assert captured.out == ""  # nothing priced, no progress lines
+    assert main([*argv, "--seq", "64", "--global-batch", "16", *QUICK]) == 0
+
+
+def test_a_profile_directory_is_named_as_one(repo, capsys, tmp_path):
+    assert main(["search", *SMALL, "--profile", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"error: --profile {tmp_path} is a directory: give a profile YAML file or a shipped "
+        "profile (a100-80gb, "
+    )
+    assert len(err.splitlines()) == 1
+
+
+def test_a_batch_no_layout_divides_is_refused_before_any_pricing(repo, capsys):
+    argv = ["search", *SMALL[:5], "--global-batch", "2", "--micro-batch", "4"]
+    assert main([*argv, "--profile", "h100-sxm"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (
+        "error: no layout of 4 GPUs divides --global-batch 2 into dp × micro-batch: dp 1, 2, 4 "
+        "with micro-batches of 4\n"
+    )
+
+
+def test_heads_that_divide_no_tp_leave_attention_whole_and_say_so(repo, capsys, tmp_path):
+    """3 heads on 2 GPUs, one sequence per iteration: only tp 2 divides the batch, its auto plan
+    keeps attention replicated, and the search prices it and names what it keeps whole."""
+    spec = tmp_path / "gpt3heads.yaml"
+    spec.write_text(
+        "n_layer: 2\nn_head: 3\nn_embd: 48\nvocab_size: 256\nblock_size: 64\ndropout: 0.0\n"
+        "bias: true\ntie_embeddings: true\n"
+    )
+    argv = [str(spec), "--profile", "h100-sxm", "--gpus", "2", "--seq", "64", "--global-batch"]
+    assert main(["search", *argv, "1", "--micro-batch", "1", "--dp-modes", "ddp"]) == 0
+    out = capsys.readouterr().out
+    layouts = [line.split()[1:4] for line in out.splitlines() if line[:4].strip().isdigit()]
+    assert layouts and all(words == ["tp", "2", "×"] for words in layouts)
+    assert (
+        "the tp 2 plan keeps whole on every rank: transformer.h.*.attn: 3 query heads "
+        "(config.n_head) do not divide by tp=2\n" in out
+    )
