@@ -30,7 +30,7 @@ from dtp.checks.activations import PLAIN, Act, layout_text
 from dtp.checks.flow_sources import meet_by_source
 from dtp.errors import NOWHERE, Pos
 from dtp.layout.attention import attention_like
-from dtp.layout.blocks import blocks
+from dtp.layout.blocks import ancestors, blocks
 from dtp.layout.forward_source import branch_sources
 from dtp.layout.norms import is_norm
 from dtp.layout.resolve import Resolution
@@ -87,6 +87,7 @@ class _Walk:
             None,
         )
         self.block_paths = blocks(res.modules)
+        self.block_set = set(self.block_paths)
         self.trace = trace
 
     # ---- reporting ----------------------------------------------------------------------------------
@@ -385,7 +386,7 @@ class _Walk:
         i = 0
         while i < len(order):
             path = order[i]
-            block = next((b for b in self.block_paths if path.startswith(b + ".")), None)
+            block = next((a for a in ancestors(path) if a in self.block_set), None)
             if block is None:
                 i += 1
                 if not self._covered(path):

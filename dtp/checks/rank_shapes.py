@@ -28,6 +28,7 @@ from dtp.checks.messages import Reporter
 from dtp.lang.expr import ExprError
 from dtp.layout.attention import attention_like, config_heads
 from dtp.layout.blocks import blocks
+from dtp.layout.depth import shorten
 from dtp.layout.lower import Lowered, lower, rewrite
 from dtp.layout.resolve import Resolution, generic_path
 from dtp.layout.styles import Style
@@ -67,45 +68,28 @@ def _local(res: Resolution, low: Lowered, tp: int, path: str) -> bool:
 _KEEP = 2
 
 
-def _shorten(twin: nn.Module) -> set[str]:
-    """Drop all but the first _KEEP blocks of each container of `twin` (a forward looping over them
-    then runs _KEEP); the paths of the blocks dropped."""
-    dropped: set[str] = set()
-    for path in blocks(dict(twin.named_modules())):
-        parent, _, name = path.rpartition(".")
-        holder = twin.get_submodule(parent) if parent else twin
-        if (
-            isinstance(holder, (nn.ModuleList, nn.Sequential, nn.ModuleDict))
-            and list(holder._modules).index(name) >= _KEEP
-        ):
-            dropped.add(path)
-    for path in sorted(dropped, key=lambda p: -len(p)):
-        parent, _, name = path.rpartition(".")
-        holder = twin.get_submodule(parent) if parent else twin
-        if isinstance(holder, nn.ModuleDict):
-            del holder[name]
-        else:
-            holder._modules.pop(name)
-    # ModuleList and Sequential index by position: renumber what is left
-    for holder in twin.modules():
-        if isinstance(holder, (nn.ModuleList, nn.Sequential)):
-            holder._modules = dict(
-                zip(map(str, range(len(holder._modules))), holder._modules.values())
-            )
-    return dropped
-
-
-def _deep(model: nn.Module) -> bool:
-    """Whether some container holds more than 4 × _KEEP blocks: then shortening it pays for its
-    extra run."""
+def _surplus(model: nn.Module) -> set[str]:
+    """The blocks past the first _KEEP of each container of `model` that holds more than 4 × _KEEP
+    (shortening a shallower one does not pay for its extra run)."""
     found = blocks(dict(model.named_modules()))
-    parents = [p.rpartition(".")[0] for p in found]
-    return any(parents.count(p) > 4 * _KEEP for p in set(parents))
+    by_parent: dict[str, list[str]] = {}
+    for path in found:
+        by_parent.setdefault(path.rpartition(".")[0], []).append(path)
+    surplus: set[str] = set()
+    for parent, paths in by_parent.items():
+        holder = model.get_submodule(parent) if parent else model
+        if len(paths) <= 4 * _KEEP or not isinstance(
+            holder, (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+        ):
+            continue
+        position = {name: i for i, name in enumerate(holder._modules)}
+        surplus.update(p for p in paths if position[p.rpartition(".")[2]] >= _KEEP)
+    return surplus
 
 
-def _prepare(res: Resolution, low: Lowered, tp: int, short: bool):
+def _prepare(res: Resolution, low: Lowered, tp: int, dropped: set[str]):
     def prepare(twin: nn.Module, fake) -> None:
-        dropped = _shorten(twin) if short else set()
+        shorten(twin, dropped)
         for path in res.claims:
             if _dropped(path, dropped) or not _local(res, low, tp, path):
                 continue
@@ -137,6 +121,31 @@ def _dropped(path: str, dropped: set[str]) -> bool:
 # One rank's run by model and by what the twin changes: a plan checked again (auto's rounds, apply's
 # pre-flight, every `when` branch) runs once. Held weakly, as TRACES holds the model's own trace.
 _RUNS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Trace]] = weakref.WeakKeyDictionary()
+
+
+# The blocks a rank's run leaves out, by model (see _short).
+_SHORT: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _short(model: nn.Module) -> set[str]:
+    """The blocks a rank's run of `model` leaves out: a deep model runs on its first blocks (the
+    cost of a forward grows with depth, and every block of one class runs the same code on the same
+    shapes), unless the shortened whole model cannot run (a forward that indexes its blocks by
+    config.n_layer); the blocks left out are not copied into the twin either."""
+    if model not in _SHORT:
+        surplus = _surplus(model)
+        leave = [model.get_submodule(p) for p in surplus]
+        runs = (
+            bool(surplus)
+            and trace(
+                model,
+                TRACES.forward(model),
+                prepare=lambda twin, fake: shorten(twin, surplus),
+                leave=leave,
+            ).ok
+        )
+        _SHORT[model] = surplus if runs else set()
+    return _SHORT[model]
 
 
 def _key(res: Resolution, low: Lowered, tp: int) -> tuple:
@@ -182,12 +191,11 @@ def check_rank_shapes(res: Resolution, model: nn.Module, tp: int, rep: Reporter)
     key = _key(res, low, tp)
     shard = _RUNS.setdefault(model, {}).get(key)
     if shard is None:
-        forward = TRACES.forward(model)
-        # a deep model runs on its first blocks (the cost of a forward on fakes grows with depth),
-        # unless the shortened whole model cannot run (a forward that indexes its blocks by
-        # config.n_layer)
-        short = _deep(model) and trace(model, forward, prepare=lambda twin, fake: _shorten(twin)).ok
-        shard = _RUNS[model][key] = trace(model, forward, prepare=_prepare(res, low, tp, short))
+        dropped = _short(model)
+        leave = [model.get_submodule(p) for p in dropped]
+        shard = _RUNS[model][key] = trace(
+            model, TRACES.forward(model), prepare=_prepare(res, low, tp, dropped), leave=leave
+        )
     if shard.ok:
         return shard
     owner = _owner(res, shard.where)

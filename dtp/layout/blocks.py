@@ -39,6 +39,7 @@ def blocks(modules: Mapping[str, nn.Module]) -> list[str]:
     """The paths of the model's blocks (see the module docstring), in registration order, outermost
     only. `modules` is `dict(model.named_modules())`."""
     held = {p for path, m in modules.items() for p in _container_children(path, m)}
+    above = {a for p in held for a in ancestors(p)}  # whatever holds a block
     for path, module in modules.items():  # sibling attributes of one class
         if isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
             continue
@@ -47,8 +48,9 @@ def blocks(modules: Mapping[str, nn.Module]) -> list[str]:
             if any(child.children()):
                 by_class.setdefault(type(child), []).append(f"{path}.{name}" if path else name)
         for paths in by_class.values():
-            if len(paths) >= 2 and not any(h.startswith(p + ".") for p in paths for h in held):
+            if len(paths) >= 2 and not any(p in above for p in paths):
                 held.update(paths)
+                above.update(a for p in paths for a in ancestors(p))
     out: list[str] = []
     chosen: set[str] = set()
     for path in modules:
@@ -58,10 +60,15 @@ def blocks(modules: Mapping[str, nn.Module]) -> list[str]:
     return out
 
 
-def _inside(path: str, outer: set[str]) -> bool:
-    """Whether an ancestor of `path` is in `outer` (its depth in steps, not `outer`'s size)."""
+def ancestors(path: str) -> list[str]:
+    """The paths of the modules holding `path` ("" the model's own is left out)."""
+    out = []
     while "." in path:
         path = path.rpartition(".")[0]
-        if path in outer:
-            return True
-    return False
+        out.append(path)
+    return out
+
+
+def _inside(path: str, outer: set[str]) -> bool:
+    """Whether an ancestor of `path` is in `outer` (its depth in steps, not `outer`'s size)."""
+    return any(a in outer for a in ancestors(path))

@@ -99,6 +99,10 @@ class Resolution:
     claims: Mapping[str, ir.FlatRule]  # module path → the rule that claims it
     sets: Mapping[tuple[str, str], ir.FlatSet]  # (module path, attribute) → the set statement
     diagnostics: list[Diagnostic] = field(default_factory=list)
+    # placements by module path, worked out once (the checks ask for each module's several times)
+    _placed: dict[str, dict[str, ParamPlacement]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @property
     def sequence_parallel(self) -> bool:
@@ -108,6 +112,11 @@ class Resolution:
 
     def placements(self, path: str) -> dict[str, ParamPlacement]:
         """Where each of module `path`'s own parameters lives under the rule claiming it (if any)."""
+        if path not in self._placed:
+            self._placed[path] = self._place(path)
+        return dict(self._placed[path])
+
+    def _place(self, path: str) -> dict[str, ParamPlacement]:
         rule = self.claims.get(path)
         if rule is None:
             return param_placements(None, self.modules[path])
@@ -244,6 +253,12 @@ def resolve(plan: ir.Plan, model: nn.Module, tp: int | None = None) -> Resolutio
     rules, sets, blocks = ir.flatten(plan, conditions.chooser(model, diags, tp))
     modules = dict(model.named_modules())
     paths = [p for p in modules if p]
+    # a pattern without `**` whose last segment is a name matches only paths of its length that
+    # end in that name: one lookup instead of a test of every module (20,000 blocks hold 10^5)
+    by_end: dict[tuple[int, str], list[str]] = {}
+    for p in paths:
+        names = p.split(".")
+        by_end.setdefault((len(names), names[-1]), []).append(p)
 
     unmatched = [0]
 
@@ -252,7 +267,14 @@ def resolve(plan: ir.Plan, model: nn.Module, tp: int | None = None) -> Resolutio
             # literal: one lookup
             hits = [str(pattern)] if str(pattern) in modules and pattern.segments else []
         else:
-            hits = [p for p in paths if matches(pattern, p)]
+            last = pattern.segments[-1] if pattern.segments else "**"
+            named = isinstance(last, str) and not any(c in last for c in "*?")
+            candidates = (
+                by_end.get((len(pattern.segments), last), [])
+                if named and "**" not in pattern.segments
+                else paths
+            )
+            hits = [p for p in candidates if matches(pattern, p)]
         if allow_root and not pattern.segments:
             hits = [""]
         if not hits:

@@ -5,8 +5,9 @@ Reading a forward's source (dtp/layout/forward_source.py) cannot follow a `match
 string, a lambda built in `__init__` (minGPT's `self.mlpf`), blocks held in a ModuleDict
 (torchtitan), a helper function, a `functools.partial`. Running the forward can: module hooks see
 every call however it is reached, and a TorchFunctionMode carries each tensor's origins through
-every op. It runs on a twin of the model whose tensors are fakes (torch's FakeTensorMode: shapes and
-dtypes, no memory, no data; transformers reads it as tracing and skips its data-dependent checks)
+every op. It runs on a twin of the model whose tensors are meta tensors (shapes and dtypes, no
+memory, no data) or, where the forward cannot run on those, fakes (torch's FakeTensorMode: the
+same, on the model's device; transformers reads it as tracing and skips its data-dependent checks),
 and whose Python state is a copy, so a forward that counts its calls or fills a cache changes the
 twin only, never the model.
 
@@ -24,8 +25,9 @@ What one forward shows (only the branches this config takes; a branch not taken 
   its features: `View(offset, width, heads, head_dim)` (gpt-fast's `wqkv(x).split([dim, kv, kv])`
   then `view(…, n, head_dim)`).
 
-A forward that cannot run on fake tensors (data-dependent Python, an op without a fake kernel) gives
-a Trace with `error` set and nothing else; callers fall back to the source, and say so.
+A forward that cannot run on fake tensors either (data-dependent Python, an op without a fake
+kernel) gives a Trace with `error` set and nothing else; callers fall back to the source, and say
+so.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ import logging
 import traceback
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass, field, replace
+from typing import Callable, Collection
 
 import torch
 import torch.nn as nn
@@ -44,15 +46,17 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from dtp.errors import UsageError
+from dtp.layout import depth
 from dtp.layout.forward_source import BranchSources
-from dtp.models.calling import PLAIN, Forward, discover
-from dtp.models.clone import clone
+from dtp.models.calling import PLAIN, Forward, discover, forward_names, logits_path
+from dtp.models.clone import clone, meta_twin
 from dtp.models.spec import vocab_size
 
 INPUT = ""  # the tag of the model's own input (the token ids)
 _SPLITS = {"split", "split_with_sizes", "chunk", "tensor_split", "unbind"}
 _VIEWS = {"view", "reshape", "unflatten"}
 _MAX_NEST = 4  # containers searched for tensors in a module's inputs and outputs
+_BATCH, _SEQ = 2, 4  # the token ids a model's own trace and its discovery run on
 # tags a tensor carries before they become one junction: above any block's own (a model of ~30
 # blocks never reaches it), far below a deep model's residual stream
 MAX_TAGS = 64
@@ -83,8 +87,9 @@ class Trace:
     error: str | None = None
     where: str | None = None  # the innermost module running when the forward raised
     frame: str | None = None  # the model's own source line that raised ("file:line: code")
+    meta: bool = False  # it ran on meta tensors (not on fakes)
 
-    _ranks: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+    _ranks: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -271,12 +276,6 @@ def _last_dim_start(name: str, args: tuple, ndim: int) -> int | None:
     return start if isinstance(start, int) and start >= 0 else None
 
 
-def _fake_twin(model: nn.Module, mode) -> nn.Module:
-    """`model` with every tensor a fake of the same shape (dtp/models/clone.py copies the Python
-    state, closures too)."""
-    return clone(model, lambda t: mode.from_tensor(t, static_shapes=True))
-
-
 Prepare = Callable[[nn.Module, Callable[[tuple[int, ...], torch.dtype], torch.Tensor]], None]
 
 
@@ -286,22 +285,53 @@ def trace(
     batch: int = 2,
     seq: int = 4,
     prepare: Prepare | None = None,
+    leave: Collection[nn.Module] = (),
+    seen: Callable[[object], None] | None = None,
 ) -> Trace:
     """Run `model`'s forward once on fakes of its tensors, token ids (batch, seq) in; what it did
     (see Trace). `prepare(twin, fake)`, when given, changes the twin first (`fake(shape, dtype)`
-    makes a tensor of its kind)."""
-    out = Trace()
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    makes a tensor of its kind); the modules in `leave` are not copied into the twin, and
+    `prepare` takes them out of it; `seen(output)`, when given, receives the forward's output.
+
+    It runs on meta tensors first (torch's meta kernels run in C++, a few times faster than
+    FakeTensorMode's Python dispatch: it decides how long a deep model takes to check), with meta
+    the default device, so that a tensor the forward makes without naming a device is meta too; a
+    forward that cannot run so (a tensor made on a named device, a data-dependent branch that
+    transformers skips only under FakeTensorMode) runs again on fakes, and that run is the trace."""
+    fast = _run(model, forward, batch, seq, prepare, leave, seen, meta=True)
+    return fast if fast.ok else _run(model, forward, batch, seq, prepare, leave, seen, meta=False)
+
+
+def _run(
+    model: nn.Module,
+    forward: Forward,
+    batch: int,
+    seq: int,
+    prepare: Prepare | None,
+    leave: Collection[nn.Module],
+    seen: Callable[[object], None] | None,
+    meta: bool,
+) -> Trace:
+    out = Trace(meta=meta)
+    mode = torch.device("meta") if meta else FakeTensorMode(allow_non_fake_inputs=True)
     quiet = logging.getLogger("torch._subclasses.fake_tensor")
     # it logs every op without a fake kernel before raising
     level, quiet.level = quiet.level, logging.CRITICAL
     try:
-        twin = _fake_twin(model, mode)
+        twin = (
+            meta_twin(model, leave)
+            if meta
+            else clone(model, lambda t: mode.from_tensor(t, static_shapes=True), leave)
+        )
     except Exception as err:  # noqa: BLE001 - a model whose state cannot be copied: no trace, the source is read
         quiet.level = level
         out.error = f"cannot copy the model to trace it: {type(err).__name__}: {err}"
         return out
-    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    device = (
+        torch.device("meta")
+        if meta
+        else next((t.device for t in model.parameters()), torch.device("cpu"))
+    )
     if prepare is not None:
 
         def fake(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -325,7 +355,10 @@ def trace(
         with mode, recorder:
             ids = torch.zeros((batch, seq), dtype=torch.long, device=device)
             recorder.set_tag(ids, frozenset({INPUT}), merge=False)
-            recorder.settle(forward.run(twin, ids, ids))
+            output = forward.run(twin, ids, ids)
+            recorder.settle(output)
+        if seen is not None:
+            seen(output)
     except Exception as err:  # noqa: BLE001 - the model's own code on fake tensors; the runtime proof remains
         out.error = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
         out.where = stack[-1] if stack else None
@@ -410,7 +443,7 @@ class Traces:
         model); a UsageError naming the model as `name` when no call gives them."""
         if self._calls.get(model) is None:
             try:
-                self._calls[model] = discover(model, vocab_size(model), name)
+                self._calls[model] = discover(model, vocab_size(model), name, _SEQ, _BATCH)
             except UsageError:
                 self._calls[model] = None
                 raise
@@ -419,13 +452,30 @@ class Traces:
     def _get(self, model: nn.Module) -> tuple[Forward, Trace]:
         hit = self._by_model.get(model)
         if hit is None:
-            try:
-                forward = self.calling(model, "model")
-            # a model dtp cannot call: traced plainly; apply says why before launch
-            except UsageError:
-                forward = PLAIN
-            hit = self._by_model[model] = (forward, trace(model, forward))
+            hit = self._by_model[model] = self._first(model)
         return hit
+
+    def _first(self, model: nn.Module) -> tuple[Forward, Trace]:
+        """How to call `model` and its trace. A trace on meta tensors of the plain call is the run
+        `discover` makes first: where its output holds every position's logits, it is the discovery
+        too (one forward of a deep model, not two)."""
+        cut = depth.short(model)
+        if model not in self._calls:
+            positions, _ = forward_names(model)
+            plain = Forward(positions=positions)
+            outputs: list[object] = []
+            tr = _traced(model, plain, cut, seen=outputs.append)
+            if tr.ok and tr.meta:
+                path = logits_path(outputs[-1], vocab_size(model), _BATCH, _SEQ)
+                if path is not None:
+                    self._calls[model] = replace(plain, path=path)
+                    return self._calls[model], tr
+        try:
+            forward = self.calling(model, "model")
+        # a model dtp cannot call: traced plainly; apply says why before launch
+        except UsageError:
+            forward = PLAIN
+        return forward, _traced(model, forward, cut)
 
     def has(self, model: nn.Module) -> bool:
         """Whether `model` was traced already."""
@@ -438,6 +488,31 @@ class Traces:
     def forward(self, model: nn.Module) -> Forward:
         """How the trace called `model`."""
         return self._get(model)[0]
+
+
+def _traced(
+    model: nn.Module,
+    forward: Forward,
+    cut: depth.Short,
+    seen: Callable[[object], None] | None = None,
+) -> Trace:
+    """The trace of `model` called as `forward`: a deep model's from its first blocks
+    (dtp/layout/depth.py) where the model runs on them (a forward that indexes its blocks by
+    config.n_layer does not), else of the whole model."""
+    if cut.dropped:
+        dropped = cut.paths()
+        tr = trace(
+            model,
+            forward,
+            _BATCH,
+            _SEQ,
+            prepare=lambda twin, fake: depth.shorten(twin, dropped),
+            leave=[model.get_submodule(p) for p in dropped],
+            seen=seen,
+        )
+        if tr.ok:
+            return depth.expand(tr, cut)
+    return trace(model, forward, _BATCH, _SEQ, seen=seen)
 
 
 # facts about model objects, kept as long as the models live (as functools caches parsed sources)

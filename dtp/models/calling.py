@@ -228,6 +228,12 @@ def candidates(
     return out
 
 
+def logits_path(output: object, vocab: int | None, batch: int, seq: int) -> Path | None:
+    """Where `output` (of a forward on batch × seq token ids) holds the logits of every position,
+    if it does."""
+    return _full(candidates(output, vocab), batch, seq)
+
+
 def _full(found: list[tuple[Path, torch.Tensor]], batch: int, seq: int) -> Path | None:
     return next((path for path, t in found if tuple(t.shape[:-1]) == (batch, seq)), None)
 

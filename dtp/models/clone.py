@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import types
-from typing import Callable
+from typing import Callable, Collection
 
 import torch
 import torch.nn as nn
@@ -26,10 +26,10 @@ import torch.nn as nn
 MAX_OBJECTS = 200_000
 
 
-def _reachable(root: object) -> tuple[list[types.FunctionType], list[torch.Tensor]]:
+def _reachable(root: object, skip: set[int]) -> tuple[list[types.FunctionType], list[torch.Tensor]]:
     """Functions with closures and tensors reachable from `root` the way deepcopy walks it
-    (bounded)."""
-    seen: set[int] = set()
+    (bounded), not through the objects whose ids are in `skip`."""
+    seen: set[int] = set(skip)
     functions: list[types.FunctionType] = []
     tensors: list[torch.Tensor] = []
     stack: list[object] = [root]
@@ -70,12 +70,16 @@ def _filled(cell: types.CellType) -> bool:
 
 
 def clone(
-    model: nn.Module, tensors: Callable[[torch.Tensor], torch.Tensor] | None = None
+    model: nn.Module,
+    tensors: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    share: Collection[nn.Module] = (),
 ) -> nn.Module:
     """A deep copy of `model` whose closures read the copy's objects; `tensors(t)`, when given, is
-    what each tensor the model reaches becomes in the copy (parameters stay parameters)."""
-    functions, found = _reachable(model)
-    memo: dict[int, object] = {}
+    what each tensor the model reaches becomes in the copy (parameters stay parameters). The
+    modules in `share` are not copied: the copy holds them themselves (a caller that takes them out
+    of the copy before it runs saves copying what it would throw away)."""
+    memo: dict[int, object] = {id(m): m for m in share}
+    functions, found = _reachable(model, set(memo))
     if tensors is not None:
         for t in found:
             new = tensors(t)
@@ -99,9 +103,10 @@ def clone(
     return out
 
 
-def meta_twin(model: nn.Module) -> nn.Module:
+def meta_twin(model: nn.Module, share: Collection[nn.Module] = ()) -> nn.Module:
     """`model` with every tensor it reaches on the meta device (same shape, dtype, requires_grad; no
-    data) and its Python state copied: a forward run on it changes nothing of `model`'s."""
+    data) and its Python state copied: a forward run on it changes nothing of `model`'s (`share` as
+    `clone` takes it)."""
 
     def to_meta(t: torch.Tensor) -> torch.Tensor:
         new = (
@@ -113,4 +118,4 @@ def meta_twin(model: nn.Module) -> nn.Module:
             new.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else new
         )
 
-    return clone(model, to_meta)
+    return clone(model, to_meta, share)

@@ -19,6 +19,7 @@ from fixtures.auto_models import Attention, Block, Structure, build
 
 import dtp.auto.planner as planner
 import dtp.auto.structure as structure
+import dtp.checks.rank_shapes as rank_shapes
 from dtp.auto.planner import auto_plan
 from dtp.errors import UsageError
 from dtp.layout.trace import Traces
@@ -318,3 +319,23 @@ def test_a_model_past_the_bound_is_refused_in_one_line(monkeypatch):
         "dtp plan --auto reads at most 40 modules and this model holds more: write its plan by "
         "hand, one rule per kind of block (`layers.*`)"
     )
+
+
+def test_a_deep_model_runs_its_ranks_on_two_blocks_and_copies_no_other(monkeypatch):
+    """12 blocks: one run finds the model runs on its first two, then one run for each tp checked
+    (2 and 4) holds those two; every run leaves blocks 2-11 themselves out of its twin (no copy of
+    what it would throw away)."""
+    model = _deep(12)
+    left_out = []
+    traced = rank_shapes.trace
+
+    def trace(*args, leave=(), **kwargs):
+        left_out.append(list(leave))
+        return traced(*args, leave=leave, **kwargs)
+
+    monkeypatch.setattr(rank_shapes, "trace", trace)
+    found = auto_plan(model, "deep", 2)
+    assert found.checked_tp == (1, 2, 4)
+    assert len(left_out) == 3
+    rest = {id(block) for block in model.layers[2:]}
+    assert all(len(leave) == 10 and {id(m) for m in leave} == rest for leave in left_out)
