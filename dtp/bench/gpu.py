@@ -5,7 +5,10 @@
 2. a bf16 (autocast) training step of gpt2-medium at tp 1: step time, tokens/s, model FLOP
    utilisation;
 3. dtp ÷ Megatron-style step time on GPU, arms interleaved, parity enforced first (tp = min(GPUs,
-   2)): dtp eager and dtp with every block under torch.compile, beside the hand-written plan.
+   2)): dtp eager and dtp with every block under torch.compile, beside the hand-written plan;
+4. `dtp generate` (the real command line) on a Llama `save_pretrained` directory of about 350M
+   parameters in bfloat16 (grouped-query, decoding from its KV cache), 64 new tokens at tp = min(GPUs,
+   2): token-exact against the unsharded model, tokens/s and the memory bandwidth it reached.
 
 `--dry-run` runs the same logic on CPU with tiny sizes (gloo, gpt2-tiny): what CI can check without
 a GPU.
@@ -33,6 +36,7 @@ from dtp.bench.arms import PLAN
 from dtp.bench.megatron import flops_per_token
 from dtp.bench.report import compare, results_folder
 from dtp.errors import RunError
+from dtp.models import hf
 from dtp.runtime.launcher import launch_local
 
 # dense bf16 peak FLOP/s by device name (vendor datasheets); an unknown GPU gets achieved FLOP/s
@@ -74,6 +78,72 @@ def _apply_parity(out: Path, tp: int, device: str) -> dict:
         "tp": tp,
         "backend": "nccl" if device == "cuda" else "gloo",
         "parity": parity,
+    }
+
+
+# the Llama of the decode check: ~350M parameters, 8 key/value heads for 16 query heads
+DECODE_LLAMA = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=32000,
+    max_position_embeddings=1024,
+)
+
+
+def _generate(out: Path, tp: int, device: str, dry_run: bool) -> dict:
+    """`dtp generate hf/llama DIR --tp N --device D --json` in a subprocess on a Llama directory
+    this check writes (tiny and float32 in a dry run); exit status 0 and its report's numbers."""
+    from transformers import AutoModelForCausalLM  # an optional package: the HF families
+
+    torch.manual_seed(0)
+    config = hf.config("llama", **({} if dry_run else DECODE_LLAMA))
+    dtype = "float32" if dry_run else "bfloat16"
+    directory = out / "llama"
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
+    parameters = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(directory)
+    del model
+    report = out / "generate.json"
+    prompt = " ".join(str(1 + i % 97) for i in range(16 if dry_run else 128))
+    cmd = [
+        sys.executable,
+        "-m",
+        "dtp",
+        "generate",
+        "hf/llama",
+        str(directory),
+        "--tp",
+        str(tp),
+        "--device",
+        device,
+        "--dtype",
+        dtype,
+        "--prompt-ids",
+        prompt,
+        "--max-new-tokens",
+        str(4 if dry_run else 64),
+        "--json",
+        str(report),
+        "--timeout",
+        "240",
+    ]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    (out / "generate.log").write_text(done.stdout + done.stderr)
+    r = json.loads(report.read_text()) if report.exists() else {}
+    keep = ("tokens_per_s", "ms_per_token", "memory_gb_per_s", "weight_bytes_per_rank")
+    return {
+        "command": " ".join(cmd[1:5] + ["DIR"] + cmd[6:]),
+        "exit": done.returncode,
+        "ok": done.returncode == 0 and r.get("ok") is True,
+        "tp": tp,
+        "parameters": parameters,
+        **{k: r.get(k) for k in keep},
     }
 
 
@@ -200,6 +270,7 @@ def main(root: Path, dry_run: bool = False) -> int:
         "parity": ratio.get("parity"),
         **(compare(ratio) if ratio["ok"] else {}),
     }
+    result["generate"] = _generate(out, tp, device, dry_run)
     result["seconds"] = time.monotonic() - t0
     (out / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     lines = [
@@ -230,9 +301,19 @@ def main(root: Path, dry_run: bool = False) -> int:
             )
     else:
         lines.append(f"ratio: FAILED: {ratio['error']}")
+    g = result["generate"]
+    lines.append(
+        f"generate (Llama, tp={tp}): token-exact {'OK' if g['ok'] else 'FAILED'}"
+        + (
+            f", {g['tokens_per_s']:.0f} tokens/s, {g['memory_gb_per_s']:.1f} GB/s per GPU"
+            if g["ok"]
+            else f" (exit {g['exit']}: see generate.log)"
+        )
+    )
     lines += [f"note: {n}" for n in result["notes"]] + [
         f"written to {out}/ in {result['seconds']:.0f} s"
     ]
     (out / "results.md").write_text("\n\n".join(lines) + "\n")
     print("\n".join(lines))
-    return 0 if result["apply"]["ok"] and ratio["ok"] and result["train"]["finite"] else 1
+    passed = result["apply"]["ok"] and ratio["ok"] and result["train"]["finite"] and g["ok"]
+    return 0 if passed else 1

@@ -124,6 +124,11 @@ def render(r: dict) -> str:
             f"(median) · {r['tokens_per_s']:.0f} tokens/s · collectives per token: "
             f"{r['collectives_per_token_total']} ({ops})"
         )
+        lines.append(
+            f"  weights per rank: {', '.join(_size(b) for b in r['weight_bytes_per_rank'])} · "
+            f"{r['memory_gb_per_s']:.2f} GB/s on rank 0 (its weights and KV cache over the "
+            "median time per token)"
+        )
     lines.append(_verdict(r))
     return "\n".join(lines)
 
@@ -181,3 +186,12 @@ def _verdict(r: dict) -> str:
 
 def _kib(n: int) -> str:
     return f"{n / 1024:.1f} KiB"
+
+
+def _size(n: int) -> str:
+    """`n` bytes in KiB, MiB or GiB, whichever keeps the number below 1024."""
+    for unit in ("KiB", "MiB"):
+        n /= 1024
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.2f} GiB"

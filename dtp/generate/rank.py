@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from dtp.errors import UsageError, shorten
 from dtp.generate.prompts import left_padded
@@ -255,6 +256,14 @@ class Comparison:
         return self.parity.ok and self.first_difference is None
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes of the parameters and buffers this rank holds (its shards of DTensors; a tied
+    parameter once)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
 def generate(rank: int, world: int, cfg: GenerateConfig) -> dict | None:
     """Decode on an initialised process group; rank 0 returns the report's fields."""
     device = _device(cfg)
@@ -307,10 +316,10 @@ def generate(rank: int, world: int, cfg: GenerateConfig) -> dict | None:
     tokens = torch.stack(new, dim=1).tolist()
     # once per run, not per token: did every rank decode rank 0's tokens?
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (cache_bytes, tokens))
+    dist.all_gather_object(gathered, (cache_bytes, tokens, weight_bytes(model)))
     if rank != 0:
         return None
-    apart = next((r for r, (_, theirs) in enumerate(gathered) if theirs != tokens), None)
+    apart = next((r for r, (_, theirs, _) in enumerate(gathered) if theirs != tokens), None)
     unsharded = refs[-1]
     ref_cache = sum(t.numel() * t.element_size() for t in cache_tensors(compare.states[-1].cache))
     median = sorted(times)[len(times) // 2] if times else None
@@ -318,7 +327,11 @@ def generate(rank: int, world: int, cfg: GenerateConfig) -> dict | None:
         "tokens": tokens,
         "decoded_with_cache": decoder.with_cache,
         "no_cache_reason": cache_reason(meta),
-        "kv_cache_bytes_per_rank": [b for b, _ in gathered],
+        "kv_cache_bytes_per_rank": [b for b, _, _ in gathered],
+        "weight_bytes_per_rank": [w for _, _, w in gathered],
+        # what a decode step reads at least, over its median time: the rank's weights and the
+        # cache it holds at the end (a step reads its cache so far: an upper bound on that part)
+        "memory_gb_per_s": (gathered[0][2] + gathered[0][0]) / median / 1e9 if median else None,
         "kv_cache_bytes_unsharded": ref_cache if unsharded.dtype in (None, dtype) else None,
         "prefill_ms": prefill_s * 1e3,
         "ms_per_token": median * 1e3 if median is not None else None,

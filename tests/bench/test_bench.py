@@ -353,7 +353,7 @@ def test_a_run_whose_collectives_differ_fails_the_configuration():
 def test_gpu_check_dry_run_on_cpu(repo, tmp_path):
     """`dtp bench --device cuda`'s logic with tiny sizes on gloo: apply parity through the command
     line, a bf16 training step with its FLOP count, the interleaved dtp/Megatron ratio with parity
-    enforced."""
+    enforced, and `dtp generate` on a Llama directory."""
     from dtp.bench.run import main
 
     assert main(["--dry-run", "--out", str(tmp_path)]) == 0
@@ -372,6 +372,13 @@ def test_gpu_check_dry_run_on_cpu(repo, tmp_path):
     # the compiled arm too
     assert set(result["ratio"]["parity"]) == {"dtp", "hand", "megatron", "dtp-compile"}
     assert "dtp under torch.compile/Megatron-style at tp=2" in (folder / "results.md").read_text()
+    # decoding through the command line: token-exact, with its speed and bandwidth
+    g = result["generate"]
+    assert g["ok"] and g["exit"] == 0 and g["tp"] == 2
+    assert (
+        g["tokens_per_s"] > 0 and g["memory_gb_per_s"] > 0 and len(g["weight_bytes_per_rank"]) == 2
+    )
+    assert "generate (Llama, tp=2): token-exact OK" in (folder / "results.md").read_text()
 
 
 def test_gpu_check_without_gpu_is_a_usage_error(tmp_path, capsys):

@@ -68,6 +68,21 @@ def test_tokens_are_transformers_own_on_the_unsharded_model(repo, tmp_path, fami
     # gathered for the greedy choice
     assert report["collectives_per_token"] == {"all_reduce": 5, "all_gather": 1}
     assert report["prefill_ms"] > 0 and report["tokens_per_s"] > 0
+    # each rank holds its shards and what the plan keeps whole: more than 1/tp of the model's
+    # bytes, less than all of them, the same on every rank; the bandwidth is those bytes and the
+    # cache over the median step
+    weights, whole_weights = report["weight_bytes_per_rank"], _model_bytes(directory)
+    assert len(set(weights)) == 1 and whole_weights / tp < weights[0] < whole_weights
+    read = (weights[0] + per_rank[0]) / (report["ms_per_token"] / 1e3) / 1e9
+    assert report["memory_gb_per_s"] == pytest.approx(read, rel=1e-9)
+
+
+def _model_bytes(directory: str) -> int:
+    """The bytes of the unsharded model's parameters and buffers, as transformers loads it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64)
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
 def test_a_model_wrong_only_in_its_cache_path_fails_at_the_first_decode_step(
