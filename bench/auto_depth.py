@@ -1,8 +1,9 @@
-"""`python bench/auto_depth.py [BLOCKS ...]` (a lab script, not part of the package): how long
-`dtp plan --auto` takes, and how much memory, on a model of many tiny Llama-style blocks (q, k, v,
+"""`python bench/auto_depth.py [--layer-idx] [BLOCKS ...]` (a lab script, not part of the
+package): how long `dtp plan --auto` takes, and how much memory, on a model of many tiny Llama-style blocks (q, k, v,
 o and a SwiGLU MLP, width 32, built on the meta device), the whole command's work: reading the
 modules, tracing the forward, and `dtp check` at tp 1, 2 and 4. Each depth runs in a fresh process
-(its peak resident memory is its own), with the 1-minute load average before it. Its report:
+(its peak resident memory is its own), with the 1-minute load average before it. `--layer-idx` gives
+each block the index transformers and torchtitan keep on it (no forward here reads it). Its report:
 bench/results/plan-auto-depth_cpu-2core_2026-12-07_dtp.md."""
 
 from __future__ import annotations
@@ -88,12 +89,14 @@ class Deep(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def one(n_blocks: int) -> None:
+def one(n_blocks: int, layer_idx: bool) -> None:
     """Plan one depth in this process; print seconds, peak RSS and the plan's summary."""
     from dtp.auto.planner import auto_plan
 
     with torch.device("meta"):
         model = Deep(n_blocks)
+    for i, block in enumerate(model.layers if layer_idx else ()):
+        block.layer_idx = i  # as transformers and torchtitan keep one (no forward here reads it)
     start = time.perf_counter()
     found = auto_plan(model, f"deep-{n_blocks}", 2)
     seconds = time.perf_counter() - start
@@ -105,7 +108,7 @@ def one(n_blocks: int) -> None:
     )
 
 
-def main(depths: list[int]) -> None:
+def main(depths: list[int], layer_idx: bool = False) -> None:
     """Print the report's table: one row per depth, each planned in a fresh process."""
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs")
     print("| blocks | seconds | ms per block | peak RSS GiB | plan | load before |")
@@ -113,13 +116,18 @@ def main(depths: list[int]) -> None:
     for n in depths:
         load = os.getloadavg()[0]
         out = subprocess.run(
-            [sys.executable, __file__, "--one", str(n)], capture_output=True, text=True, check=True
+            [sys.executable, __file__, "--one", str(n), *(["--layer-idx"] if layer_idx else [])],
+            capture_output=True,
+            text=True,
+            check=True,
         )
         print(out.stdout.strip() + f" {load:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--one"]:
-        one(int(sys.argv[2]))
+    args = [a for a in sys.argv[1:] if a != "--layer-idx"]
+    stamped = "--layer-idx" in sys.argv[1:]
+    if args[:1] == ["--one"]:
+        one(int(args[1]), stamped)
     else:
-        main([int(a) for a in sys.argv[1:]] or [200, 2000, 20000])
+        main([int(a) for a in args] or [200, 2000, 20000], stamped)

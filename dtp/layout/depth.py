@@ -10,9 +10,13 @@ readers in dtp/layout/trace.py, dtp/auto/structure.py and dtp/checks/flow.py), s
 its block would; an edge that comes from outside the block keeps the name it had in the last kept
 block, and reads as "from outside" all the same.
 
-Blocks that differ in anything that could change their forward (a layer index kept on the module, a
-different child, a sliding-window flag) are not alike: the whole model is traced, as any model of at
-most DEEP blocks is.
+Blocks that differ in anything that could change their forward (a different child or shape, a
+sliding-window flag or a layer index a forward reads, of the block's modules or of the modules
+holding them) are not alike: the whole model is traced, as any model of at most DEEP blocks is. What
+a forward reads comes from its source (dtp/layout/forward_source.py's forward_attributes); where the
+source cannot say (no source, `getattr(self, …)`, `self` handed to a function), every attribute
+counts. An attribute no forward reads (torchtitan's `layer_id`, read by weight init) is no
+difference.
 """
 
 from __future__ import annotations
@@ -25,13 +29,17 @@ from typing import Protocol, TypeVar
 import torch
 import torch.nn as nn
 
-from dtp.layout.blocks import blocks
+from dtp.layout.blocks import ancestors, blocks
+from dtp.layout.forward_source import forward_attributes
 
 # A container traced on its first blocks holds more than DEEP: deeper than any model the field
 # trains (Llama 3.1 405B has 126 layers), so every such model is traced whole.
 DEEP = 256
 KEEP = 3  # blocks traced: the last of them has a block before it that has one before it
 _PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device)
+# what nn.Module keeps in every instance (parameters, buffers, children and hooks are compared as
+# such; the rest is torch's bookkeeping)
+_MODULE_STATE = frozenset(vars(nn.Module())) - {"training"}
 
 
 @dataclass(frozen=True)
@@ -78,16 +86,34 @@ def short(model: nn.Module) -> Short:
             continue
         if list(holder._modules) != [p.rpartition(".")[2] for p in paths]:
             continue  # a member that is not a block (no children): positions would not match
-        first = _signature(model.get_submodule(paths[0]))
-        if all(_signature(model.get_submodule(p)) == first for p in paths[1:]):
+        outer = [model, *(model.get_submodule(a) for a in (*ancestors(parent), parent) if a)]
+        read = _read(outer, model.get_submodule(paths[0]))
+        first = _signature(model.get_submodule(paths[0]), read)
+        if all(_signature(model.get_submodule(p), read) == first for p in paths[1:]):
             dropped[parent], source[parent] = tuple(paths[KEEP:]), paths[KEEP - 1]
     return Short(dropped, source)
 
 
-def _signature(block: nn.Module) -> tuple:
+def _read(outer: list[nn.Module], block: nn.Module) -> frozenset[str] | None:
+    """The attribute names the forwards of a block's modules and of the modules holding it can read
+    (dtp/layout/forward_source.py's forward_attributes); None when any could read any."""
+    names: set[str] = set()
+    for cls in {type(m) for m in (*outer, *block.modules())}:
+        if cls in (nn.ModuleList, nn.ModuleDict, nn.Sequential):
+            continue  # containers: no forward, or Sequential's, which reads no attribute
+        found = forward_attributes(cls)
+        if found is None:
+            return None
+        names |= found
+    return frozenset(names)
+
+
+def _signature(block: nn.Module, read: frozenset[str] | None) -> tuple:
     """What a block's forward could depend on besides its inputs: each module's path and class, its
-    parameters' and buffers' shapes and dtypes, its hooks, and its other attributes (plain values
-    by value, functions by their code, anything else by its class)."""
+    parameters' and buffers' shapes and dtypes, its hooks, and the attributes a forward can read
+    (`read`; None: all of them), plain values by value, functions by their code, anything else by
+    its class. An attribute no forward reads (torchtitan's `layer_id`, used by weight init) is no
+    difference."""
     out = []
     for path, m in block.named_modules():
         tensors = tuple(
@@ -96,7 +122,13 @@ def _signature(block: nn.Module) -> tuple:
             for name, t in store.items()
         )
         hooks = tuple(len(h) for h in (m._forward_hooks, m._forward_pre_hooks))
-        state = tuple(sorted((k, _value(v)) for k, v in vars(m).items() if not k.startswith("_")))
+        state = tuple(
+            sorted(
+                (k, _value(v))
+                for k, v in vars(m).items()
+                if k not in _MODULE_STATE and (read is None or k in read)
+            )
+        )
         out.append((path, type(m), tensors, hooks, state))
     return tuple(out)
 

@@ -269,6 +269,55 @@ def is_self_attribute(node: ast.AST) -> bool:
     return _is_self_attr(node)
 
 
+_READ_NOTHING = {
+    "type",
+    "isinstance",
+    "id",
+}  # builtins that read no attribute of what they are given
+
+
+def forward_attributes(cls: type) -> frozenset[str] | None:
+    """Every attribute name `cls`'s forward loads (of `self` or of anything else: `layer.layer_idx`)
+    in its source and in the methods it calls on `self`; None when one of those has no source, reads
+    `self` by other means than attributes (getattr, vars, `__dict__`, super), hands `self` to a
+    function, or calls a property: then any attribute may be read."""
+    names: set[str] = set()
+    todo, seen = ["forward"], set()
+    while todo:
+        method = todo.pop()
+        if method in seen:
+            continue
+        seen.add(method)
+        fn = _method(cls, method)
+        if fn is None or not fn.args.args:
+            return None
+        me = fn.args.args[0].arg
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Name) and node.id in ("getattr", "vars", "super", "hasattr"):
+                return None
+            # `self` handed to a function (transformers' eager_attention_forward(self, …)) is read
+            # where this walk does not go
+            if (
+                isinstance(node, ast.Call)
+                and not (isinstance(node.func, ast.Name) and node.func.id in _READ_NOTHING)
+                and any(
+                    isinstance(a, ast.Name) and a.id == me
+                    for a in [*node.args, *(k.value for k in node.keywords)]
+                )
+            ):
+                return None
+            if not isinstance(node, ast.Attribute) or not isinstance(node.ctx, ast.Load):
+                continue
+            names.add(node.attr)
+            if isinstance(node.value, ast.Name) and node.value.id == me:
+                found = inspect.getattr_static(cls, node.attr, None)
+                if node.attr == "__dict__" or isinstance(found, property):
+                    return None
+                if inspect.isfunction(found):
+                    todo.append(node.attr)
+    return frozenset(names)
+
+
 def method_ast(cls: type, name: str) -> ast.FunctionDef | None:
     """The parsed source of `cls.name` (cached); None without Python source."""
     return _method(cls, name)

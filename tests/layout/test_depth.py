@@ -155,3 +155,85 @@ def test_a_forward_that_needs_every_block_is_traced_whole(deep_at_16):
     tr = Traces().of(Indexed())
     # the short run raised after three blocks (on meta tensors, then on fakes)
     assert tr.ok and Block.calls == 2 * depth.KEEP + N_BLOCKS
+
+
+class Titan(Block):
+    """torchtitan's block: a layer id and an init scale per block, read only by weight init."""
+
+    def __init__(self, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+
+    def init_weights(self) -> None:
+        nn.init.trunc_normal_(self.down.weight, std=self.weight_init_std)
+
+
+class Alternating(Block):
+    """A block whose forward reads its index: every other one skips its gate."""
+
+    def __init__(self, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm(x))
+        h = self.up(x) if self.layer_idx % 2 else F.silu(self.gate(x)) * self.up(x)
+        return x + self.down(h)
+
+
+class Delegating(Alternating):
+    """The same, through super(): what the parent's forward reads is not read here."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.gated = self.layer_idx % 2 == 0
+        return Block.forward(self, x) if self.gated else super().forward(x)
+
+
+class Skipping(Deep):
+    """The model reads each block's flag to decide whether to run it."""
+
+    def __init__(self):
+        super().__init__()
+        for i, layer in enumerate(self.layers):
+            layer.skip = i % 7 == 3
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = x if layer.skip else layer(x)
+        return self.head(x)
+
+
+def _deep_of(make) -> Deep:
+    model = Deep()
+    model.layers = nn.ModuleList(make(i) for i in range(N_BLOCKS))
+    return model
+
+
+def test_what_no_forward_reads_is_no_difference_and_what_one_reads_is(deep_at_16):
+    """torchtitan's per-block layer id and init scale are read by weight init only: the blocks are
+    alike. An index the block's forward reads, or a flag the model's forward reads of each block,
+    makes them differ; a forward that calls super() counts as reading anything."""
+    assert depth.short(_deep_of(Titan)).dropped == {
+        "layers": tuple(f"layers.{i}" for i in range(3, N_BLOCKS))
+    }
+    assert depth.short(_deep_of(Alternating)) == depth.NONE
+    assert depth.short(_deep_of(Delegating)) == depth.NONE
+    assert depth.short(Skipping()) == depth.NONE
+
+
+def _gate_of(block: Block, x: torch.Tensor) -> torch.Tensor:
+    return F.silu(block.gate(x)) * block.up(x) if block.layer_idx % 2 else block.up(x)
+
+
+class Handing(Alternating):
+    """The index is read by a function the forward hands `self` to (transformers' style)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm(x))
+        return x + self.down(_gate_of(self, x))
+
+
+def test_a_forward_that_hands_itself_to_a_function_counts_as_reading_anything(deep_at_16):
+    assert depth.short(_deep_of(Handing)) == depth.NONE
