@@ -25,6 +25,21 @@ from dtp.runtime.shard import Applied, apply
 
 REPO = Path(__file__).resolve().parent.parent
 BATCH, SEQ, LR = 4, 16, 1e-2
+# `dtp train` on gpt2-tiny at tp 1, small and quick (add --steps, --checkpoint, --out)
+TINY_TRAIN = [
+    "plans/gpt2.tp",
+    "gpt2-tiny",
+    "--batch",
+    "2",
+    "--seq",
+    "16",
+    "--eval-every",
+    "100",
+    "--device",
+    "cpu",
+    "--tp",
+    "1",
+]
 # gpt2-tiny with an odd vocabulary (uneven shards at tp 2 and 4), packed QKV and tied embeddings.
 GPT_ODD = GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=257, block_size=64, dropout=0.0)
 LLAMA_GQA = LlamaConfig(

@@ -18,9 +18,9 @@ import torch.nn as nn
 
 from dtp.auto.rules import Line, Unit
 from dtp.auto.sizes import fused_view, input_width_sizes, size_reads
-from dtp.auto.structure import HEAD_SIZES, Pair, Reading, module_heads, stated, stated_int
+from dtp.auto.structure import Pair, Reading, module_heads, stated, stated_int
 from dtp.checks.attention_shapes import ALIBI_INPUTS
-from dtp.layout.attention import Heads, fused_parts
+from dtp.layout.attention import HEAD_SIZES, Heads, fused_parts
 from dtp.layout.modules import features, forward_inputs
 from dtp.layout.norms import is_norm, norm_width
 from dtp.layout.styles import Style

@@ -30,14 +30,11 @@ import torch.nn as nn
 
 from dtp.errors import UsageError
 from dtp.layout.attention import (
-    HEAD_COUNTS,
-    HEAD_SIZES,
-    KV_HEAD_COUNTS,
-    PROJECTIONS,
     Heads,
     config_heads,
 )
 from dtp.layout.attention import attention_like as layout_attention_like
+from dtp.layout.attention import module_heads as layout_module_heads
 from dtp.layout.blocks import blocks as layout_blocks
 from dtp.layout.forward_source import ForwardFacts, forward_facts, method_ast
 from dtp.layout.modules import features, is_experts, is_linear
@@ -115,31 +112,9 @@ def attention_like(module: nn.Module) -> bool:
 
 
 def module_heads(path: str, module: nn.Module) -> Heads | None:
-    """The heads of attention module `path` from its own stored attributes alone (a head count, a
-    key/value count, a head size or the projections' width), as dtp/layout/attention.py reads
-    them."""
-    name = path.rsplit(".", 1)[-1] or "attention"
-    size = stated_int(module, HEAD_SIZES)
-    count = stated_int(module, HEAD_COUNTS)
-    if count is None:
-        return None
-    kv = stated_int(module, KV_HEAD_COUNTS)
-    if size is None:  # the hidden size
-        width = next(
-            (
-                c.in_features
-                for n, c in module.named_children()
-                if n in PROJECTIONS and isinstance(c, nn.Linear)
-            ),
-            None,
-        )
-        if width is None or width % count[1]:
-            return None
-        size = ("", width // count[1])
-    source = f"{name}.{count[0]}"
-    return Heads(
-        count[1], kv[1] if kv else count[1], size[1], source, f"{name}.{kv[0]}" if kv else source
-    )
+    """The heads of attention module `path` from its own stored attributes alone, as
+    dtp/layout/attention.py reads them."""
+    return layout_module_heads(path, module, read=stated_int)
 
 
 def unreadable(module: nn.Module) -> str | None:

@@ -44,37 +44,35 @@ from dtp.runtime.launcher import launch_local
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
 
 
+def _command(out: Path, name: str, args: list[str]) -> tuple[str, int, dict]:
+    """`python -m dtp ARGS --json OUT/NAME.json --timeout 240` in a subprocess (the user's path), its
+    output in OUT/NAME.log: the command as run (without the interpreter), its exit status and its
+    JSON report ({} when it wrote none)."""
+    report = out / f"{name}.json"
+    cmd = [sys.executable, "-m", "dtp", *args, "--json", str(report), "--timeout", "240"]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    (out / f"{name}.log").write_text(done.stdout + done.stderr)
+    return (
+        " ".join(cmd[1:]),
+        done.returncode,
+        json.loads(report.read_text()) if report.exists() else {},
+    )
+
+
 def _apply_parity(out: Path, tp: int, device: str) -> dict:
     """`dtp apply PLAN gpt2-tiny --tp N --device D --json` in a subprocess: the user's path, exit
     status 0."""
     plan = out / "gpt2.tp"
     plan.write_text(PLAN)
-    report = out / "apply.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "dtp",
-        "apply",
-        str(plan),
-        "gpt2-tiny",
-        "--tp",
-        str(tp),
-        "--device",
-        device,
-        "--json",
-        str(report),
-        "--timeout",
-        "240",
-    ]
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    (out / "apply.log").write_text(done.stdout + done.stderr)
-    parity = json.loads(report.read_text())["parity"] if report.exists() else {}
+    args = ["apply", str(plan), "gpt2-tiny", "--tp", str(tp), "--device", device]
+    command, code, report = _command(out, "apply", args)
+    parity = report.get("parity", {})
     return {
-        "command": " ".join(cmd[1:]),
-        "exit": done.returncode,
-        "ok": done.returncode == 0 and parity.get("ok") is True,
+        "command": command,
+        "exit": code,
+        "ok": code == 0 and parity.get("ok") is True,
         "tp": tp,
         "backend": "nccl" if device == "cuda" else "gloo",
         "parity": parity,
@@ -107,43 +105,25 @@ def _generate(out: Path, tp: int, device: str, dry_run: bool) -> dict:
     parameters = sum(p.numel() for p in model.parameters())
     model.save_pretrained(directory)
     del model
-    report = out / "generate.json"
     prompt = " ".join(str(1 + i % 97) for i in range(16 if dry_run else 128))
-    cmd = [
-        sys.executable,
-        "-m",
-        "dtp",
-        "generate",
-        "hf/llama",
-        str(directory),
-        "--tp",
-        str(tp),
-        "--device",
-        device,
+    args = ["generate", "hf/llama", str(directory), "--tp", str(tp), "--device", device]
+    args += [
         "--dtype",
         dtype,
         "--prompt-ids",
         prompt,
         "--max-new-tokens",
         str(4 if dry_run else 64),
-        "--json",
-        str(report),
-        "--timeout",
-        "240",
     ]
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    (out / "generate.log").write_text(done.stdout + done.stderr)
-    r = json.loads(report.read_text()) if report.exists() else {}
+    command, code, report = _command(out, "generate", args)
     keep = ("tokens_per_s", "ms_per_token", "memory_gb_per_s", "weight_bytes_per_rank")
     return {
-        "command": " ".join(cmd[1:5] + ["DIR"] + cmd[6:]),
-        "exit": done.returncode,
-        "ok": done.returncode == 0 and r.get("ok") is True,
+        "command": command.replace(str(directory), "DIR"),
+        "exit": code,
+        "ok": code == 0 and report.get("ok") is True,
         "tp": tp,
         "parameters": parameters,
-        **{k: r.get(k) for k in keep},
+        **{k: report.get(k) for k in keep},
     }
 
 

@@ -27,8 +27,7 @@ from torch.distributed.tensor import Shard
 from dtp.checks.messages import Reporter
 from dtp.lang.expr import ExprError
 from dtp.layout.attention import attention_like, config_heads
-from dtp.layout.blocks import blocks
-from dtp.layout.depth import shorten
+from dtp.layout.depth import containers, shorten
 from dtp.layout.lower import Lowered, lower, rewrite
 from dtp.layout.resolve import Resolution, generic_path
 from dtp.layout.styles import Style
@@ -71,17 +70,11 @@ _KEEP = 2
 def _surplus(model: nn.Module) -> set[str]:
     """The blocks past the first _KEEP of each container of `model` that holds more than 4 × _KEEP
     (shortening a shallower one does not pay for its extra run)."""
-    found = blocks(dict(model.named_modules()))
-    by_parent: dict[str, list[str]] = {}
-    for path in found:
-        by_parent.setdefault(path.rpartition(".")[0], []).append(path)
     surplus: set[str] = set()
-    for parent, paths in by_parent.items():
-        holder = model.get_submodule(parent) if parent else model
-        if len(paths) <= 4 * _KEEP or not isinstance(
-            holder, (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-        ):
+    for parent, paths in containers(model).items():
+        if len(paths) <= 4 * _KEEP:
             continue
+        holder = model.get_submodule(parent) if parent else model
         position = {name: i for i, name in enumerate(holder._modules)}
         surplus.update(p for p in paths if position[p.rpartition(".")[2]] >= _KEEP)
     return surplus

@@ -99,15 +99,20 @@ def heads(model: nn.Module, path: str, module: nn.Module) -> Heads | None:
     return module_heads(path, module)
 
 
-def module_heads(path: str, module: nn.Module) -> Heads | None:
+def module_heads(
+    path: str,
+    module: nn.Module,
+    read: Callable[[object, tuple[str, ...]], tuple[str, int] | None] = _int_attr,
+) -> Heads | None:
     """The heads of attention module `path` from its own attributes alone (a head count, a key/value
-    count, a head size or the projections' width)."""
+    count, a head size or the projections' width; `read(module, names)` as attention_like takes
+    it)."""
     name = path.rsplit(".", 1)[-1] or "attention"
-    size = _int_attr(module, HEAD_SIZES)
-    count = _int_attr(module, HEAD_COUNTS)
+    size = read(module, HEAD_SIZES)
+    count = read(module, HEAD_COUNTS)
     if count is None:
         return None
-    kv = _int_attr(module, KV_HEAD_COUNTS)
+    kv = read(module, KV_HEAD_COUNTS)
     if size is None:
         # the hidden size
         width = next(

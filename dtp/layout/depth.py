@@ -71,18 +71,29 @@ class Flow(Protocol):
 T = TypeVar("T", bound=Flow)
 
 
-def short(model: nn.Module) -> Short:
-    """The containers of `model` holding more than DEEP blocks all alike, and what a trace leaves
-    out of each."""
+def containers(model: nn.Module) -> dict[str, list[str]]:
+    """The blocks of `model` (dtp/layout/blocks.py) held in a ModuleList, Sequential or ModuleDict,
+    by that container's path."""
     by_parent: dict[str, list[str]] = {}
     for path in blocks(dict(model.named_modules())):
         by_parent.setdefault(path.rpartition(".")[0], []).append(path)
+    return {
+        parent: paths
+        for parent, paths in by_parent.items()
+        if isinstance(
+            model.get_submodule(parent) if parent else model,
+            (nn.ModuleList, nn.Sequential, nn.ModuleDict),
+        )
+    }
+
+
+def short(model: nn.Module) -> Short:
+    """The containers of `model` holding more than DEEP blocks all alike, and what a trace leaves
+    out of each."""
     dropped, source = {}, {}
-    for parent, paths in by_parent.items():
+    for parent, paths in containers(model).items():
         holder = model.get_submodule(parent) if parent else model
-        if len(paths) <= DEEP or not isinstance(
-            holder, (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-        ):
+        if len(paths) <= DEEP:
             continue
         if list(holder._modules) != [p.rpartition(".")[2] for p in paths]:
             continue  # a member that is not a block (no children): positions would not match

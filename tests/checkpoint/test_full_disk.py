@@ -24,7 +24,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from ckpt_ranks import REPO, full_state, mesh_of, setup, step
+from ckpt_ranks import REPO, TINY_TRAIN, full_state, mesh_of, setup, step
 from conftest import dtp_cli
 from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -42,22 +42,7 @@ ROOM = 64 << 10  # what the injected disk has left: a data file fails part-way
 # gpt2-tiny's checkpoint is 1.6 MiB: one fits on a 2 MiB tmpfs, two do not; its Hugging Face export
 # is 0.5 MiB: one fits on 800 KiB, two do not
 DISK, SMALL = "2m", "800k"
-TRAIN = [
-    "plans/gpt2.tp",
-    "gpt2-tiny",
-    "--tp",
-    "1",
-    "--batch",
-    "2",
-    "--seq",
-    "16",
-    "--eval-every",
-    "100",
-    "--device",
-    "cpu",
-    "--steps",
-    "4",
-]
+TRAIN = [*TINY_TRAIN, "--steps", "4"]
 SPACE = r"needs about [\d.]+ [KMG]iB, [\d.]+ (B|[KMGT]iB) free on "
 
 

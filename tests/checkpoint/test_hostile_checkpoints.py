@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_ranks import TINY_TRAIN
 from conftest import dtp_cli
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
@@ -24,21 +25,6 @@ from dtp.checkpoint.lock import held, lock_path
 from dtp.checkpoint.untrusted import MetadataUnpickler
 from dtp.cli import main
 
-TINY = [
-    "plans/gpt2.tp",
-    "gpt2-tiny",
-    "--batch",
-    "2",
-    "--seq",
-    "16",
-    "--eval-every",
-    "100",
-    "--device",
-    "cpu",
-    "--tp",
-    "1",
-]
-
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
@@ -46,7 +32,14 @@ def saved(tmp_path_factory) -> Path:
     copy)."""
     root = tmp_path_factory.mktemp("hostile")
     result = dtp_cli(
-        "train", *TINY, "--steps", "1", "--checkpoint", str(root / "ck"), "--out", str(root / "out")
+        "train",
+        *TINY_TRAIN,
+        "--steps",
+        "1",
+        "--checkpoint",
+        str(root / "ck"),
+        "--out",
+        str(root / "out"),
     )
     assert result.returncode == 0, result.stderr[-2000:]
     return root / "ck"
@@ -150,7 +143,7 @@ def test_train_resume_refuses_payloads_before_any_rank(ck, tmp_path):
     marker = tmp_path / "MARKER"
     _bytes_entry(ck, marker)
     result = dtp_cli(
-        "train", *TINY, "--steps", "2", "--resume", str(ck), "--out", str(tmp_path / "out")
+        "train", *TINY_TRAIN, "--steps", "2", "--resume", str(ck), "--out", str(tmp_path / "out")
     )
     assert result.returncode == 2 and not marker.exists()
     _one_paragraph(result.stderr)
@@ -241,7 +234,14 @@ def test_a_live_lock_refuses_a_second_save_and_its_work_survives(ck, tmp_path):
         theirs = ck.parent / "ck.tmp-theirs"
         theirs.mkdir()
         result = dtp_cli(
-            "train", *TINY, "--steps", "1", "--checkpoint", str(ck), "--out", str(tmp_path / "out")
+            "train",
+            *TINY_TRAIN,
+            "--steps",
+            "1",
+            "--checkpoint",
+            str(ck),
+            "--out",
+            str(tmp_path / "out"),
         )
         assert result.returncode in (1, 2) and f"pid {other.pid}" in result.stderr
         assert "Traceback" not in result.stderr
