@@ -14,11 +14,11 @@ from conftest import REPO
 
 MAX_REPORTS = 30
 MAX_KB = 200  # .pre-commit-config.yaml's check-added-large-files --maxkb
-# dtp/bench modules that are entries of their own: the package face, `python -m dtp.bench`, `dtp
+# dtp/bench modules that are entries of their own: the package face, `dtp
 # bench`'s main, and the tp 1 comparison with a plain transformers loop (docs/bench.md). Every other
 # module must be reached from these by imports; a module nothing reaches is a lab harness and
 # belongs in bench/.
-BENCH_ENTRIES = {"__init__", "__main__", "run", "plain_tp1"}
+BENCH_ENTRIES = {"__init__", "run", "plain_tp1"}
 
 
 def _git(*args: str) -> list[str]:

@@ -6,7 +6,7 @@
 - `dtp-compile` (opt-in): dtp's sharded model with every block under `torch.compile` (parity is
   probed through the compiled blocks).
 
-An arm is built on every rank and offers a training step and a probe: the full logits, the loss, the
+An arm is built on every rank from the same `Inputs` and offers a training step and a probe: the full logits, the loss, the
 global gradient norm² and the collectives of one forward + backward — what parity is checked on
 before timing.
 """
@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -30,11 +31,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dtp.bench.megatron import MegatronGPT
-from dtp.checks.checker import check
+from dtp.checks.checker import Checked
 from dtp.compiler.placed import pack_parts
 from dtp.compiler.vocab_parallel import cross_entropy
 from dtp.cost.param_bytes import local_param_bytes
-from dtp.lang.parse import parse
 from dtp.layout.parts import equal_parts
 from dtp.models import ModelSource
 from dtp.models.gpt import GPT, GPTConfig
@@ -44,6 +44,7 @@ from dtp.train.optim import LocalSGD
 
 # plans/gpt2.tp, shipped inside the package so `dtp bench` runs from any install (a test keeps them
 # equal).
+PLAN_NAME = "plans/gpt2.tp"
 PLAN = """\
 # Megatron-LM tensor parallelism for GPT-2 (Shoeybi et al., 2019, section 3):
 # attention heads and the MLP's first matrix split by columns, the second matrices by rows,
@@ -77,6 +78,17 @@ class Probe:
 
 
 @dataclass(frozen=True)
+class Inputs:
+    """What every arm of a configuration is built from, on each rank."""
+
+    base: GPT  # the unsharded GPT, the same weights on every rank
+    mesh: DeviceMesh  # ("tp",)
+    x: torch.Tensor  # one batch of token ids
+    y: torch.Tensor  # its targets
+    checked: Checked  # the job's plan, checked once by the pre-flight, matched to this GPT
+
+
+@dataclass(frozen=True)
 class Arm:
     """A built arm: `step()` trains once; `probe()` is for parity (run it before timing)."""
 
@@ -84,7 +96,6 @@ class Arm:
     step: Callable[[], None]
     probe: Callable[[], Probe]
     param_bytes: int  # this rank's parameters
-    extra: dict  # what else the arm knows (dtp: its checked plan for the analytic schedule)
 
 
 LR = 0.01
@@ -106,9 +117,7 @@ def _torch_loss(logits, y) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def _dtensor_arm(
-    name: str, model: torch.nn.Module, x, y, extra: dict | None = None, local_loss: bool = False
-) -> Arm:
+def _dtensor_arm(name: str, model: torch.nn.Module, x, y, local_loss: bool = False) -> Arm:
     """An arm over a DTensor-sharded GPT (logits Shard(-1)): torch's `loss_parallel` and SGD, or
     dtp's local vocabulary-parallel cross-entropy and local SGD (`local_loss`)."""
     # dtp's own: the local loss and SGD's update on the local tensors (dtp.train.optim, as its
@@ -150,20 +159,18 @@ def _dtensor_arm(
             logits.detach(), loss.item(), grad_sq, dict(counted["by_op"]), dict(counted["bytes"])
         )
 
-    return Arm(name, step, probe, local_param_bytes(model), extra or {})
+    return Arm(name, step, probe, local_param_bytes(model))
 
 
-def _dtp_model(base: GPT, mesh):
+def _dtp_model(given: Inputs) -> torch.nn.Module:
     """dtp's sharded GPT through the one build path (dtp.runtime.build): built on meta, sharded by
-    the plan, each rank's blocks scattered from rank 0's `base`; on one rank the plain model, as
-    `dtp apply` and `dtp train` run."""
-    source = ModelSource("bench-gpt", "gpt", base.config)
-    with torch.device("meta"):
-        checked = check(parse(PLAN, "gpt2.tp"), GPT(base.config), mesh.size())
+    the checked plan, each rank's blocks scattered from rank 0's `base`; on one rank the plain model,
+    as `dtp apply` and `dtp train` run."""
+    base = given.base
     applied = build_sharded(
-        checked,
-        source,
-        mesh,
+        given.checked,
+        ModelSource("bench-gpt", "gpt", base.config),
+        given.mesh,
         seed=0,
         device=base.lm_head.weight.device,
         full=base if dist.get_rank() == 0 else None,
@@ -171,23 +178,22 @@ def _dtp_model(base: GPT, mesh):
         # at tp 1 plain PyTorch, no DTensor and no collective, as apply and train
         plain=True,
     )
-    return applied.model, checked
+    return applied.model
 
 
-def build_dtp(base: GPT, mesh, x, y) -> Arm:
+def build_dtp(given: Inputs) -> Arm:
     """dtp's compiled plan."""
-    model, checked = _dtp_model(base, mesh)
-    return _dtensor_arm("dtp", model, x, y, extra={"checked": checked}, local_loss=True)
+    return _dtensor_arm("dtp", _dtp_model(given), given.x, given.y, local_loss=True)
 
 
-def build_dtp_compiled(base: GPT, mesh, x, y) -> Arm:
+def build_dtp_compiled(given: Inputs) -> Arm:
     """dtp's compiled plan with every transformer block under torch.compile (inductor), as
     torchtitan compiles per block; the vocabulary-parallel embedding and head stay eager (DTensor's
     masked embedding does not trace here: "Mixing fake modes")."""
-    model, _ = _dtp_model(base, mesh)
+    model = _dtp_model(given)
     for block in model.transformer.h:
         block.compile()
-    return _dtensor_arm("dtp-compile", model, x, y, local_loss=True)
+    return _dtensor_arm("dtp-compile", model, given.x, given.y, local_loss=True)
 
 
 def handwritten(model: GPT, mesh) -> None:
@@ -214,17 +220,18 @@ def handwritten(model: GPT, mesh) -> None:
     model.lm_head.weight = model.transformer.wte.weight
 
 
-def build_hand(base: GPT, mesh, x, y) -> Arm:
+def build_hand(given: Inputs) -> Arm:
     """The hand-written parallelize_module plan (its QKV rows reordered; logits and gradient norm do
     not depend on the order of rows)."""
-    model = copy.deepcopy(base)
-    handwritten(model, mesh)
-    return _dtensor_arm("hand", model, x, y)
+    model = copy.deepcopy(given.base)
+    handwritten(model, given.mesh)
+    return _dtensor_arm("hand", model, given.x, given.y)
 
 
-def build_megatron(base: GPT, mesh, x, y) -> Arm:
+def build_megatron(given: Inputs) -> Arm:
     """The Megatron-style baseline, loaded with this rank's slices of `base`."""
-    world, rank = mesh.size(), mesh.get_local_rank()
+    base, x, y = given.base, given.x, given.y
+    world, rank = given.mesh.size(), given.mesh.get_local_rank()
     meg = MegatronGPT(base.config, rank, world).to(base.lm_head.weight.device)
     meg.load_from(base)
     opt = _sgd(meg)
@@ -272,10 +279,10 @@ def build_megatron(base: GPT, mesh, x, y) -> Arm:
             dict(nbytes),
         )
 
-    return Arm("megatron", step, probe, local_param_bytes(meg), {})
+    return Arm("megatron", step, probe, local_param_bytes(meg))
 
 
-ARMS: dict[str, Callable] = {
+ARMS: dict[str, Callable[[Inputs], Arm]] = {
     "dtp": build_dtp,
     "hand": build_hand,
     "megatron": build_megatron,

@@ -8,10 +8,9 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 
 from dtp.bench.arms import ARMS
-from dtp.models.gpt import GPT
+from dtp.bench.scaling import Config, inputs
 
 GROUPS = {  # substring of the profiler's row name → group; first match wins
     "gemm": ("aten::mm", "aten::addmm", "aten::bmm"),
@@ -48,17 +47,11 @@ def group_of(name: str) -> str:
     return "other"
 
 
-def profile(rank: int, world: int, cfg, steps: int = 3) -> dict:
+def profile(rank: int, world: int, cfg: Config, steps: int = 3) -> dict:
     """Rank 0's self CPU milliseconds per step by group and the top rows, for every arm of `cfg`."""
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    torch.manual_seed(0)
-    base = GPT(cfg.gpt())
-    ids = torch.randint(
-        0, cfg.vocab_size, (cfg.batch, cfg.seq + 1), generator=torch.Generator().manual_seed(1)
-    )
-    x, y = ids[:, :-1], ids[:, 1:]
-    arms = {name: ARMS[name](base, mesh, x, y) for name in cfg.arms}
+    given = inputs(world, cfg)
+    arms = {name: ARMS[name](given) for name in cfg.arms}
     out: dict = {}
     for name, arm in arms.items():
         arm.step()  # warm-up (and compilation)

@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -37,7 +36,6 @@ from dtp.bench.megatron import flops_per_token
 from dtp.bench.report import compare, results_folder
 from dtp.errors import RunError
 from dtp.models import hf
-from dtp.runtime.launcher import launch_local
 
 # dense bf16 peak FLOP/s by device name (vendor datasheets); an unknown GPU gets achieved FLOP/s
 # only
@@ -169,24 +167,15 @@ def train_step_mfu(
     }
 
 
-def _ratio_on(cfg) -> dict:
+def _ratio_on(cfg: scaling.Config) -> dict:
     """The interleaved benchmark configuration on `cfg.tp` local ranks: spawned NCCL ranks, one GPU
     each, or, on CPU, forked gloo ranks (one thread each, as the CPU benchmark runs); a failed rank
     is a failed result."""
-    threads = None if cfg.device == "cuda" else 1
     try:
-        return launch_local(
-            scaling.measure,
-            cfg.tp,
-            cfg,
-            timeout=600,
-            device=cfg.device,
-            prefix="dtp-gpu-",
-            threads=threads,
-        )[0]
+        return scaling.run(scaling.preflight(cfg))
     # a rank that failed: the check's other results are still written, then exit 1
     except RunError as err:
-        return {"config": asdict(cfg), "ok": False, "error": str(err)}
+        return {"config": cfg.to_json(), "ok": False, "error": str(err)}
 
 
 def main(root: Path, dry_run: bool = False) -> int:
@@ -224,6 +213,7 @@ def main(root: Path, dry_run: bool = False) -> int:
             tp=tp,
             warmup=1,
             samples=3,
+            timeout=600,
             arms=("dtp", "hand", "megatron", "dtp-compile"),
         )
     else:
@@ -239,6 +229,7 @@ def main(root: Path, dry_run: bool = False) -> int:
             warmup=3,
             samples=20,
             device="cuda",
+            timeout=600,
             arms=("dtp", "hand", "megatron", "dtp-compile"),
         )
     ratio = _ratio_on(cfg)

@@ -4,7 +4,6 @@ matplotlib is installed."""
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -12,18 +11,19 @@ import platform
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from dtp.bench import fuzz_speed
+from dtp.bench import fuzz_speed, scaling
 from dtp.bench.breakdown import profile, table
 from dtp.bench.gpu import main as gpu_main
 from dtp.bench.report import markdown, plots, ratios, results_folder
-from dtp.bench.scaling import Config, measure
+from dtp.bench.scaling import Config
+from dtp.errors import UsageError, shorten
 from dtp.files import writable_dir, writable_file, write_text
-from dtp.runtime import ranks
 
 TPS = (1, 2, 4)
 KINDS = {  # per kind: strong model, weak head size and shape, warm-up rounds, timed rounds
@@ -91,15 +91,15 @@ def gemm_peak(n: int = 512, reps: int = 10, trials: int = 5) -> float:
 
 def _run(cfgs: dict[str, list[Config]], progress, repeats: int = 1) -> dict[str, list[dict]]:
     """Each configuration measured `repeats` times on fresh ranks, every configuration in turn
-    between runs."""
-    runs: dict[tuple[str, int], list[dict]] = {
-        (part, i): [] for part, c in cfgs.items() for i in range(len(c))
+    between runs. Every configuration passes its pre-flight before the first rank starts."""
+    prepared = {
+        (part, i): scaling.preflight(cfg) for part, c in cfgs.items() for i, cfg in enumerate(c)
     }
+    runs: dict[tuple[str, int], list[dict]] = {key: [] for key in prepared}
     for _ in range(repeats):
-        for (part, i), done in runs.items():
+        for key, done in runs.items():
             if not done or done[-1]["ok"]:  # a configuration that failed parity is not run again
-                cfg = cfgs[part][i]
-                done.append(ranks.on_ranks(measure, cfg.tp, cfg, timeout=3600)[0])
+                done.append(scaling.run(prepared[key]))
             progress.update(1)
     return {part: [pool_runs(runs[part, i]) for i in range(len(c))] for part, c in cfgs.items()}
 
@@ -133,12 +133,9 @@ def pool_runs(runs: list[dict]) -> dict:
 
 def _profile(strong: list[Config], root: Path, kind: str, tps: tuple[int, ...]) -> int:
     """`--profile`: profile.json and profile.md in a new results folder."""
+    prepared = [scaling.preflight(c) for c in strong if c.tp in tps]
     out = results_folder(root, f"{kind}-profile", datetime.datetime.now(datetime.timezone.utc))
-    result = {
-        f"tp{c.tp}": ranks.on_ranks(profile, c.tp, c, timeout=3600)[0]
-        for c in strong
-        if c.tp in tps
-    }
+    result = {f"tp{p.job.tp}": scaling.run(p, profile) for p in prepared}
     (out / "profile.json").write_text(json.dumps(result, indent=2) + "\n")
     text = "\n\n".join(
         f"tp={k[2:]}, n_embd={strong[0].n_embd}: self CPU ms per step on rank 0\n\n{table(v)}"
@@ -163,102 +160,66 @@ def machine() -> dict:
     }
 
 
-def _samples(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if not 3 <= n <= 1000:
-        raise argparse.ArgumentTypeError(f"must be an integer from 3 to 1000, got {text!r}")
-    return n
+SAMPLES = (3, 1000)  # timed rounds per configuration, at least and at most
+REPEATS = (1, 10)  # fresh runs per configuration
 
 
-def _repeats(text: str) -> int:
-    if not (text.isdigit() and 1 <= int(text) <= 10):
-        raise argparse.ArgumentTypeError(f"must be an integer from 1 to 10, got {text!r}")
-    return int(text)
+def _within(flag: str, value: object, bounds: tuple[int, int]) -> None:
+    low, high = bounds
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise UsageError(f"{flag} must be an integer from {low} to {high}, got {shorten(value)}")
 
 
-def parser() -> argparse.ArgumentParser:
-    """`dtp bench` options."""
-    p = argparse.ArgumentParser(
-        prog="dtp bench",
-        description="scaling benchmarks next to a Megatron-style baseline "
-        "(arms interleaved step by step; median ratios with bootstrap 95 % intervals)",
-    )
-    size = p.add_mutually_exclusive_group()
-    size.add_argument(
-        "--quick", action="store_true", help="small models (about a minute on 2 cores)"
-    )
-    size.add_argument(
-        "--smoke",
-        action="store_true",
-        help="tiny models, tp 1-2, 3 samples: checks the machinery only",
-    )
-    p.add_argument("--json", metavar="PATH", help="also write the whole result here")
-    p.add_argument(
-        "--out", metavar="DIR", default="bench/results", help="where the run's folder goes"
-    )
-    p.add_argument("--no-fuzz", action="store_true", help="skip the fuzz throughput measurement")
-    p.add_argument(
-        "--tp", type=int, action="append", choices=TPS, help="run only this tp (repeatable)"
-    )
-    p.add_argument(
-        "--profile",
-        action="store_true",
-        help="instead of timing: profile one step of every arm "
-        "(strong model, tp 2 or --tp) and group its CPU time (GEMM, communication, DTensor, other)",
-    )
-    p.add_argument(
-        "--compile", action="store_true", help="add an arm: dtp's sharded model under torch.compile"
-    )
-    p.add_argument(
-        "--samples",
-        type=_samples,
-        help="timed rounds per configuration (default: 20; 3 with --smoke); "
-        "more samples narrow the intervals",
-    )
-    p.add_argument(
-        "--repeats",
-        type=_repeats,
-        default=1,
-        help="measure each configuration this many times on "
-        "fresh ranks (1-10); ratios are then taken over the runs, and their intervals carry how "
-        "much "
-        "whole runs differ",
-    )
-    p.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default="cpu",
-        help="cuda: the GPU check instead (NCCL parity, bf16 MFU, dtp/Megatron on GPU; see --dry-run)",
-    )
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="with --device cuda: run the GPU check's logic on CPU, tiny",
-    )
-    return p
+@dataclass(frozen=True, kw_only=True)
+class Bench:
+    """One `dtp bench` run, validated here, once, one message per condition (UsageError: exit 2
+    before anything is measured). Each configuration it times is a Config, a job of its own."""
+
+    kind: str = "full"  # a key of KINDS: the sizes
+    tps: tuple[int, ...] = ()  # only these tp (empty: every one of TPS)
+    samples: int | None = None  # timed rounds per configuration (None: the kind's)
+    repeats: int = 1  # fresh runs per configuration, every configuration in turn between them
+    out: str = "bench/results"  # where the run's folder goes
+    json_path: str | None = None  # also write the whole result here
+    fuzz: bool = True  # measure the fuzzer's throughput too
+    profile: bool = False  # instead of timing: profile one step of every arm
+    compile: bool = False  # add the arm of dtp's blocks under torch.compile
+    device: str = "cpu"  # cuda: the GPU check instead (dtp.bench.gpu)
+    dry_run: bool = False  # the GPU check's logic on CPU, tiny
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise UsageError(
+                f"the size must be one of {', '.join(KINDS)}, got {shorten(self.kind)}"
+            )
+        wrong = [t for t in self.tps if t not in TPS]
+        if wrong:
+            raise UsageError(
+                f"--tp must be one of {', '.join(map(str, TPS))}, got {shorten(wrong[0])}"
+            )
+        if self.samples is not None:
+            _within("--samples", self.samples, SAMPLES)
+        _within("--repeats", self.repeats, REPEATS)
+        if self.device not in ("cpu", "cuda"):
+            raise UsageError(f"--device must be cpu or cuda, got {shorten(self.device)}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(bench: Bench) -> int:
     """Run the benchmarks; exit 1 when an arm failed parity (that configuration is not timed)."""
-    args = parser().parse_args(argv)
-    writable_dir(args.out, "--out", create=False)  # before hours of benchmarks, not after
-    if args.json:
-        args.json = writable_file(args.json, "--json")
-    if args.device == "cuda" or args.dry_run:
-        return gpu_main(Path(args.out), dry_run=args.dry_run)
-    kind = "smoke" if args.smoke else "quick" if args.quick else "full"
-    arms = ("dtp", "hand", "megatron") + (("dtp-compile",) if args.compile else ())
-    cfgs = configs(kind, arms, tuple(args.tp or ()), args.samples)
-    if args.profile:
-        return _profile(cfgs["strong"], Path(args.out), kind, tuple(args.tp or (2,)))
+    writable_dir(bench.out, "--out", create=False)  # before hours of benchmarks, not after
+    json_path = writable_file(bench.json_path, "--json") if bench.json_path else None
+    if bench.device == "cuda" or bench.dry_run:
+        return gpu_main(Path(bench.out), dry_run=bench.dry_run)
+    kind = bench.kind
+    arms = ("dtp", "hand", "megatron") + (("dtp-compile",) if bench.compile else ())
+    cfgs = configs(kind, arms, bench.tps, bench.samples)
+    if bench.profile:
+        return _profile(cfgs["strong"], Path(bench.out), kind, bench.tps or (2,))
     peak = gemm_peak()
-    total = args.repeats * sum(map(len, cfgs.values())) + (0 if args.no_fuzz else 1)
+    total = bench.repeats * sum(map(len, cfgs.values())) + bench.fuzz
     with tqdm(total=total, desc="bench", unit="run") as bar:
-        result: dict = _run(cfgs, bar, args.repeats)
-        if not args.no_fuzz:
+        result: dict = _run(cfgs, bar, bench.repeats)
+        if bench.fuzz:
             result["fuzz"] = fuzz_speed.measure(
                 examples={"full": 60, "quick": 20}.get(kind, 4),
                 baseline_examples={"full": 8, "quick": 3}.get(kind, 1),
@@ -274,16 +235,16 @@ def main(argv: list[str] | None = None) -> int:
     result["ratios"] = ratios(result)
     label = (
         kind
-        + "".join(f"-tp{t}" for t in sorted(set(args.tp or ())))
-        + ("-compile" if args.compile else "")
+        + "".join(f"-tp{t}" for t in sorted(set(bench.tps)))
+        + ("-compile" if bench.compile else "")
     )
-    out = results_folder(Path(args.out), label, now)
+    out = results_folder(Path(bench.out), label, now)
     text = json.dumps(result, indent=2, default=str) + "\n"
     (out / "result.json").write_text(text)
     (out / "results.md").write_text(markdown(result) + "\n")
     result["plots"] = plots(result, out)
-    if args.json:
-        write_text(args.json, json.dumps(result, indent=2, default=str) + "\n", "--json")
+    if json_path:
+        write_text(json_path, json.dumps(result, indent=2, default=str) + "\n", "--json")
     print(markdown(result))
     print(f"written to {out}/")
     failed = [r["error"] for part in ("strong", "weak") for r in result[part] if not r["ok"]]

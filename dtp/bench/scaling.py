@@ -6,40 +6,74 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from dtp.bench.arms import ARMS, gpt_config
+from dtp.bench.arms import ARMS, PLAN, PLAN_NAME, Inputs, gpt_config
 from dtp.bench.megatron import BASELINE_VERSION, flops_per_token, relative_error
 from dtp.bench.stats import interleaved_orders
 from dtp.cost.schedule import schedule, summarize
+from dtp.errors import UsageError
+from dtp.models import ModelSource
 from dtp.models.gpt import GPT, GPTConfig
+from dtp.runtime.job import Job, positive
+from dtp.runtime.preflight import Prepared, launch, prepare, trusted
 
 RTOL = 1e-4  # float32, as `dtp apply`: sharding only reorders sums
 
 
-@dataclass(frozen=True)
-class Config:
-    """One point of a scaling curve."""
+@dataclass(frozen=True, kw_only=True)
+class Config(Job):
+    """One point of a scaling curve: a job (the shipped Megatron plan on the benchmark's GPT over tp
+    ranks; batch and seq as every job's) and the benchmark's own settings. Validated here, once,
+    one message per condition; device "cuda" is the GPU check's (NCCL ranks, one GPU each)."""
 
+    plan: str = PLAN_NAME
+    plan_text: str | None = PLAN  # what the pre-flight parses and checks
+    model: str = "bench-gpt"  # the GPT of the sizes below (`source`), as messages name it
+    timeout: float = 3600.0
     n_layer: int
     n_head: int
     n_embd: int
     vocab_size: int
-    seq: int
-    batch: int
-    tp: int
     warmup: int = 2  # untimed rounds
     samples: int = 20  # timed rounds: every arm once per round
     arms: tuple[str, ...] = ("dtp", "hand", "megatron")
-    device: str = "cpu"  # "cuda": NCCL ranks, one GPU each (the GPU check)
+    dtypes: ClassVar[tuple[str, ...]] = ("float32",)  # the arms and their tolerance (RTOL)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for flag, value in (
+            ("n_layer", self.n_layer),
+            ("n_head", self.n_head),
+            ("n_embd", self.n_embd),
+            ("vocab_size", self.vocab_size),
+            ("--samples", self.samples),
+        ):
+            positive(flag, value)
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise UsageError(f"warmup must be an integer ≥ 0, got {self.warmup!r}")
+        unknown = [a for a in self.arms if a not in ARMS]
+        if unknown or not self.arms:
+            raise UsageError(
+                f"arms must name some of {', '.join(ARMS)}, got {', '.join(self.arms) or 'none'}"
+            )
 
     def gpt(self) -> GPTConfig:
         """The model."""
         return gpt_config(self.n_layer, self.n_head, self.n_embd, self.vocab_size, self.seq)
+
+    def source(self) -> ModelSource:
+        """The model as the pre-flight builds it (on meta) and the ranks rebuild it."""
+        return ModelSource(self.model, "gpt", self.gpt())
+
+    def to_json(self) -> dict:
+        """The fields as a result records them (the arms as a list)."""
+        return super().to_json() | {"arms": list(self.arms)}
 
 
 class ParityFailure(Exception):
@@ -125,11 +159,9 @@ def _comm_time(collectives, device: str = "cpu", reps: int = 5) -> float:
     return total
 
 
-def measure(rank: int, world: int, cfg: Config, builders: dict | None = None) -> dict:
-    """Run on every rank; rank 0's dict is the result. `builders` replaces the arm registry (tests
-    plant a broken arm this way)."""
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    builders = builders or ARMS
+def inputs(world: int, cfg: Config) -> Inputs:
+    """On a rank: what every arm is built from. The GPT from seed 0, one batch from seed 1, and the
+    job's plan (parsed and checked once, by the pre-flight) matched to the GPT."""
     mesh = init_device_mesh(cfg.device, (world,), mesh_dim_names=("tp",))
     torch.manual_seed(0)
     base = GPT(cfg.gpt()).to(cfg.device)
@@ -137,10 +169,21 @@ def measure(rank: int, world: int, cfg: Config, builders: dict | None = None) ->
         0, cfg.vocab_size, (cfg.batch, cfg.seq + 1), generator=torch.Generator().manual_seed(1)
     )
     ids = ids.to(cfg.device)
-    x, y = ids[:, :-1], ids[:, 1:]
-    out: dict = {"config": asdict(cfg), "baseline_version": BASELINE_VERSION, "ok": False}
+    with torch.device("meta"):
+        checked = trusted(cfg.plan_ir(), GPT(cfg.gpt()), world)
+    return Inputs(base, mesh, ids[:, :-1], ids[:, 1:], checked)
+
+
+def measure(rank: int, world: int, cfg: Config, builders: dict | None = None) -> dict:
+    """Run on every rank; rank 0's dict is the result. `builders` replaces the arm registry (tests
+    plant a broken arm this way)."""
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    builders = builders or ARMS
+    given = inputs(world, cfg)
+    base, x, y = given.base, given.x, given.y
+    out: dict = {"config": cfg.to_json(), "baseline_version": BASELINE_VERSION, "ok": False}
     ref = _reference(base, x, y)
-    arms = {name: builders[name](base, mesh, x, y) for name in cfg.arms}
+    arms = {name: builders[name](given) for name in cfg.arms}
     probes = {name: arm.probe() for name, arm in arms.items()}
     try:
         out["parity"] = {name: check_parity(name, p, ref) for name, p in probes.items()}
@@ -157,9 +200,23 @@ def measure(rank: int, world: int, cfg: Config, builders: dict | None = None) ->
     )
     if "dtp" in arms:
         # tp 1: plain, as the arm runs
-        steps = schedule(arms["dtp"].extra["checked"], world, cfg.batch, cfg.seq)
+        steps = schedule(given.checked, world, cfg.batch, cfg.seq)
         out["analytic_collectives"] = summarize(steps, world)["by_op"]
         out["comm_ms"] = _comm_time(steps, cfg.device)
     out["flops_per_step"] = flops_per_token(cfg.gpt(), cfg.seq) * cfg.batch * cfg.seq
     out["ok"] = True
     return out
+
+
+def preflight(cfg: Config) -> Prepared:
+    """The pre-flight of one configuration (dtp.runtime.preflight, as every command's): the world,
+    the device and the plan's text checked against the GPT at cfg.tp, before any rank starts."""
+    return prepare(cfg, source=cfg.source())
+
+
+def run(prepared: Prepared, fn=None) -> dict:
+    """`fn(rank, world, cfg)` (default: `measure`) on the prepared configuration's ranks (the one
+    launch); rank 0's result. CPU ranks get one intra-op thread each: the arms and the utilization
+    assume it."""
+    threads = None if prepared.device == "cuda" else 1
+    return launch(prepared, fn or measure, prefix="dtp-bench-", threads=threads)[0]

@@ -28,17 +28,17 @@ try:  # FSDP2's placement over dp for a tp-sharded dim; not a Shard subclass in 
 except ImportError:  # pragma: no cover
     _StridedShard = Shard
 
-from dtp.lang.parse import parse
+from dtp.lang import ir
 from dtp.lang.vocabulary import packed
 from dtp.layout.modules import is_conv1d
 from dtp.layout.resolve import resolve
 from dtp.layout.styles import Style
 
 
-def packed_parts(plan_text: str, model: nn.Module) -> dict[str, int]:
+def packed_parts(plan: ir.Plan, model: nn.Module) -> dict[str, int]:
     """Parameter name → K for every parameter of a `colwise(packed=K)` module (K > 1) under this
     plan."""
-    res = resolve(parse(plan_text), model)
+    res = resolve(plan, model)
     out: dict[str, int] = {}
     for path, rule in res.claims.items():
         parts = packed(rule.style)
@@ -48,10 +48,10 @@ def packed_parts(plan_text: str, model: nn.Module) -> dict[str, int]:
     return out
 
 
-def packed_dims(plan_text: str, model: nn.Module) -> dict[str, int]:
+def packed_dims(plan: ir.Plan, model: nn.Module) -> dict[str, int]:
     """Parameter name → the dim its parts are packed along, where that is not 0: a packed Conv1D's
     weight (in, out) packs its columns, dim 1 (GPT-2's c_attn)."""
-    res = resolve(parse(plan_text), model)
+    res = resolve(plan, model)
     return {
         f"{path}.weight": 1
         for path, rule in res.claims.items()

@@ -47,6 +47,7 @@ from dtp.checkpoint.untrusted import SafeReader
 from dtp.checkpoint.zoo_hf import zoo_hf_config
 from dtp.compiler.compiler import tp_mesh
 from dtp.errors import DtpError
+from dtp.lang import ir
 from dtp.lang.parse import parse
 from dtp.runtime.shard import tied_groups
 
@@ -137,13 +138,13 @@ def _reason(err: BaseException) -> str:
 
 
 def _views(
-    model: nn.Module, optimizer: torch.optim.Optimizer, plan_text: str, mesh: DeviceMesh
+    model: nn.Module, optimizer: torch.optim.Optimizer, plan: ir.Plan, mesh: DeviceMesh
 ) -> tuple[dict[str, View], dict[str, Any]]:
     """Every parameter, persistent buffer and optimizer-state tensor in canonical form, keyed as
     stored (`model/NAME`, `optim/NAME/KEY`); and the optimizer's non-tensor state. Tied weights
     appear once."""
     tp, dp = _meshes(mesh)
-    parts = packed_parts(plan_text, model)
+    parts = packed_parts(plan, model)
     # remove_duplicate: a tied weight keeps its first name
     names = {id(p): n for n, p in model.named_parameters()}
     views = {f"model/{n}": view(p, parts.get(n, 1), tp, dp) for n, p in model.named_parameters()}
@@ -233,7 +234,8 @@ def save_checkpoint(
     bytes, seconds. Every rank calls it."""
     t0 = time.perf_counter()
     directory = Path(directory)
-    views, objects = _views(model, optimizer, plan_text, mesh)
+    plan = parse(plan_text)  # once per save: the layout it records
+    views, objects = _views(model, optimizer, plan, mesh)
     state: dict[str, Any] = {k: v.stored for k, v in views.items()}
     state.update({k: pack(v) for k, v in objects.items()})
     mine = state[f"extra/rank{dist.get_rank()}"] = pack(extra)
@@ -262,7 +264,7 @@ def save_checkpoint(
     try:
         try:
             stats = _write(
-                state, views, tmp, directory, model, optimizer, mesh, plan_text, objects, sizes
+                state, views, tmp, directory, model, optimizer, mesh, plan, objects, sizes
             )
         finally:  # on rank 0, which made them: a failed save leaves no DIR.tmp-* and no lock
             if dist.get_rank() == 0:
@@ -284,7 +286,7 @@ def _write(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     mesh: DeviceMesh,
-    plan_text: str,
+    plan: ir.Plan,
     objects: dict,
     sizes: list,
 ) -> dict:
@@ -309,7 +311,6 @@ def _write(
             ) from None
         raise CheckpointError(f"cannot save checkpoint {directory}: {_reason(err)}") from None
     tp, dp = _meshes(mesh)
-    plan = parse(plan_text)
     meta = {
         "format": FORMAT,
         "version": VERSION,
@@ -318,8 +319,8 @@ def _write(
         "plan": {
             "name": plan.name,
             "version": plan.plan_version,
-            "sha256": _plan_digest(plan_text),
-            "text": plan_text,
+            "sha256": _plan_digest(plan.source),
+            "text": plan.source,
         },
         "mesh": {
             "tp": tp.size(),
@@ -338,8 +339,8 @@ def _write(
             **{k: v.numel() for k, v in state.items() if k in objects},
             **{f"extra/rank{r}": n for r, n in enumerate(sizes)},
         },
-        "packed": packed_parts(plan_text, model),
-        "packed_dims": packed_dims(plan_text, model),  # absent or {}: every packed tensor on dim 0
+        "packed": packed_parts(plan, model),
+        "packed_dims": packed_dims(plan, model),  # absent or {}: every packed tensor on dim 0
         "tied": [[f"{path}.{name}".lstrip(".") for path, name in g] for g in tied_groups(model)],
         "model_class": type(model).__name__,
         "hf_config": _hf_config(model),
@@ -349,14 +350,13 @@ def _write(
     return {"path": str(directory), "bytes": nbytes}
 
 
-def check_plan_matches(meta: dict, plan_text: str, directory: Path, convert: bool) -> None:
+def check_plan_matches(meta: dict, plan: ir.Plan, directory: Path, convert: bool) -> None:
     """A checkpoint written by another plan is a CheckpointError, unless `convert` re-cuts its
     tensors."""
     saved = meta["plan"]
-    digest = _plan_digest(plan_text)
+    digest = _plan_digest(plan.source)
     if saved["sha256"] == digest or convert:
         return
-    plan = parse(plan_text)
     written = plan_label(saved["name"], saved["version"], saved["sha256"])
     raise CheckpointError(
         f"checkpoint {directory} was written by {written}, "
@@ -455,19 +455,20 @@ def load_checkpoint(
     t0 = time.perf_counter()
     directory = Path(directory)
     meta = _agree(lambda: read_meta(directory))
-    check_plan_matches(meta, plan_text, directory, convert)
+    plan = parse(plan_text)  # once per load
+    check_plan_matches(meta, plan, directory, convert)
     if meta["optimizer"] != type(optimizer).__name__:
         raise CheckpointError(
             f"checkpoint {directory} holds {meta['optimizer']} state; this optimizer is "
             f"{type(optimizer).__name__}"
         )
     init_state(optimizer, model, meta["tensors"])
-    views, objects = _views(model, optimizer, plan_text, mesh)
+    views, objects = _views(model, optimizer, plan, mesh)
     recut = _match(
         meta,
         views,
-        packed_parts(plan_text, model),
-        packed_dims(plan_text, model),
+        packed_parts(plan, model),
+        packed_dims(plan, model),
         directory,
         convert,
     )

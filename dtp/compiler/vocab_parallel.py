@@ -182,20 +182,28 @@ class _FromLocalShards(torch.autograd.Function):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of logits (N, V/tp) split by vocabulary; targets (N,) are global ids."""
+    """Mean cross-entropy of logits split by vocabulary, a `Shard(-1)` DTensor (..., V) taken whole:
+    the forward reads its local (..., V/tp) shard, the backward hands back the gradient as a
+    DTensor on the same spec. (`to_local()` in front would be one more autograd node whose backward
+    wraps the gradient with `from_local`, for the head's node to unwrap it again.) Targets (...) are
+    global ids; half-precision logits are read in float32."""
 
     @staticmethod
-    def forward(
-        ctx, logits: torch.Tensor, targets: torch.Tensor, start: int, mesh: DeviceMesh
-    ) -> torch.Tensor:
-        group = mesh.get_group(0)
-        row_max = all_reduce(logits.detach().amax(dim=-1, keepdim=True), group, "max")
-        shifted = logits - row_max
+    def forward(ctx, logits: DTensor, targets: torch.Tensor, start: int) -> torch.Tensor:
+        group = logits.device_mesh.get_group(0)
+        shard = logits._local_tensor
+        ctx.spec, ctx.shape, ctx.dtype = logits._spec, shard.shape, shard.dtype
+        shard = shard.detach().flatten(0, -2)
+        if shard.dtype in (torch.float16, torch.bfloat16):
+            shard = shard.float()
+        targets = targets.flatten()
+        row_max = all_reduce(shard.amax(dim=-1, keepdim=True), group, "max")
+        shifted = shard - row_max
         exp = shifted.exp()
         sum_exp = all_reduce(exp.sum(dim=-1, keepdim=True), group)
         valid = targets != IGNORE_INDEX
         local = targets - start
-        inside = valid & (local >= 0) & (local < logits.shape[-1])
+        inside = valid & (local >= 0) & (local < shard.shape[-1])
         local = torch.where(inside, local, 0).unsqueeze(-1)
         picked = all_reduce(
             shifted.gather(-1, local).masked_fill_(~inside.unsqueeze(-1), 0.0), group
@@ -212,7 +220,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         out = softmax * scale
         # − the target's one-hot
         out.scatter_add_(-1, local, (inside.to(softmax.dtype) * -scale).unsqueeze(-1))
-        return out.masked_fill_(~valid.unsqueeze(-1), 0.0), None, None, None
+        out = out.masked_fill_(~valid.unsqueeze(-1), 0.0).view(ctx.shape).to(ctx.dtype)
+        return DTensor(out, ctx.spec, requires_grad=False), None, None
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -233,9 +242,5 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"vocabulary-parallel logits must be Shard(-1) on a 1-D mesh, got {logits.placements}"
         )
-    mesh = logits.device_mesh
-    local = logits.to_local()
-    if local.dtype in (torch.float16, torch.bfloat16):
-        local = local.float()
-    start = _first_row(logits.shape[-1], mesh)
-    return _VocabParallelCrossEntropy.apply(local.flatten(0, -2), targets.flatten(), start, mesh)
+    start = _first_row(logits.shape[-1], logits.device_mesh)
+    return _VocabParallelCrossEntropy.apply(logits, targets, start)

@@ -69,7 +69,7 @@ def evaluate(case: Case, pools: Pools, timeout: float = 120.0) -> Outcome:
         return Outcome("failed", f"check crashed: {type(err).__name__}: {err}")
     if sequence_shape_problem(checked, case.tp, case.seq):
         return Outcome("rejected")  # `dtp apply` refuses it as a usage error
-    cfg = RunConfig(  # the ranks parse the text that was checked; no file between
+    cfg = RunConfig(  # the ranks parse the text that was checked here; no file between
         plan="fuzz.tp",
         plan_text=case.plan,
         model=spec,

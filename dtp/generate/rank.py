@@ -33,7 +33,6 @@ from torch.distributed.tensor import DTensor
 
 from dtp.errors import UsageError, shorten
 from dtp.generate.prompts import left_padded
-from dtp.lang.parse import parse
 from dtp.models.calling import PLAIN, Forward
 from dtp.models.decoding import Decoder, cache_reason, cache_tensors
 from dtp.runtime.comm import CommCounter
@@ -269,7 +268,7 @@ def generate(rank: int, world: int, cfg: GenerateConfig) -> dict | None:
     device = _device(cfg)
     dtype = DTYPES[cfg.dtype]
     mesh = make_mesh(cfg.tp, 1, cfg.device)
-    plan = parse(cfg.plan_text, cfg.plan)
+    plan = cfg.plan_ir()
     with own_rng(device):
         torch.manual_seed(cfg.seed)
         built = build_beside_references(

@@ -2,8 +2,9 @@
 one value.
 
 The plan travels as its text, read once where the job is made: the pre-flight
-(dtp.runtime.preflight.prepare) checks that text and the ranks parse that same text, so what runs is
-what was checked even if the file changes. Every field is validated here, once, with one message per
+(dtp.runtime.preflight.prepare) parses and checks that text and hands the ranks the parsed plan with
+it, so what runs is what was checked even if the file changes, and a command parses its plan once
+(each torchrun process once: it is its own pre-flight). Every field is validated here, once, with one message per
 condition (UsageError: exit 2 before any rank starts). No torch: the command line's argument types
 share these limits (dtp/cli/args.py).
 """
@@ -11,11 +12,12 @@ share these limits (dtp/cli/args.py).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import ClassVar
 
 from dtp.errors import UsageError, shorten
-from dtp.lang.parse import read_plan_text
+from dtp.lang import ir
+from dtp.lang.parse import parse, read_plan_text
 
 # what a rank runs in (dtp.verify.rank.DTYPES maps them to torch's)
 DTYPES = ("float32", "bfloat16", "float64")
@@ -61,6 +63,8 @@ class Job:
     dtype: str = "float32"
     device: str = "cpu"  # auto, cpu or cuda; the pre-flight decides auto
     timeout: float = 120.0  # seconds before every rank is stopped (exit 1)
+    # plan_text parsed, set by the pre-flight once it is checked (never by hand)
+    parsed: ir.Plan | None = field(default=None, compare=False, repr=False)
     dtypes: ClassVar[tuple[str, ...]] = DTYPES  # what this kind of job runs in
 
     def __post_init__(self) -> None:
@@ -112,11 +116,16 @@ class Job:
                 f"the plan's text must be a string, got {type(self.plan_text).__name__}"
             )
 
+    def plan_ir(self) -> ir.Plan:
+        """The plan as the pre-flight parsed and checked it; a job that never went through one (a
+        test's, a fuzz case's: checked by the fuzzer) has its text parsed here."""
+        return self.parsed if self.parsed is not None else parse(self.plan_text, self.plan)
+
     def to_json(self) -> dict:
         """The fields as a report records them: the plan by name (its text is in the plan the report
         names)."""
-        fields = asdict(self)
-        del fields["plan_text"]
+        fields = asdict(replace(self, parsed=None))
+        del fields["plan_text"], fields["parsed"]
         return fields
 
 

@@ -5,8 +5,8 @@ one launch of what it prepared (`launch`: local ranks or torchrun's), what the r
 `prepare(job)` refuses, with one paragraph each (exit 2), whatever can be known before a process
 starts: the world (torchrun's or this machine's), the device, the plan (its text parsed and checked
 against the model at the job's tp), the model's vocabulary, how it is called and its pretrained
-weights. The ranks receive the job, plan text included, and `trusted` parses that text and matches
-it to the rank's model without checking it again.
+weights. The ranks receive the job with its plan parsed as it was checked, and `trusted` matches
+that plan to the rank's model without checking it again.
 
 The estimate is deliberately simple and stated in the message: rank 0 builds the whole model (P
 bytes) and scatters the shards (dtp.runtime.build), every rank holds its shards, their gradients and
@@ -63,12 +63,15 @@ class Prepared:
         return self.world is None or os.environ.get("RANK") == "0"
 
 
-def prepare(job: Job, *, weights: bool = True) -> Prepared:
+def prepare(
+    job: Job, *, weights: bool = True, source: models.ModelSource | None = None
+) -> Prepared:
     """Everything that can refuse `job` before any rank starts, one paragraph each (exit 2): the
     world, the device, the plan's text parsed and checked against the model at job.tp, the sequence,
     the vocabulary, how the model is called, and its pretrained weights (`weights`: the ranks will
-    read them). Plan warnings go to stderr. The memory estimates are the command's own: what a rank
-    holds differs between commands."""
+    read them). `source`: the model already resolved, where the job names one that no MODEL argument
+    spells (the benchmark's GPT of given sizes). Plan warnings go to stderr. The memory estimates are
+    the command's own: what a rank holds differs between commands."""
     # None: not launched by torchrun (a stray variable is ignored, with a warning)
     world = torchrun_world()
     if world is not None and os.environ.get("RANK") == "0":
@@ -92,7 +95,7 @@ def prepare(job: Job, *, weights: bool = True) -> Prepared:
     plan = parse(job.plan_text, job.plan)  # messages name the plan as the user named it
     cwd = os.getcwd()
     try:
-        source = models.resolve(job.model)
+        source = source or models.resolve(job.model)
         meta = models.build(source, device="meta")
         if weights and source.pretrained is not None:  # a missing or mis-shaped tensor
             models.check_weights(meta, source.pretrained)
@@ -108,7 +111,8 @@ def prepare(job: Job, *, weights: bool = True) -> Prepared:
     problem = sequence_shape_problem(checked, job.tp, job.seq)
     if problem:
         raise UsageError(problem)
-    return Prepared(replace(job, device=device), checked, source, meta, vocab, forward, world)
+    job = replace(job, device=device, parsed=plan)  # the ranks run this plan, as checked
+    return Prepared(job, checked, source, meta, vocab, forward, world)
 
 
 def launch(
@@ -121,7 +125,7 @@ def launch(
     what it raised). The ranks receive the job's plan as text, the text `prepare` checked: what runs
     is what was checked, whatever happens to the file."""
     job = prepared.job
-    if job.plan_text != prepared.checked.plan.source or job.tp != prepared.checked.tp:
+    if job.parsed is not prepared.checked.plan or job.tp != prepared.checked.tp:
         raise AssertionError("launch: the job's plan or tp is not the one its pre-flight checked")
     if prepared.world is None:
         return launch_local(

@@ -28,7 +28,6 @@ from dtp.compiler.vocab_parallel import cross_entropy
 from dtp.cost.param_bytes import local_param_bytes
 from dtp.cost.schedule import NotModeled, schedule, summarize
 from dtp.errors import UsageError, shorten
-from dtp.lang.parse import parse
 from dtp.models import calling
 from dtp.runtime.build import build_from_model, build_sharded
 from dtp.runtime.comm import merge
@@ -183,7 +182,7 @@ class Trainer:
         # shapes for the plan, the forward's discovery, the schedule and the replay's memory
         self.meta = meta = models.build(self.source, device="meta")
         # the parent checked this text
-        self.checked = trusted(parse(cfg.plan_text, cfg.plan), meta, cfg.tp)
+        self.checked = trusted(cfg.plan_ir(), meta, cfg.tp)
         # how the model gives every position's logits (a tuple, targets, positions:
         # dtp.models.calling)
         self.forward = calling.discover(meta, models.vocab_size(meta), cfg.model)

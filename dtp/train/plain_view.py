@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dtp.checkpoint.canonical import packed_parts
 from dtp.compiler.compiler import tp_mesh
+from dtp.lang.parse import parse
 from dtp.layout.modules import is_conv1d
 
 
@@ -35,7 +36,7 @@ def as_dtensors(
 ) -> Iterator[None]:
     """Within the block, `model`'s packed parameters and their optimizer state are one-rank Shard(0)
     DTensors."""
-    names = packed_parts(plan_text, model)
+    names = packed_parts(parse(plan_text), model)
     olds = {id(p): p for n, p in model.named_parameters() if n in names}
     if not olds:
         yield

@@ -137,7 +137,7 @@ def validate(cfg):
     try:
         meta, extra = saved_state(directory)
         try:
-            check_plan_matches(meta, cfg.plan_text, directory, cfg.convert)
+            check_plan_matches(meta, cfg.plan_ir(), directory, cfg.convert)
         except UsageError as err:
             raise type(err)(f"{err} (`dtp train --convert`)") from None
         _check_model(meta, cfg.model, directory)

@@ -1,8 +1,8 @@
 """What every rank of `dtp apply` does: shard, train K steps beside an unsharded reference, compare,
 measure.
 
-A rank takes the plan as the job's text, parses it once and does not check it again: the parent's
-pre-flight (dtp.runtime.preflight.prepare) checked that text (`trusted`)."""
+A rank takes the plan the parent's pre-flight (dtp.runtime.preflight.prepare) parsed and checked,
+with the job, and does not check it again (`trusted`)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ from dtp.compiler.vocab_parallel import cross_entropy as sharded_cross_entropy
 from dtp.cost.param_bytes import ideal_param_bytes, local_param_bytes
 from dtp.cost.schedule import NotModeled, schedule, summarize
 from dtp.lang import ir
-from dtp.lang.parse import parse
 from dtp.models.calling import PLAIN, Forward
 from dtp.runtime.build import build_sharded
 from dtp.runtime.comm import CommCounter, merge
@@ -90,7 +89,7 @@ def run(cfg: RunConfig, mesh: DeviceMesh | None = None) -> ApplyReport | None:
     device = _device(cfg)
     mesh = mesh or make_mesh(cfg.tp, cfg.dp, cfg.device)
     try:
-        plan = parse(cfg.plan_text, cfg.plan)  # once, for both runs of a low-precision dtype
+        plan = cfg.plan_ir()  # once, for both runs of a low-precision dtype
         # The run draws from the default generators (weights, shared dropout stream) seeded with the
         # seed on every rank, and hands the caller's generator states back unchanged.
         with own_rng(device):

@@ -118,7 +118,7 @@ def test_interleaved_timing_runs_one_step_per_arm_per_round():
     assert counts == {"a": 2, "b": 2, "c": 2}
 
 
-def _broken_hand(base, mesh, x, y):
+def _broken_hand(given):
     """A classic mistake: plain ColwiseParallel on the fused QKV without reordering its rows, so
     rank 0 gets all of q and half of k — wrong whenever tp > 1 (and nothing crashes)."""
     import copy
@@ -126,11 +126,11 @@ def _broken_hand(base, mesh, x, y):
 
     from dtp.bench.arms import _dtensor_arm, handwritten
 
-    model = copy.deepcopy(base)
+    model = copy.deepcopy(given.base)
     # the hand-written plan, rows left as they are
     with mock.patch("dtp.bench.arms.pack_parts", lambda p, parts, tp: p):
-        handwritten(model, mesh)
-    return _dtensor_arm("hand", model, x, y)
+        handwritten(model, given.mesh)
+    return _dtensor_arm("hand", model, given.x, given.y)
 
 
 def test_arms_reach_parity_and_megatron_counts_match_dtp(repo):
@@ -247,12 +247,11 @@ def test_results_folders_never_overwrite(tmp_path):
 
 
 def test_smoke_run_writes_results(repo, tmp_path):
-    from dtp.bench.run import main
+    from dtp.cli import main
 
     out = tmp_path / "r.json"
-    assert (
-        main(["--smoke", "--no-fuzz", "--out", str(tmp_path / "results"), "--json", str(out)]) == 0
-    )
+    argv = ["bench", "--smoke", "--no-fuzz", "--out", str(tmp_path / "results"), "--json", str(out)]
+    assert main(argv) == 0
     result = json.loads(out.read_text())
     assert [r["config"]["tp"] for r in result["strong"]] == [1, 2]
     assert all(r["ok"] for r in result["strong"] + result["weak"])
@@ -269,38 +268,24 @@ def test_repeats_pool_fresh_runs_in_turn(repo, tmp_path, monkeypatch):
     """--repeats 2: each configuration runs twice, every configuration in turn between its runs,
     samples pooled, intervals over runs. The ranks are real once per configuration; the second run
     is that result, slower."""
-    import dtp.runtime.ranks as ranks
-    from dtp.bench.run import main
+    from dtp.bench import scaling
+    from dtp.cli import main
 
-    real, seen, first = ranks.on_ranks, [], {}
+    real, seen, first = scaling.run, [], {}
 
-    def on_ranks(fn, world, cfg, timeout):
+    def run(prepared):
+        cfg = prepared.job
         seen.append((cfg.tp, cfg.n_embd))
         if (cfg.tp, cfg.n_embd) not in first:
-            first[cfg.tp, cfg.n_embd] = real(fn, world, cfg, timeout=timeout)[0]
-            return [first[cfg.tp, cfg.n_embd]]
+            first[cfg.tp, cfg.n_embd] = real(prepared)
+            return first[cfg.tp, cfg.n_embd]
         r = first[cfg.tp, cfg.n_embd]
-        return [r | {"times_ms": {arm: [2 * t for t in ts] for arm, ts in r["times_ms"].items()}}]
+        return r | {"times_ms": {arm: [2 * t for t in ts] for arm, ts in r["times_ms"].items()}}
 
-    monkeypatch.setattr(ranks, "on_ranks", on_ranks)
+    monkeypatch.setattr(scaling, "run", run)
     out = tmp_path / "r.json"
-    assert (
-        main(
-            [
-                "--smoke",
-                "--tp",
-                "2",
-                "--repeats",
-                "2",
-                "--no-fuzz",
-                "--out",
-                str(tmp_path),
-                "--json",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    argv = ["--smoke", "--tp", "2", "--repeats", "2", "--no-fuzz", "--out", str(tmp_path)]
+    assert main(["bench", *argv, "--json", str(out)]) == 0
     assert seen == [(2, 32), (2, 48), (2, 32), (2, 48)]  # strong, weak, then again
     result = json.loads(out.read_text())
     strong = result["strong"][0]
@@ -321,14 +306,28 @@ def test_repeats_pool_fresh_runs_in_turn(repo, tmp_path, monkeypatch):
     assert "| 2 | 32 | 2 × 3 |" in (folder / "results.md").read_text()
 
 
-@pytest.mark.parametrize("bad", ["0", "11", "two", "-1"])
-def test_repeats_out_of_range_is_a_usage_error(bad, tmp_path, capsys):
-    from dtp.bench.run import main
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("11", "--repeats must be an integer from 1 to 10, got 11"),
+        ("0", "--repeats: expected a positive integer, got 0"),
+        ("two", "--repeats: expected a positive integer, got 'two'"),
+    ],
+)
+def test_repeats_out_of_range_is_a_usage_error(bad, message, tmp_path, capsys):
+    from dtp.cli import main
 
-    with pytest.raises(SystemExit) as exit_:
-        main(["--repeats", bad, "--out", str(tmp_path)])
-    assert exit_.value.code == 2
-    assert f"--repeats: must be an integer from 1 to 10, got '{bad}'" in capsys.readouterr().err
+    assert _exit_status(main, ["bench", "--repeats", bad, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def _exit_status(main, argv: list[str]) -> int:
+    """main's exit status, whether argparse (SystemExit) or dtp (a return value) refused."""
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code
 
 
 def test_a_run_whose_collectives_differ_fails_the_configuration():
@@ -354,9 +353,9 @@ def test_gpu_check_dry_run_on_cpu(repo, tmp_path):
     """`dtp bench --device cuda`'s logic with tiny sizes on gloo: apply parity through the command
     line, a bf16 training step with its FLOP count, the interleaved dtp/Megatron ratio with parity
     enforced, and `dtp generate` on a Llama directory."""
-    from dtp.bench.run import main
+    from dtp.cli import main
 
-    assert main(["--dry-run", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "--dry-run", "--out", str(tmp_path)]) == 0
     (folder,) = tmp_path.iterdir()
     assert "-gpu-dry-run-" in folder.name
     result = json.loads((folder / "result.json").read_text())
@@ -386,9 +385,9 @@ def test_gpu_check_without_gpu_is_a_usage_error(tmp_path, capsys):
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
-    from dtp.bench.run import main
+    from dtp.cli import main
 
-    assert main(["--device", "cuda", "--out", str(tmp_path)]) == 2
+    assert main(["bench", "--device", "cuda", "--out", str(tmp_path)]) == 2
     assert "no CUDA device is visible" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 

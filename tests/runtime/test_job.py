@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import sys
 from collections import Counter
 from dataclasses import replace
@@ -185,7 +186,7 @@ def counted(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_apply_parses_once_per_process_and_checks_once(repo, capsys, counted, dtype):
+def test_apply_parses_once_and_checks_once(repo, capsys, counted, dtype):
     assert (
         main(
             [
@@ -205,9 +206,10 @@ def test_apply_parses_once_per_process_and_checks_once(repo, capsys, counted, dt
         == 0
     )
     assert "parity vs unsharded reference: OK" in capsys.readouterr().out
-    # before: 3 parses and 3 checks (5 and 5 in bfloat16: each rank re-read and re-checked the file
-    # per run)
-    assert counted() == {"parent": Counter(parse=1, check=1), "ranks": Counter(parse=2)}
+    # 2026-12-05: 3 parses and 3 checks (5 and 5 in bfloat16: each rank re-read and re-checked the
+    # file per run); 2026-12-06: each rank parsed the checked text. Now the ranks take the plan as
+    # the pre-flight parsed and checked it.
+    assert counted() == {"parent": Counter(parse=1, check=1), "ranks": Counter()}
 
 
 def test_apply_ranks_run_the_text_the_parent_checked(repo, tmp_path, counted):
@@ -219,7 +221,7 @@ def test_apply_ranks_run_the_text_the_parent_checked(repo, tmp_path, counted):
     report = run_prepared(prepared)
     assert report.ok and report.plan["name"] == "gpt2-megatron" and report.plan["file"] == str(path)
     assert report.collectives["by_op"] == {"all_reduce": 13}  # Megatron's count for gpt2.tp at tp 2
-    assert counted() == {"parent": Counter(parse=1, check=1), "ranks": Counter(parse=2)}
+    assert counted() == {"parent": Counter(parse=1, check=1), "ranks": Counter()}
     with pytest.raises(PlanError):  # the file as it is now is refused, by a job made from it
         prepare(RunConfig(plan=str(path), model="gpt2-tiny"))
 
@@ -250,4 +252,17 @@ def test_train_ranks_run_the_text_the_parent_checked_and_the_summary_checks_noth
     assert len(s["losses"]) == 2 and all(math.isfinite(loss) for loss in s["losses"])
     assert s["collectives"]["by_op"] == {"all_reduce": 13} and s["config"]["plan"] == str(path)
     # before: 4 and 4
-    assert counted() == {"parent": Counter(parse=1, check=1), "ranks": Counter(parse=2)}
+    assert counted() == {"parent": Counter(parse=1, check=1), "ranks": Counter()}
+
+
+def test_a_prepared_job_carries_its_checked_plan_to_spawned_ranks(repo):
+    """CUDA ranks are spawned, so the job is pickled: the plan arrives as it was checked, equal and
+    with its text; a report names the plan, never its text or its parse."""
+    prepared = prepare(RunConfig(plan="plans/gpt2.tp", model="gpt2-tiny", tp=2, seq=8))
+    arrived = pickle.loads(pickle.dumps(prepared.job))
+    assert arrived.plan_ir() == prepared.checked.plan
+    assert arrived.plan_ir().source == (repo / "plans/gpt2.tp").read_text()
+    assert arrived == prepared.job  # the parse is not part of what the job is
+    assert {"plan_text", "parsed"}.isdisjoint(arrived.to_json())
+    # a job no pre-flight made parses its text itself
+    assert RunConfig(plan="plans/gpt2.tp", model="gpt2-tiny").plan_ir() == prepared.checked.plan
