@@ -216,11 +216,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         softmax, local, inside, valid, count = ctx.saved_tensors
-        scale = (grad / count).to(softmax.dtype)
-        out = softmax * scale
-        # − the target's one-hot
-        out.scatter_add_(-1, local, (inside.to(softmax.dtype) * -scale).unsqueeze(-1))
-        out = out.masked_fill_(~valid.unsqueeze(-1), 0.0).view(ctx.shape).to(ctx.dtype)
+        # per row: the mean's weight, 0 for an ignored row (one pass over the logits, not two)
+        weight = (valid.to(softmax.dtype) * (grad / count).to(softmax.dtype)).unsqueeze(-1)
+        out = softmax * weight  # not in place: a retained graph may run this backward again
+        # − the target's one-hot (inside implies valid)
+        out.scatter_add_(-1, local, -inside.unsqueeze(-1).to(softmax.dtype) * weight)
+        out = out.view(ctx.shape).to(ctx.dtype)
         return DTensor(out, ctx.spec, requires_grad=False), None, None
 
 

@@ -334,3 +334,27 @@ def test_checkpointed_recomputation_accumulates_as_unsharded():
     accumulated so far), twice without zero_grad, with torch's two checkpoint implementations."""
     for r in on_ranks(_checkpointed, 2):
         assert max(r.values()) <= 1e-6, r
+
+
+def _twice(rank: int, world: int, vocab: int) -> dict:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    full, targets = _logits_and_targets(vocab)
+    truth = torch.autograd.grad(
+        F.cross_entropy(full.requires_grad_().flatten(0, 1), targets.flatten()), full
+    )[0]
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = distribute_tensor(full.detach().to(dtype), mesh, [Shard(-1)]).requires_grad_()
+        loss = cross_entropy(logits, targets)
+        loss.backward(retain_graph=True)  # the saved softmax is not consumed by a backward
+        loss.backward()
+        grad = logits.grad.full_tensor()
+        out[str(dtype)] = (grad.dtype, float((grad.double() - 2 * truth).abs().max()))
+    return out
+
+
+def test_the_loss_backward_runs_twice_on_a_retained_graph_in_the_logits_dtype():
+    r = on_ranks(_twice, 2, 12)[0]
+    assert r["torch.float32"][0] == torch.float32 and r["torch.float32"][1] <= 1e-7
+    # bfloat16 logits: their gradient in bfloat16 (computed in float32), within its resolution
+    assert r["torch.bfloat16"][0] == torch.bfloat16 and r["torch.bfloat16"][1] <= 2e-3
