@@ -6,9 +6,9 @@
 - `dtp-compile` (opt-in): dtp's sharded model with every block under `torch.compile` (parity is
   probed through the compiled blocks).
 
-An arm is built on every rank from the same `Inputs` and offers a training step and a probe: the full logits, the loss, the
-global gradient norm² and the collectives of one forward + backward — what parity is checked on
-before timing.
+An arm is built on every rank from the same `Inputs` and offers a training step and a probe: the
+full logits, the loss, the global gradient norm² and the collectives of one forward + backward —
+what parity is checked on before timing.
 """
 
 from __future__ import annotations
@@ -164,8 +164,8 @@ def _dtensor_arm(name: str, model: torch.nn.Module, x, y, local_loss: bool = Fal
 
 def _dtp_model(given: Inputs) -> torch.nn.Module:
     """dtp's sharded GPT through the one build path (dtp.runtime.build): built on meta, sharded by
-    the checked plan, each rank's blocks scattered from rank 0's `base`; on one rank the plain model,
-    as `dtp apply` and `dtp train` run."""
+    the checked plan, each rank's blocks scattered from rank 0's `base`; on one rank the plain
+    model, as `dtp apply` and `dtp train` run."""
     base = given.base
     applied = build_sharded(
         given.checked,

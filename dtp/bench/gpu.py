@@ -7,8 +7,9 @@
 3. dtp ÷ Megatron-style step time on GPU, arms interleaved, parity enforced first (tp = min(GPUs,
    2)): dtp eager and dtp with every block under torch.compile, beside the hand-written plan;
 4. `dtp generate` (the real command line) on a Llama `save_pretrained` directory of about 350M
-   parameters in bfloat16 (grouped-query, decoding from its KV cache), 64 new tokens at tp = min(GPUs,
-   2): token-exact against the unsharded model, tokens/s and the memory bandwidth it reached.
+   parameters in bfloat16 (grouped-query, decoding from its KV cache), 64 new tokens at
+   tp = min(GPUs, 2): token-exact against the unsharded model, tokens/s and the memory bandwidth it
+   reached.
 
 `--dry-run` runs the same logic on CPU with tiny sizes (gloo, gpt2-tiny): what CI can check without
 a GPU.
@@ -43,9 +44,9 @@ PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A1
 
 
 def _command(out: Path, name: str, args: list[str]) -> tuple[str, int, dict]:
-    """`python -m dtp ARGS --json OUT/NAME.json --timeout 240` in a subprocess (the user's path), its
-    output in OUT/NAME.log: the command as run (without the interpreter), its exit status and its
-    JSON report ({} when it wrote none)."""
+    """`python -m dtp ARGS --json OUT/NAME.json --timeout 240` in a subprocess (the user's path),
+    its output in OUT/NAME.log: the command as run (without the interpreter), its exit status and
+    its JSON report ({} when it wrote none)."""
     report = out / f"{name}.json"
     cmd = [sys.executable, "-m", "dtp", *args, "--json", str(report), "--timeout", "240"]
     done = subprocess.run(

@@ -71,10 +71,6 @@ class Config(Job):
         """The model as the pre-flight builds it (on meta) and the ranks rebuild it."""
         return ModelSource(self.model, "gpt", self.gpt())
 
-    def to_json(self) -> dict:
-        """The fields as a result records them (the arms as a list)."""
-        return super().to_json() | {"arms": list(self.arms)}
-
 
 class ParityFailure(Exception):
     """An arm does not compute what the unsharded model does: the configuration is not timed."""

@@ -60,7 +60,8 @@ def add_parser(sub) -> None:
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
-        help="cuda: the GPU check instead (NCCL parity, bf16 MFU, dtp/Megatron on GPU; see --dry-run)",
+        help="cuda: the GPU check instead (NCCL parity, bf16 MFU, dtp/Megatron on GPU; "
+        "see --dry-run)",
     )
     p.add_argument(
         "--dry-run",

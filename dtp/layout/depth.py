@@ -3,9 +3,9 @@
 A trace runs every op of the forward (dtp/layout/trace.py), milliseconds per block even on meta
 tensors: 20,000 blocks took minutes. Blocks that are copies of one another (one class; the same
 modules, parameter shapes, hooks, and state their forwards read: one code path) do the same thing,
-so a container of more than DEEP such blocks is traced on its first KEEP, and the trace of each block
-left out is the last kept block's, its names moved to the block's own. What a trace is read for
-stays inside one block (which child feeds which, how a linear's output is cut into heads: the
+so a container of more than DEEP such blocks is traced on its first KEEP, and the trace of each
+block left out is the last kept block's, its names moved to the block's own. What a trace is read
+for stays inside one block (which child feeds which, how a linear's output is cut into heads: the
 readers in dtp/layout/trace.py, dtp/auto/structure.py and dtp/checks/flow.py), so a copy answers as
 its block would; an edge that comes from outside the block keeps the name it had in the last kept
 block, and reads as "from outside" all the same.

@@ -1,18 +1,18 @@
-"""A job: what every command that starts ranks runs (`dtp apply`, `dtp train`, the fuzz pools), as
-one value.
+"""A job: what every command that starts ranks runs (`dtp apply`, `dtp train`, `dtp generate`,
+`dtp bench`'s configurations, the fuzz pools), as one value.
 
 The plan travels as its text, read once where the job is made: the pre-flight
 (dtp.runtime.preflight.prepare) parses and checks that text and hands the ranks the parsed plan with
 it, so what runs is what was checked even if the file changes, and a command parses its plan once
-(each torchrun process once: it is its own pre-flight). Every field is validated here, once, with one message per
-condition (UsageError: exit 2 before any rank starts). No torch: the command line's argument types
-share these limits (dtp/cli/args.py).
+(each torchrun process once: it is its own pre-flight). Every field is validated here, once, with
+one message per condition (UsageError: exit 2 before any rank starts). No torch: the command line's
+argument types share these limits (dtp/cli/args.py).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
 from dtp.errors import UsageError, shorten
@@ -124,7 +124,7 @@ class Job:
     def to_json(self) -> dict:
         """The fields as a report records them: the plan by name (its text is in the plan the report
         names)."""
-        fields = asdict(replace(self, parsed=None))
+        fields = asdict(self)
         del fields["plan_text"], fields["parsed"]
         return fields
 

@@ -69,9 +69,9 @@ def prepare(
     """Everything that can refuse `job` before any rank starts, one paragraph each (exit 2): the
     world, the device, the plan's text parsed and checked against the model at job.tp, the sequence,
     the vocabulary, how the model is called, and its pretrained weights (`weights`: the ranks will
-    read them). `source`: the model already resolved, where the job names one that no MODEL argument
-    spells (the benchmark's GPT of given sizes). Plan warnings go to stderr. The memory estimates are
-    the command's own: what a rank holds differs between commands."""
+    read them). `source`: the model already resolved, where the job names one that no MODEL
+    argument spells (the benchmark's GPT of given sizes). Plan warnings go to stderr. The memory
+    estimates are the command's own: what a rank holds differs between commands."""
     # None: not launched by torchrun (a stray variable is ignored, with a warning)
     world = torchrun_world()
     if world is not None and os.environ.get("RANK") == "0":
@@ -122,7 +122,7 @@ def launch(
     returned, in rank order. Not under torchrun: tp × dp local ranks (`launch_local`). Under
     torchrun: this process as its rank of torchrun's world (torchrun's rendezvous), the results
     gathered to every rank. A failing rank is a RunError either way (one paragraph: the rank, where,
-    what it raised). The ranks receive the job's plan as text, the text `prepare` checked: what runs
+    what it raised). The ranks receive the job with the plan `prepare` parsed and checked: what runs
     is what was checked, whatever happens to the file."""
     job = prepared.job
     if job.parsed is not prepared.checked.plan or job.tp != prepared.checked.tp:

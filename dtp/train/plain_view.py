@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dtp.checkpoint.canonical import packed_parts
 from dtp.compiler.compiler import tp_mesh
-from dtp.lang.parse import parse
+from dtp.lang import ir
 from dtp.layout.modules import is_conv1d
 
 
@@ -32,11 +32,11 @@ def _wrap(t: torch.Tensor, mesh: DeviceMesh, dim: int = 0) -> DTensor:
 
 @contextlib.contextmanager
 def as_dtensors(
-    model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, plan_text: str
+    model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, plan: ir.Plan
 ) -> Iterator[None]:
     """Within the block, `model`'s packed parameters and their optimizer state are one-rank Shard(0)
     DTensors."""
-    names = packed_parts(parse(plan_text), model)
+    names = packed_parts(plan, model)
     olds = {id(p): p for n, p in model.named_parameters() if n in names}
     if not olds:
         yield

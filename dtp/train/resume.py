@@ -193,12 +193,12 @@ def _layout(tp, dp, mode) -> str:
     )
 
 
-def _stored(trainer, plan_text: str):
+def _stored(trainer):
     """The model as the checkpoint stores it: a plain tp-1 model's packed tensors as DTensors
-    (dtp.train.plain_view)."""
+    (dtp.train.plain_view), under the plan the run was checked and built with."""
     if not trainer.applied.plain:
         return contextlib.nullcontext()
-    return as_dtensors(trainer.model, trainer.optimizer, trainer.mesh, plan_text)
+    return as_dtensors(trainer.model, trainer.optimizer, trainer.mesh, trainer.checked.plan)
 
 
 def restore(trainer, cfg) -> dict:
@@ -206,7 +206,7 @@ def restore(trainer, cfg) -> dict:
     stats."""
     stats: dict = {}
     text = cfg.plan_text  # the text the run was checked and built with
-    with _stored(trainer, text):
+    with _stored(trainer):
         extra = load_checkpoint(
             cfg.resume,
             trainer.model,
@@ -253,7 +253,7 @@ def save(trainer, cfg) -> dict:
             module.reshard()
     text = cfg.plan_text  # the text the run was checked and built with
     try:
-        with _stored(trainer, text):
+        with _stored(trainer):
             stats = save_checkpoint(
                 cfg.checkpoint,
                 trainer.model,
