@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from cli_zygote import zygote
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -16,17 +17,17 @@ REPO = Path(__file__).resolve().parent.parent
 def dtp_cli(
     *args: str, timeout: float = 180, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """Run `python -m dtp ARGS` from the repository root; every process it starts carries a marker."""
-    full_env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "DTP_TEST_MARK": uuid.uuid4().hex,
-        **(env or {}),
-    }
+    """Run `python -m dtp ARGS` from the repository root: forked from this process's warm server
+    (tests/cli_zygote.py), or, given an environment of its own (or under a test's changed one), a
+    fresh interpreter; every process a fresh one starts carries a marker."""
+    server = zygote(REPO)
+    call_env = {**os.environ, "OMP_NUM_THREADS": "1", "DTP_TEST_MARK": uuid.uuid4().hex}
+    if server.serves(env):
+        return server.run(list(args), call_env, timeout)
     return subprocess.run(
         [sys.executable, "-m", "dtp", *args],
         cwd=REPO,
-        env=full_env,
+        env={**call_env, **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -197,6 +197,9 @@ def _listening_on(port: int) -> list[str]:
 
 
 def test_a_store_rank_0_hosts_listens_on_master_addr_only(monkeypatch):
+    for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.setenv(key, "")  # recorded, so that what _rendezvous sets is undone after
+        monkeypatch.delenv(key)
     for host in ("127.0.0.1", "localhost"):
         port = _free_port()
         env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR=host)
@@ -206,6 +209,8 @@ def test_a_store_rank_0_hosts_listens_on_master_addr_only(monkeypatch):
         store, rank, world = _rendezvous(timedelta(seconds=10))
         store.set("k", "v")
         assert (rank, world, store.get("k")) == (0, 1, b"v")
+        # a loopback MASTER_ADDR keeps gloo's and NCCL's sockets on loopback too
+        assert (os.environ["GLOO_SOCKET_IFNAME"], os.environ["NCCL_SOCKET_IFNAME"]) == ("lo", "lo")
         # 127.0.0.1 (or ::1), never 0.0.0.0 or ::, which torch's own env:// store listens on
         assert _listening_on(port) in (["0100007F"], ["00000000000000000000000001000000"])
         del store
