@@ -121,7 +121,7 @@ def error_summary(err: BaseException, rank: int) -> dict:
         "where": getattr(err, "__dtp_where__", None) or "start-up",
         # dtp's own errors are sentences for the user; anything else is named by its class
         "error": message if isinstance(err, DtpError) else f"{type(err).__name__}: {message}",
-        "time": time.time(),
+        "time": getattr(err, "__dtp_time__", None) or time.time(),
         "at": f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "",
     }
 
@@ -155,6 +155,11 @@ def _child(
         os.environ["DTP_ERROR_FILE"] = str(Path(out, f"error-{rank}.json"))
         try:
             result = fn(rank, world, *args)
+        except BaseException as err:
+            # when it raised: tearing the process group down below can take seconds, during which
+            # the peers fail because of it, and their errors must come after this one
+            err.__dtp_time__ = time.time()
+            raise
         finally:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
@@ -285,7 +290,9 @@ def _wait(procs: list, out: Path, left: float, timeout: float) -> list[RunError]
     """Wait for every rank, at most `left` seconds; the failures, first one first ([] when all
     returned a result). `timeout` is the user's, for the message."""
     deadline = time.monotonic() + left
-    failures: list[tuple[int, float, int, RunError]] = []  # (round seen, time raised, rank, error)
+    # (time raised, round seen, rank, error): a rank's own error is raised before the errors it
+    # causes in its peers, even when it exits after them (tearing its process group down)
+    failures: list[tuple[float, int, int, RunError]] = []
     seen: set[int] = set()
     grace_end, rounds = None, 0
     while len(seen) < len(procs):
@@ -309,7 +316,7 @@ def _wait(procs: list, out: Path, left: float, timeout: float) -> list[RunError]
                 # A rank that died silently (time 0) caused its peers' connection errors, not the
                 # reverse.
                 err = _failure(out, r, p.exitcode)
-                failures.append((rounds, err.time, r, err))
+                failures.append((err.time, rounds, r, err))
                 grace_end = grace_end or time.monotonic() + GRACE_S
     return [err for _, _, _, err in sorted(failures, key=lambda f: f[:3])]
 
