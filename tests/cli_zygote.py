@@ -43,13 +43,18 @@ PRELOAD = [
     "dtp.hf.plan",
 ]
 
+# pytest names the running test in PYTEST_CURRENT_TEST; torch sets TORCHINDUCTOR_CACHE_DIR to the
+# default it computes, as a fresh interpreter's torch would: neither is a test's change
+_NOT_A_CHANGE = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
+
 
 class Zygote:
     """The fork server of this process and what a `python -m dtp` child of it must be given."""
 
     def __init__(self, cwd: Path) -> None:
         self.cwd = cwd
-        self.env = dict(os.environ)  # the server's: a call made under another goes elsewhere
+        # the test's environment as the server starts: a call made under another is not forked
+        self.env = dict(os.environ)
         # sys.path as `python -m dtp` run from cwd has it (not pytest's, which holds tests/)
         out = subprocess.run(
             [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
@@ -85,6 +90,7 @@ class Zygote:
         """`python -m dtp ARGS` in a forked child; subprocess.run's result and timeout."""
         with tempfile.TemporaryDirectory(prefix="dtp-cli-") as tmp:
             out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+            cmd = [sys.executable, "-m", "dtp", *args]
             child = self.context.Process(
                 target=_child, args=(args, str(self.cwd), env, self.path, str(out), str(err))
             )
@@ -93,12 +99,8 @@ class Zygote:
             if child.exitcode is None:
                 child.kill()
                 child.join()
-                raise subprocess.TimeoutExpired(
-                    [sys.executable, "-m", "dtp", *args], timeout, _read(out), _read(err)
-                )
-            return subprocess.CompletedProcess(
-                [sys.executable, "-m", "dtp", *args], child.exitcode, _read(out), _read(err)
-            )
+                raise subprocess.TimeoutExpired(cmd, timeout, _read(out), _read(err))
+            return subprocess.CompletedProcess(cmd, child.exitcode, _read(out), _read(err))
 
 
 @functools.cache
@@ -108,12 +110,7 @@ def zygote(cwd: Path) -> Zygote:
 
 
 def _settled(env) -> dict:
-    # pytest names the running test in PYTEST_CURRENT_TEST; torch sets TORCHINDUCTOR_CACHE_DIR to
-    # the default it computes, as a fresh interpreter's torch would: neither is a test's change
-    return {k: v for k, v in env.items() if k not in ("PYTEST_CURRENT_TEST", _INDUCTOR_CACHE)}
-
-
-_INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+    return {k: v for k, v in env.items() if k not in _NOT_A_CHANGE}
 
 
 def _read(path: Path) -> str:

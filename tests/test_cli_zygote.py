@@ -5,12 +5,10 @@ the same exit status, stdout and stderr, and the same `sys.path` (pytest's holds
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 from cli_zygote import zygote
-from conftest import REPO
+from conftest import REPO, dtp_cli
 
 
 @pytest.mark.parametrize(
@@ -23,16 +21,8 @@ from conftest import REPO
     ],
 )
 def test_forked_command_line_is_the_fresh_one(argv, code):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    fresh = subprocess.run(
-        [sys.executable, "-m", "dtp", *argv],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    warm = zygote(REPO).run(list(argv), env, timeout=120)
+    fresh = dtp_cli(*argv, env={}, timeout=120)  # an environment of its own: a fresh interpreter
+    warm = zygote(REPO).run(list(argv), {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
     assert fresh.returncode == code, fresh.stderr
     assert (warm.returncode, warm.stdout, warm.stderr) == (
         fresh.returncode,

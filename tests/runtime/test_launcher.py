@@ -82,8 +82,6 @@ def test_a_failure_after_the_rendezvous_is_never_retried(tmp_path, monkeypatch, 
 
 
 def _raises_then_exits_slowly(rank, world, raised: str):
-    import time
-
     import torch.distributed as dist
 
     # the launcher tears the process group down after a rank's error: here that takes 2 s, as
