@@ -1,5 +1,5 @@
 """The repository holds the product, not the lab notebook: bench/results keeps one small report per
-claim the docs make (raw runs, plots and logs live on the lab-results branch), nothing tracked is
+claim the docs make (raw runs, plots and logs stay in the history, not the tree), nothing tracked is
 over 200 KB, and the wheel's dtp/bench is `dtp bench` and its documented tp 1 comparison, no lab
 harness (those are scripts in the checkout's bench/, which the wheel does not ship)."""
 
@@ -50,7 +50,7 @@ def test_bench_results_holds_a_few_small_reports():
     files = _committed("bench/results")
     assert 0 < len(files) <= MAX_REPORTS, [str(f.relative_to(REPO)) for f in files]
     assert {f.suffix for f in files} <= {".md", ".yaml"}, (
-        "raw runs, plots and logs go to the lab-results branch"
+        "raw runs, plots and logs stay out of the tree (the reports name their commit)"
     )
 
 

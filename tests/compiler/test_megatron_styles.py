@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -23,7 +24,12 @@ from torch.distributed.tensor.parallel import (
 from dtp.compiler.local_params import LocalParams
 from dtp.compiler.mappings import copy_to_ranks, sum_over_ranks
 from dtp.compiler.megatron import MegatronColwise, MegatronRowwise
-from dtp.compiler.vocab_parallel import VocabParallelEmbedding, VocabParallelHead, cross_entropy
+from dtp.compiler.vocab_parallel import (
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    _lookup,
+    cross_entropy,
+)
 from dtp.layout.placement import ParamPlacement
 from dtp.runtime.comm import CommCounter
 from dtp.runtime.ranks import on_ranks
@@ -231,6 +237,31 @@ def test_vocabulary_ends_and_loss_match_torchs_styles_and_loss_parallel():
         assert r["logits are shards"]
         assert (r["ours forward"], r["ours backward"]) == ({"all_reduce": 4}, {"all_reduce": 1})
         assert r["ours forward"]["all_reduce"] == r["torch forward"]["all_reduce"]
+
+
+@pytest.mark.parametrize("compiling", [False, True], ids=["index_fill", "masked_fill"])
+def test_ids_another_rank_owns_look_up_exact_zeros(monkeypatch, compiling):
+    """The embedding's lookup on one rank's rows: ids outside them read exact zeros and send no
+    gradient, though they are pointed at row 0, which here is not finite (a product with the mask
+    would make them NaN). Both ways of zeroing: index_fill_ for plain CPU tensors, masked_fill
+    under torch.compile (and on GPUs)."""
+    if compiling:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    gen = torch.Generator().manual_seed(0)
+    finite = torch.randn(4, 3, dtype=torch.float64, generator=gen)
+    for shape in ((), (5,), (2, 3), (2, 3, 4)):
+        # no id inside the rows points at row 0; -3, -1, 5 and 6 belong to other ranks
+        local = torch.tensor([-3, -1, 1, 2, 3, 5, 6])[torch.randint(0, 7, shape, generator=gen)]
+        inside = (local >= 0) & (local < 4)
+        weight = finite.clone()
+        weight[0] = float("nan")
+        weight.requires_grad_()
+        out = _lookup(weight, local, inside, pad=None)
+        out.backward(torch.ones_like(out))
+        expected = torch.where(inside.unsqueeze(-1), finite[local.clamp(0, 3)], 0.0)
+        assert out.shape == (*shape, 3) and torch.equal(out, expected)
+        counts = torch.bincount(local[inside].flatten(), minlength=4).double()
+        assert torch.equal(weight.grad, counts.unsqueeze(-1).expand(4, 3))
 
 
 def _copied_and_compiled(rank: int, world: int) -> dict:
