@@ -43,9 +43,10 @@ def linear(module: nn.Module, x: torch.Tensor, params: dict[str, torch.Tensor]) 
     weight, bias = params["weight"], params.get("bias")
     if not is_conv1d(module):
         return F.linear(x, weight, bias)
-    y = x.reshape(-1, x.shape[-1]) @ weight
-    y = y if bias is None else y + bias
-    return y.view(*x.shape[:-1], weight.shape[-1])
+    # matmul folds the leading dimensions itself; its output is not a view (a row-parallel layer's g
+    # reduces it in place, which on a view autograd would pay with a copy of the base in backward)
+    y = x @ weight
+    return y if bias is None else y + bias
 
 
 class ColumnParallel:

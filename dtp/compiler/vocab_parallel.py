@@ -69,20 +69,20 @@ def _lookup(
     """The rows of `weight` at `local` ids (...) → (..., C), exact zeros where `inside` is False
     (not a product with the mask: a row that is not finite would leak NaN into ids other ranks own).
 
-    Plain CPU tensors in eager mode have their rows zeroed by `index_fill_` on the lookup's own
-    (N, C) output: a `masked_fill` with the mask broadcast over C takes longer than the lookup
-    there (forward and backward, 0.3 ms of a 25 ms step of `dtp bench --quick` at tp 2). Anything
-    else (GPUs, torch.compile, meta, fake or simulated ranks' tensors) takes `masked_fill`: the
-    row indices need `nonzero`, a device sync and a shape that depends on the data."""
+    Plain CPU tensors in eager mode have their rows zeroed by `index_put_` on the lookup's own
+    output: a `masked_fill` with the mask broadcast over C takes longer than the lookup there
+    (forward and backward, 0.3 ms of a 25 ms step of `dtp bench --quick` at tp 2). In place on the
+    output itself, not on a view of it: g then reduces it in place, and autograd would pay an
+    in-place change of a view with a copy of the whole base in backward. Anything else (GPUs,
+    torch.compile, meta, fake or simulated ranks' tensors, a single id) takes `masked_fill`: the row
+    indices need `nonzero`, a device sync and a shape that depends on the data."""
     index = torch.where(inside, local, 0)
-    eager_cpu = type(index) is torch.Tensor and index.device.type == "cpu"
+    rows = F.embedding(index, weight, pad)
+    eager_cpu = type(index) is torch.Tensor and index.device.type == "cpu" and index.dim() > 0
     if not eager_cpu or torch.compiler.is_compiling():
-        return F.embedding(index, weight, pad).masked_fill(~inside.unsqueeze(-1), 0.0)
-    # flat, so that the in-place fill is on the lookup's output, not on a view of it (its backward
-    # reads only the ids)
-    rows = F.embedding(index.flatten(), weight, pad)
-    rows.index_fill_(0, (~inside).flatten().nonzero().squeeze(1), 0.0)
-    return rows.view(*index.shape, weight.shape[-1])
+        return rows.masked_fill(~inside.unsqueeze(-1), 0.0)
+    # the lookup's backward reads only the ids
+    return rows.index_put_((~inside).nonzero(as_tuple=True), rows.new_zeros(()))
 
 
 class VocabLogits:

@@ -239,11 +239,11 @@ def test_vocabulary_ends_and_loss_match_torchs_styles_and_loss_parallel():
         assert r["ours forward"]["all_reduce"] == r["torch forward"]["all_reduce"]
 
 
-@pytest.mark.parametrize("compiling", [False, True], ids=["index_fill", "masked_fill"])
+@pytest.mark.parametrize("compiling", [False, True], ids=["index_put", "masked_fill"])
 def test_ids_another_rank_owns_look_up_exact_zeros(monkeypatch, compiling):
     """The embedding's lookup on one rank's rows: ids outside them read exact zeros and send no
     gradient, though they are pointed at row 0, which here is not finite (a product with the mask
-    would make them NaN). Both ways of zeroing: index_fill_ for plain CPU tensors, masked_fill
+    would make them NaN). Both ways of zeroing: index_put_ for plain CPU tensors, masked_fill
     under torch.compile (and on GPUs)."""
     if compiling:
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
@@ -260,6 +260,8 @@ def test_ids_another_rank_owns_look_up_exact_zeros(monkeypatch, compiling):
         out.backward(torch.ones_like(out))
         expected = torch.where(inside.unsqueeze(-1), finite[local.clamp(0, 3)], 0.0)
         assert out.shape == (*shape, 3) and torch.equal(out, expected)
+        # g reduces it in place next: a view would cost autograd a copy of its base in backward
+        assert not out._is_view()
         counts = torch.bincount(local[inside].flatten(), minlength=4).double()
         assert torch.equal(weight.grad, counts.unsqueeze(-1).expand(4, 3))
 
