@@ -24,8 +24,8 @@ its own) with `requires_grad`; autograd accumulates into `leaf.grad` as for any 
 
 A leaf is kept per local tensor, in a weak identity map (an entry dies with the tensor), and what
 each module read last is kept for it and checked by identity on its next forward (the map is looked
-up only when the module's parameters changed: about 3 µs per parameter and forward less). A model
-that FSDP2 will shard makes no leaves at all (its layers hold no `LocalParams`): FSDP2 swaps its
+up only when the module's parameters changed: 7.8 → 5.2 µs per forward of a two-parameter layer). A
+model that FSDP2 will shard makes no leaves at all (its layers hold no `LocalParams`): FSDP2 swaps its
 unsharded parameters in around each forward and reduces their gradients from autograd's own
 accumulation. dtp's packed-row gradient reduction swaps in a non-leaf; those, and code under
 `torch.compile` (traced once, DTensor costs nothing there), take `to_local()`. A leaf is rebuilt
