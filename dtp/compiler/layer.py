@@ -17,9 +17,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import ProcessGroup
-from torch.distributed.tensor import DTensor
 
-from dtp.compiler.local_params import LocalParams
+from dtp.compiler.local_params import LocalParams, local_tensors
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,11 +42,7 @@ class TensorParallelGroup:
         DTensors."""
         if self.leaves is not None:
             return self.leaves.of(module)
-        return {
-            n: p.to_local() if isinstance(p, DTensor) else p
-            for n, p in module._parameters.items()
-            if p is not None
-        }
+        return local_tensors(module)
 
     def __deepcopy__(self, memo: dict) -> TensorParallelGroup:
         # a copy of the model communicates over the same group (process groups are not copied)

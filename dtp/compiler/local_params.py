@@ -68,6 +68,16 @@ def like(p: DTensor, local: torch.Tensor) -> DTensor:
     )
 
 
+def local_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """`module`'s own parameters as this rank's local tensors through DTensor's `to_local()` (an
+    autograd function: gradients reach the DTensors)."""
+    return {
+        n: p.to_local() if isinstance(p, DTensor) else p
+        for n, p in module._parameters.items()
+        if p is not None
+    }
+
+
 class _Leaf:
     """One parameter's leaf, the local tensor it aliases (weakly), and the local tensor of the
     gradient `p.grad` last wrapped for it (weakly: a cleared gradient is freed)."""
@@ -143,11 +153,7 @@ class LocalParams:
             self._catch_up()
         params = module._parameters
         if torch.compiler.is_compiling():
-            return {
-                n: p.to_local() if isinstance(p, DTensor) else p
-                for n, p in params.items()
-                if p is not None
-            }
+            return local_tensors(module)
         read = self._reads.get(module)
         if read is None or not read.holds(params):
             return self._read(module)
