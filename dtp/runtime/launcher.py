@@ -27,6 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from dtp.errors import DtpError, RunError, Terminated
+from dtp.runtime import fork
 from dtp.runtime.threads import threads_per_rank
 from dtp.runtime.torchrun import RENDEZVOUS
 
@@ -144,8 +145,10 @@ def _child(
         import torch.distributed as dist
 
         # On a timeout the parent sends SIGUSR1 before it kills: the rank writes where it is stuck.
+        # A rank that crashes (SIGSEGV, SIGABRT, ...) writes where it crashed to the same file.
         stacks = open(Path(out, f"stack-{rank}.txt"), "w")
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        faulthandler.enable(file=stacks, all_threads=True)
         try:
             init_rank(rank, world, port, device, timeout, threads)
         except Exception as err:
@@ -203,12 +206,12 @@ def _failure(out: Path, rank: int, exitcode: int | None) -> RunError:
         )
         err.time = e["time"]
         return err
-    err = RunError(
-        f"the run failed: rank {rank} {_death(exitcode)}",
-        rank=rank,
-        where=None,
-        error=_death(exitcode),
-    )
+    death = _death(exitcode)
+    if exitcode is not None and exitcode < 0 and exitcode != -signal.SIGKILL:
+        # faulthandler wrote the rank's stack as it crashed; SIGKILL leaves no trace
+        if where := _frames(out, rank):
+            death += f" at {where}"
+    err = RunError(f"the run failed: rank {rank} {death}", rank=rank, where=None, error=death)
     err.time = 0.0
     return err
 
@@ -240,8 +243,11 @@ def start_ranks(target, world: int, args: tuple, device: str = "cpu") -> list:
 
     ctx = mp.get_context("spawn" if device == "cuda" else "fork")
     procs = [ctx.Process(target=target, args=(rank, *args), daemon=True) for rank in range(world)]
-    for p in procs:
-        p.start()
+    if device == "cuda":
+        for p in procs:
+            p.start()
+    else:
+        fork.start(procs)  # what a forked rank must not inherit: see dtp.runtime.fork
     return procs
 
 
@@ -263,17 +269,23 @@ def _stuck_at(procs: list, out: Path, done: set[int]) -> str:
         with contextlib.suppress(ProcessLookupError):
             os.kill(procs[r].pid, signal.SIGUSR1)
     time.sleep(1.0)
-    lines = []
-    for r in live:
-        with contextlib.suppress(OSError):
-            text = Path(out, f"stack-{r}.txt").read_text()
-            # The rank's main thread is the block that runs _child (others are torch's or gloo's
-            # own).
-            block = next((b for b in text.split("\n\n") if " in _child" in b), text)
-            frames = [f.strip() for f in block.splitlines() if f.strip().startswith("File ")]
-            if frames:
-                lines.append(f"rank {r}: " + " <- ".join(_frame(f) for f in frames[:3]))
+    lines = [f"rank {r}: {where}" for r in live if (where := _frames(out, r))]
     return "; where each rank was: " + "; ".join(lines) if lines else ""
+
+
+def _frames(out: Path, rank: int) -> str:
+    """The innermost frames of the rank's main thread, from what faulthandler wrote last ('x.py:3
+    f <- y.py:9 g'); '' if it wrote nothing."""
+    try:
+        text = Path(out, f"stack-{rank}.txt").read_text(errors="replace")
+    except OSError:
+        return ""
+    # The last dump; in it, the rank's main thread is the block that runs _child (others are
+    # torch's or gloo's own).
+    text = text.rsplit("Fatal Python error", 1)[-1]
+    block = next((b for b in text.split("\n\n") if " in _child" in b), text)
+    frames = [f.strip() for f in block.splitlines() if f.strip().startswith("File ")]
+    return " <- ".join(_frame(f) for f in frames[:3])
 
 
 def _frame(line: str) -> str:

@@ -23,7 +23,7 @@ from dtp.simulate.ops import Recorder
 
 TOKENS = (256, 1024, 4096)  # rows of a Linear's input (batch × sequence)
 WIDTHS = (128, 256, 512, 1024)  # its in and out features: n → n, n → 4n, 4n → n
-_FLUSH = torch.zeros(1 << 23)  # 32 MB: more than this machine's L2 caches together
+FLUSH_ELEMENTS = 1 << 23  # 32 MB: more than this machine's L2 caches together
 # the size memory-bound ops are timed at: a GPT's activations (the loss: 4×)
 MEMORY_ELEMENTS = 1 << 20
 
@@ -34,11 +34,12 @@ def _typical(fn: Callable[[], object], reps: int = 9, cold: bool = False) -> flo
     times inside a step). `cold`: the caches are flushed before each call, as in a step, where a
     memory-bound op reads activations written long before (its pages are mapped already: the
     allocator reuses a step's memory in the next)."""
+    flush = torch.zeros(FLUSH_ELEMENTS) if cold else None
     fn(), fn()
     times = []
     for _ in range(reps):
-        if cold:
-            _FLUSH.add_(1.0)
+        if flush is not None:
+            flush.add_(1.0)
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -151,10 +152,10 @@ def _backward_seconds(
 ) -> float:
     """Median seconds of an op's own backward kernels (its forward run untimed before each): the
     gradient is handed on, not accumulated, and freed as a step's backward frees it."""
-    times = []
+    flush, times = torch.zeros(FLUSH_ELEMENTS), []
     for _ in range(reps + 2):
         out = forward()
-        _FLUSH.add_(1.0)
+        flush.add_(1.0)
         t0 = time.perf_counter()
         torch.autograd.grad(out, leaf, grad)
         times.append(time.perf_counter() - t0)

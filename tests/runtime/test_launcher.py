@@ -224,3 +224,85 @@ def test_ranks_share_out_the_cores_unless_told(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the test harness's, or the user's
     assert threads_per_rank(1) == 1
     assert launch_local(_threads, 2, timeout=60, threads=2) == [(2, "2"), (2, "2")]
+
+
+def _crash_on_rank0(rank, world):
+    import ctypes
+
+    if rank == 0:
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
+    return rank
+
+
+def test_a_crashed_rank_is_named_with_where_it_crashed():
+    with pytest.raises(RunError) as info:
+        launch_local(_crash_on_rank0, 2, timeout=60)
+    line = _line_of(_crash_on_rank0, "ctypes.string_at(0)")
+    message = str(info.value)
+    # the innermost frame is ctypes' own string_at, which calls into C
+    assert message.startswith("the run failed: rank 0 was killed by SIGSEGV at __init__.py:"), (
+        message
+    )
+    assert f" string_at <- test_launcher.py:{line} _crash_on_rank0 <- launcher.py:" in message
+
+
+class _Holder:
+    pass
+
+
+def _collect(rank, world):
+    import gc
+
+    return gc.collect() >= 0
+
+
+def test_a_rank_never_collects_what_it_inherits():
+    """A process group this process still holds, in a reference cycle nothing collected yet: a
+    forked rank that collected it would run its destructor without the group's worker threads and
+    hang there (as it did before the launcher froze what the ranks inherit)."""
+    import gc
+    import weakref
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    gc.disable()  # the cycle stays until the ranks have forked
+    try:
+        store = dist.TCPStore(
+            "127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+        )
+        group = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=30))
+        group.allreduce([torch.ones(2)]).wait()  # its threads have run
+        holder = _Holder()
+        holder.group, holder.store, holder.cycle = group, store, holder
+        alive = weakref.ref(holder)
+        del holder, group, store
+        assert launch_local(_collect, 2, timeout=30) == [True, True]
+        assert alive() is not None  # the ranks forked with the cycle in this process
+    finally:
+        gc.enable()
+        gc.collect()  # here, where the group's threads are, its destructor joins them
+    assert alive() is None
+
+
+def _parallel_work(rank, world):
+    import torch
+
+    torch.randn(1 << 22).exp_().sum()  # a parallel region on the rank's two threads
+    return torch.get_num_threads()
+
+
+def test_ranks_run_on_two_threads_after_this_process_did():
+    """GNU OpenMP's pool of a thread that ran a parallel region on two threads is inherited by a
+    process forked from that thread, without its threads: the rank's first parallel region waited
+    for them forever (dtp train --tp 1 on 2 cores hung so)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.randn(1 << 22).exp_().sum()  # this thread's pool now exists
+    finally:
+        torch.set_num_threads(before)
+    assert launch_local(_parallel_work, 2, timeout=30, threads=2) == [2, 2]
