@@ -86,13 +86,20 @@ class Zygote:
         now, then = _settled(os.environ), _settled(self.env)
         return sorted(k for k in now.keys() | then.keys() if now.get(k) != then.get(k))
 
-    def run(self, args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-        """`python -m dtp ARGS` in a forked child; subprocess.run's result and timeout."""
+    def run(
+        self, args: list[str], env: dict, timeout: float, cwd: Path | None = None
+    ) -> subprocess.CompletedProcess:
+        """`python -m dtp ARGS` in a forked child (run from `cwd`, the server's unless given);
+        subprocess.run's result and timeout."""
+        cwd = cwd or self.cwd
+        # as -m has it: the working directory first, then PYTHONPATH's entries, then the rest
+        extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        path = [str(cwd), *[p for p in extra if p not in self.path], *self.path[1:]]
         with tempfile.TemporaryDirectory(prefix="dtp-cli-") as tmp:
             out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
             cmd = [sys.executable, "-m", "dtp", *args]
             child = self.context.Process(
-                target=_child, args=(args, str(self.cwd), env, self.path, str(out), str(err))
+                target=_child, args=(args, str(cwd), env, path, str(out), str(err))
             )
             child.start()
             child.join(timeout)

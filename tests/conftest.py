@@ -15,18 +15,21 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def dtp_cli(
-    *args: str, timeout: float = 180, env: dict | None = None
+    *args: str, timeout: float = 180, env: dict | None = None, cwd: Path = REPO
 ) -> subprocess.CompletedProcess:
-    """Run `python -m dtp ARGS` from the repository root: forked from this process's warm server
-    (tests/cli_zygote.py), or, given an environment of its own (or under a test's changed one), a
-    fresh interpreter; every process a fresh one starts carries a marker."""
+    """Run `python -m dtp ARGS` from `cwd` (the repository root unless given; dtp is this checkout,
+    installed or not): forked from this process's warm server (tests/cli_zygote.py), or, given an
+    environment of its own (or under a test's changed one), a fresh interpreter; every process a
+    fresh one starts carries a marker."""
     server = zygote(REPO)
     call_env = {**os.environ, "OMP_NUM_THREADS": "1", "DTP_TEST_MARK": uuid.uuid4().hex}
+    if cwd != REPO:
+        call_env["PYTHONPATH"] = str(REPO)
     if server.serves(env):
-        return server.run(list(args), call_env, timeout)
+        return server.run(list(args), call_env, timeout, Path(cwd))
     return subprocess.run(
         [sys.executable, "-m", "dtp", *args],
-        cwd=REPO,
+        cwd=cwd,
         env={**call_env, **(env or {})},
         capture_output=True,
         text=True,

@@ -3,11 +3,13 @@ another.
 
 Starting ranks costs seconds (process start, process group); a fuzz example costs a fraction of one.
 A case that crashes or hangs a rank costs the pool: it is stopped and the next case starts a fresh
-one.
+one. A rank killed by a signal is named with where it crashed, as `dtp apply` names its ranks (each
+rank's faulthandler writes its frames to the pool's scratch folder).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import queue
 import tempfile
 import time
@@ -16,7 +18,14 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dtp.runtime.launcher import init_rank, loopback_listener, serve_store, start_ranks, stop_ranks
+from dtp.runtime.launcher import (
+    death_of,
+    init_rank,
+    loopback_listener,
+    serve_store,
+    start_ranks,
+    stop_ranks,
+)
 from dtp.runtime.mesh import make_mesh
 from dtp.verify.rank import RunConfig, run
 
@@ -24,7 +33,11 @@ RANK_TIMEOUT_S = 120.0  # a collective that waits longer than this on a pool ran
 READY = "ready"  # what a rank answers once it has joined the process group and built the mesh
 
 
-def _worker(rank: int, world: int, port: int, jobs: list, results, tp: int, dp: int) -> None:
+def _worker(
+    rank: int, world: int, port: int, jobs: list, results, tp: int, dp: int, scratch: str
+) -> None:
+    # where a crash (SIGSEGV, SIGABRT, ...) leaves this rank's frames, for `death_of`
+    faulthandler.enable(file=open(Path(scratch, f"stack-{rank}.txt"), "w"), all_threads=True)
     # loopback rendezvous; Ctrl-C is the parent's
     init_rank(rank, world, port, "cpu", RANK_TIMEOUT_S)
     mesh = make_mesh(tp, dp)
@@ -66,7 +79,15 @@ class RankPool:
         self.procs = start_ranks(
             _worker,
             self.world,
-            (self.world, sock.getsockname()[1], self.jobs, self.results, self.tp, self.dp),
+            (
+                self.world,
+                sock.getsockname()[1],
+                self.jobs,
+                self.results,
+                self.tp,
+                self.dp,
+                self.tmp.name,
+            ),
         )
         # after the fork: see serve_store
         self.store = serve_store(sock, self.world, RANK_TIMEOUT_S)
@@ -93,14 +114,16 @@ class RankPool:
                     timeout=max(0.05, min(1.0, deadline - time.monotonic()))
                 )
             except queue.Empty:
+                # a rank that died is the cause; its peers' errors (a reset connection) follow
+                if any(not p.is_alive() for p in self.procs):
+                    died = self._deaths()
+                    self.close()
+                    raise RuntimeError(died) from None
                 if time.monotonic() > deadline or (errors and time.monotonic() > grace):
                     self.close()
                     if errors:
                         raise RuntimeError(errors[0]) from None
                     raise Hang(f"no answer within {timeout:g} s") from None
-                if any(not p.is_alive() for p in self.procs):
-                    self.close()
-                    raise RuntimeError(errors[0] if errors else "a rank died") from None
                 continue
             answered += 1
             if err:
@@ -112,6 +135,15 @@ class RankPool:
             self.close()
             raise RuntimeError(errors[0])
         return report
+
+    def _deaths(self) -> str:
+        """Each rank that died, how, and where it crashed (before `close` removes the scratch)."""
+        scratch = Path(self.tmp.name)
+        return "; ".join(
+            f"rank {r} {death_of(scratch, r, p.exitcode, entry='_worker')}"
+            for r, p in enumerate(self.procs)
+            if not p.is_alive()
+        )
 
     @property
     def alive(self) -> bool:

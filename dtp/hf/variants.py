@@ -20,7 +20,7 @@ from pathlib import Path
 
 from torch.distributed.device_mesh import init_device_mesh
 
-from dtp.checks.checker import check
+from dtp.checks.checker import Checked, check
 from dtp.cost.explain import explain
 from dtp.errors import DtpError
 from dtp.hf.plan import PLANS
@@ -50,15 +50,15 @@ class Outcome:
 
 
 def verify_variants_on_rank(
-    rank: int, world: int, items: list[tuple[str, str, dict]]
+    rank: int, world: int, items: list[tuple[str, str, dict, Checked]]
 ) -> list[dict]:
-    """For `dtp.runtime.ranks.on_ranks`: verify each (name, family, overrides) on one tp mesh, in
-    turn."""
+    """For `dtp.runtime.ranks.on_ranks`: verify each (name, family, overrides, its plan as `precheck`
+    checked it) on one tp mesh, in turn."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out = []
-    for name, family, overrides in items:
+    for name, family, overrides, checked in items:
         try:
-            result = verify(family, mesh, overrides=overrides)
+            result = verify(family, mesh, overrides=overrides, checked=checked)
         except Exception as err:  # noqa: BLE001 - one variant's failure is reported with the others
             result = {"ok": False, "error": f"{type(err).__name__}: {err}"}
         out.append({**result, "variant": name})
@@ -81,9 +81,9 @@ def _landed(config, key: str, want) -> bool:
     return getattr(config, key, object()) == want
 
 
-def precheck(variant: Variant, tp: int) -> Outcome | None:
+def precheck(variant: Variant, tp: int) -> Outcome | Checked:
     """The outcome decided before any rank starts (a build failure, `check` refusing or crashing),
-    or None."""
+    or the plan checked at `tp`, which the ranks take as checked."""
     try:
         model = hf.build(variant.family, **variant.overrides)
     except Exception as err:  # noqa: BLE001 - transformers rejects the config itself: not dtp's business
@@ -108,7 +108,7 @@ def precheck(variant: Variant, tp: int) -> Outcome | None:
         explain(checked, model, variant.name, tp, batch=2, seq=8)
     except Exception as err:  # noqa: BLE001 - a crash of explain is what the sweep looks for
         return Outcome(variant.name, tp, "check-crash", f"(explain) {type(err).__name__}: {err}")
-    return None
+    return checked
 
 
 def judge(variant: str, tp: int, r: dict) -> Outcome:
@@ -126,18 +126,18 @@ def judge(variant: str, tp: int, r: dict) -> Outcome:
     return Outcome(variant, tp, "ok", f"{errs}; {counts}")
 
 
-def run_batch(batch: list[Variant], tp: int, timeout: float) -> list[Outcome]:
-    """Run `batch` on tp ranks; a launch that fails as a whole (crash, hang) is retried one variant
-    at a time."""
-    items = [(v.name, v.family, v.overrides) for v in batch]
+def run_batch(batch: list[tuple[Variant, Checked]], tp: int, timeout: float) -> list[Outcome]:
+    """Run `batch` (each variant with its plan as `precheck` checked it) on tp ranks; a launch that
+    fails as a whole (crash, hang) is retried one variant at a time."""
+    items = [(v.name, v.family, v.overrides, checked) for v, checked in batch]
     try:
         results = on_ranks(verify_variants_on_rank, tp, items, timeout=timeout * len(batch))
     except DtpError as err:
         if len(batch) > 1:
-            return [o for v in batch for o in run_batch([v], tp, timeout)]
-        return [Outcome(batch[0].name, tp, "run-crash", f"launch failed: {err}")]
+            return [o for one in batch for o in run_batch([one], tp, timeout)]
+        return [Outcome(batch[0][0].name, tp, "run-crash", f"launch failed: {err}")]
     out = []
-    for i, v in enumerate(batch):
+    for i, (v, _) in enumerate(batch):
         per_rank = [judge(v.name, tp, rank_results[i]) for rank_results in results]
         out.append(next((o for o in per_rank if o.kind != "ok"), per_rank[0]))
     return out
@@ -149,11 +149,11 @@ def sweep(
     """Every variant at every tp: prechecked here, the rest run in batches per family."""
     outcomes: list[Outcome] = []
     for tp in tps:
-        pending: list[Variant] = []
+        pending: list[tuple[Variant, Checked]] = []
         for v in variants:
             pre = precheck(v, tp)
-            if pre is None:
-                pending.append(v)
+            if isinstance(pre, Checked):
+                pending.append((v, pre))
             else:
                 outcomes.append(pre)
                 log(f"tp={tp} {v.name}: {pre.kind}")

@@ -1,19 +1,23 @@
 """Parity of a shipped `plans/hf/*.tp` plan on a tiny Hugging Face model, in this process's rank (no
 CommDebugMode): one forward + backward of the sharded model next to an unsharded copy, every
 gradient gathered and compared, and the collectives counted by dtp.runtime.comm's dispatch counter,
-set against the analytic schedule; several families can run in one rank launch.
+set against the analytic schedule; several families can run in one rank launch. As `dtp apply`'s
+pre-flight does, the parent checks each plan before the ranks fork (`prepare`) and the ranks take it
+as checked: they inherit the check, the modelling code it imported and the parser, rather than
+repeating them on every rank.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from dtp.checks.checker import checked_for
+from dtp.checks.checker import Checked, checked_for
 from dtp.compiler.vocab_parallel import cross_entropy
 from dtp.cost.schedule import schedule, summarize
 from dtp.hf.plan import PLANS
@@ -21,8 +25,40 @@ from dtp.lang.parse import load as load_plan
 from dtp.models import hf
 from dtp.runtime.build import build_sharded
 from dtp.runtime.comm import CommCounter
+from dtp.runtime.preflight import trusted
 from dtp.verify.parity import ParityCheck
 from dtp.verify.reference import copy_in, forward_as, full_value
+
+
+@dataclass(frozen=True)
+class Case:
+    """One family to verify: its plan (the shipped one unless named) and, where the parent checked it,
+    that check (its plan at the ranks' tp)."""
+
+    family: str
+    plan_path: Path | None = None
+    checked: Checked | None = None
+
+
+def _plan(family: str, plan_path: Path | None):
+    return load_plan(str(plan_path or PLANS / f"{hf.FAMILIES[family][0]}.tp"))
+
+
+def prepare(items: list, tp: int, overrides: dict | None = None) -> list[Case]:
+    """In the parent, before the ranks fork: a Case per family (or (family, plan path)), its plan
+    checked at `tp` against its meta model. A plan the checker refuses (or a family that does not
+    build) goes unchecked to the ranks, whose check reports it with the other families' results."""
+    cases = []
+    for item in items:
+        family, plan_path = item if isinstance(item, tuple) else (item, None)
+        try:
+            with torch.device("meta"):
+                meta = hf.build(family, **(overrides or {}))
+            checked = checked_for(_plan(family, plan_path), meta, tp)
+        except Exception:  # noqa: BLE001 - the rank repeats it and reports it with the others
+            checked = None
+        cases.append(Case(family, plan_path, checked))
+    return cases
 
 
 def verify(
@@ -33,16 +69,18 @@ def verify(
     seq: int = 8,
     seed: int = 0,
     overrides: dict | None = None,
+    checked: Checked | None = None,
 ) -> dict:
     """{family, ok, logits, loss, grads, worst, measured, analytic} for one family (its tiny config
-    with `overrides` on top) on `mesh` (every rank)."""
+    with `overrides` on top) on `mesh` (every rank). `checked`: the plan as the parent checked it at
+    this tp, only matched to this rank's model (dtp.runtime.preflight.trusted); otherwise the rank
+    checks the plan at `plan_path` (the shipped one unless named)."""
     rank = mesh.get_local_rank()
     torch.manual_seed(seed)
     # unsharded, float32: the error sharding may add is measured against its own
     reference = hf.build(family, **(overrides or {})).train()
     # the parity rule's ground truth (dtp/verify/parity.py)
     truth = copy_in(reference, torch.float64)
-    plan = load_plan(str(plan_path or PLANS / f"{hf.FAMILIES[family][0]}.tp"))
 
     # The sharded model comes from the build path `dtp apply` uses: meta → shard → blocks scattered
     # from rank 0.
@@ -51,7 +89,12 @@ def verify(
 
     with torch.device("meta"):
         meta = source()
-    checked = checked_for(plan, meta, mesh.size())
+    if checked is None:
+        checked = checked_for(_plan(family, plan_path), meta, mesh.size())
+    else:
+        if checked.tp != mesh.size():
+            raise ValueError(f"{family}: checked at tp {checked.tp}, run at {mesh.size()}")
+        checked = trusted(checked.plan, meta, mesh.size())
     applied = build_sharded(
         checked,
         source,
@@ -123,18 +166,17 @@ def verify(
     }
 
 
-def verify_on_rank(rank: int, world: int, families: list) -> list[dict]:
-    """Verify every family (or (family, plan path)) in turn on one tp mesh of an initialised world."""
+def verify_on_rank(rank: int, world: int, cases: list[Case]) -> list[dict]:
+    """Verify every case (`prepare`'s) in turn on one tp mesh of an initialised world."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out = []
-    for item in families:
-        family, plan = item if isinstance(item, tuple) else (item, None)
+    for case in cases:
         try:
-            out.append(verify(family, mesh, plan))
+            out.append(verify(case.family, mesh, case.plan_path, checked=case.checked))
         except Exception as err:  # noqa: BLE001 - one family's failure is reported with the others
             out.append(
                 {
-                    "family": family,
+                    "family": case.family,
                     "rank": rank,
                     "ok": False,
                     "error": f"{type(err).__name__}: {err}",

@@ -192,6 +192,18 @@ def _death(exitcode: int | None) -> str:
     return f"exited with status {exitcode} without reporting an error"
 
 
+def death_of(out: Path, rank: int, exitcode: int | None, entry: str = "_child") -> str:
+    """How a rank that reported nothing ended ("was killed by SIGSEGV at x.py:3 f <- …"): where it
+    crashed is what its faulthandler wrote to `out`/stack-RANK.txt, read from the thread that runs
+    `entry` (the rank's function)."""
+    death = _death(exitcode)
+    if exitcode is not None and exitcode < 0 and exitcode != -signal.SIGKILL:
+        # faulthandler wrote the rank's stack as it crashed; SIGKILL leaves no trace
+        if where := _frames(out, rank, entry):
+            death += f" at {where}"
+    return death
+
+
 def _failure(out: Path, rank: int, exitcode: int | None) -> RunError:
     """A RunError for a rank that failed; `.time` is when it raised (0 for a rank that died
     silently)."""
@@ -206,11 +218,7 @@ def _failure(out: Path, rank: int, exitcode: int | None) -> RunError:
         )
         err.time = e["time"]
         return err
-    death = _death(exitcode)
-    if exitcode is not None and exitcode < 0 and exitcode != -signal.SIGKILL:
-        # faulthandler wrote the rank's stack as it crashed; SIGKILL leaves no trace
-        if where := _frames(out, rank):
-            death += f" at {where}"
+    death = death_of(out, rank, exitcode)
     err = RunError(f"the run failed: rank {rank} {death}", rank=rank, where=None, error=death)
     err.time = 0.0
     return err
@@ -273,17 +281,17 @@ def _stuck_at(procs: list, out: Path, done: set[int]) -> str:
     return "; where each rank was: " + "; ".join(lines) if lines else ""
 
 
-def _frames(out: Path, rank: int) -> str:
-    """The innermost frames of the rank's main thread, from what faulthandler wrote last ('x.py:3
-    f <- y.py:9 g'); '' if it wrote nothing."""
+def _frames(out: Path, rank: int, entry: str = "_child") -> str:
+    """The innermost frames of the rank's main thread (the one that runs `entry`), from what
+    faulthandler wrote last ('x.py:3 f <- y.py:9 g'); '' if it wrote nothing."""
     try:
         text = Path(out, f"stack-{rank}.txt").read_text(errors="replace")
     except OSError:
         return ""
-    # The last dump; in it, the rank's main thread is the block that runs _child (others are
+    # The last dump; in it, the rank's main thread is the block that runs `entry` (others are
     # torch's or gloo's own).
     text = text.rsplit("Fatal Python error", 1)[-1]
-    block = next((b for b in text.split("\n\n") if " in _child" in b), text)
+    block = next((b for b in text.split("\n\n") if f" in {entry}" in b), text)
     frames = [f.strip() for f in block.splitlines() if f.strip().startswith("File ")]
     return " <- ".join(_frame(f) for f in frames[:3])
 

@@ -4,14 +4,12 @@ commands it prints for the winner carry every flag of the priced layout and run 
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
-import sys
 import textwrap
 
 import pytest
-from conftest import REPO, dtp_cli
+from conftest import dtp_cli
 
 from dtp.auto.search import Candidate, Job, commands, default_precision, launch
 from dtp.cli import main
@@ -191,20 +189,12 @@ def test_printed_commands_run(tmp_path):
     plan, train = (shlex.split(line) for line in printed_commands(proc.stdout))
     work = tmp_path / "run"
     work.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     # `dtp` as this interpreter's module (the checkout, installed or not); the flags appended to
     # train only keep the test short and off any GPU: two steps, no float64 replay, out in tmp
     extra = ["--steps", "2", "--verify-every", "0", "--out", str(work / "out"), "--device", "cpu"]
     for argv in (plan, train + extra):
         assert argv[0] == "dtp"
-        done = subprocess.run(
-            [sys.executable, "-m", *argv],
-            cwd=work,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
+        done = dtp_cli(*argv[1:], cwd=work, timeout=240)
         assert done.returncode == 0, shlex.join(argv) + "\n" + done.stderr
     summary = json.loads((work / "out" / "summary.json").read_text())
     assert len(summary["losses"]) == 2

@@ -5,13 +5,10 @@ and flags of the other mode are one line, exit 2."""
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import subprocess
-import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, dtp_cli
 
 from dtp import models
 from dtp.auto.planner import auto_plan
@@ -225,18 +222,10 @@ def test_printed_lines_run_as_printed(repo, capsys, tmp_path):
     assert (report["best"]["tp"], report["best"]["replicas"]) == (2, 1)
     work = tmp_path / "run"
     work.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     for line, extra in zip(report["best"]["commands"], ([], ["--device", "cpu"])):
         argv = shlex.split(line)
         assert argv[0] == "dtp"
-        done = subprocess.run(
-            [sys.executable, "-m", *argv, *extra],
-            cwd=work,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
+        done = dtp_cli(*argv[1:], *extra, cwd=work, timeout=240)
         assert done.returncode == 0, line + "\n" + done.stderr
     assert "dtp generate: gpt2-tiny under plan.tp, tp=2, bfloat16, 2 prompt(s), 7 new token(s)" in (
         done.stdout

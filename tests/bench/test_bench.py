@@ -394,17 +394,23 @@ def test_gpu_check_without_gpu_is_a_usage_error(tmp_path, capsys):
 
 def test_gpu_check_reports_a_failed_rank_and_keeps_the_other_results(repo, tmp_path, monkeypatch):
     """A rank of the ratio that fails (as the CUDA path's first run did) is a FAILED line and exit
-    1, with the apply and training results still written."""
+    1, with the apply, training and decoding results still written. The apply and generate commands
+    are the dry run's above; here they answer as they did there, without their interpreters."""
     from dtp.bench import gpu, scaling
 
     def broken(rank, world, cfg):
         raise RuntimeError("planted failure")
 
+    applied = {"command": "dtp apply", "exit": 0, "ok": True, "tp": 2, "backend": "gloo"}
+    generated = {"exit": 0, "ok": True, "tp": 2, "tokens_per_s": 9.0, "memory_gb_per_s": 0.5}
     monkeypatch.setattr(scaling, "measure", broken)
+    monkeypatch.setattr(gpu, "_apply_parity", lambda out, tp, device: applied)
+    monkeypatch.setattr(gpu, "_generate", lambda out, tp, device, dry_run: generated)
     assert gpu.main(tmp_path, dry_run=True) == 1
     (folder,) = tmp_path.iterdir()
     result = json.loads((folder / "result.json").read_text())
-    assert result["apply"]["ok"] and result["train"]["finite"]
+    assert result["apply"] == applied and result["generate"] == generated
+    assert result["train"]["finite"]
     assert not result["ratio"]["ok"] and "planted failure" in result["ratio"]["error"]
     # whichever rank first
     assert "ratio: FAILED: the run failed on rank" in (folder / "results.md").read_text()

@@ -122,6 +122,25 @@ def test_finds_off_by_one_in_uneven_vocabulary_shards(pools, monkeypatch):
     )
 
 
+def test_a_pool_rank_killed_by_a_signal_is_named_with_where_it_died(pools):
+    fixture = REPO / "tests" / "fixtures" / "broken_models.py"
+    line = next(
+        i for i, text in enumerate(fixture.read_text().splitlines(), 1) if "string_at(0)" in text
+    )
+    case = Case(
+        (REPO / "plans" / "gpt2.tp").read_text(),
+        "tests.fixtures.broken_models:segfault_on_rank1",
+        tp=2,
+    )
+    outcome = evaluate(case, pools)
+    assert outcome.kind == "failed"
+    assert outcome.message.startswith(
+        "accepted by check, but the run failed: rank 1 was killed by SIGSEGV at __init__.py:"
+    ), outcome.message
+    assert f" string_at <- broken_models.py:{line} forward <- " in outcome.message
+    assert evaluate(Case(case.plan, "gpt2-tiny", tp=2), pools).kind == "passed"  # a fresh pool
+
+
 def test_cli_summary(repo):
     proc = dtp_cli("fuzz", "--examples", "4", "--seed", "3", "--max-world", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from dtp.checks.checker import check
+from dtp.checks.checker import Checked, check
 from dtp.errors import PlanError
 from dtp.hf.variant_list import BY_NAME
 from dtp.hf.variants import Outcome, judge, precheck, verify_variants_on_rank
@@ -75,18 +75,22 @@ def _assert_variants(results: list[list[dict]], expected: dict, tp: int) -> None
             assert counts == expected[r["variant"]], r["variant"]
 
 
-def _items(names) -> list[tuple[str, str, dict]]:
-    return [(n, BY_NAME[n].family, BY_NAME[n].overrides) for n in names]
+def _items(names, tp: int) -> list[tuple[str, str, dict, Checked]]:
+    """Each variant prechecked here (no outcome decided before the ranks), for the ranks."""
+    items = []
+    for n in names:
+        checked = precheck(BY_NAME[n], tp)
+        assert isinstance(checked, Checked), checked
+        items.append((n, BY_NAME[n].family, BY_NAME[n].overrides, checked))
+    return items
 
 
 def test_variants_at_tp2():
-    for name in TP2:
-        assert precheck(BY_NAME[name], 2) is None, name
-    _assert_variants(on_ranks(verify_variants_on_rank, 2, _items(TP2), timeout=600), TP2, 2)
+    _assert_variants(on_ranks(verify_variants_on_rank, 2, _items(TP2, 2), timeout=600), TP2, 2)
 
 
 def test_variants_at_tp4():
-    _assert_variants(on_ranks(verify_variants_on_rank, 4, _items(TP4), timeout=600), TP4, 4)
+    _assert_variants(on_ranks(verify_variants_on_rank, 4, _items(TP4, 4), timeout=600), TP4, 4)
 
 
 def test_refusals_name_the_heads_and_the_working_tp():
