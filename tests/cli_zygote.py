@@ -94,7 +94,7 @@ class Zygote:
         cwd = cwd or self.cwd
         # as -m has it: the working directory first, then PYTHONPATH's entries, then the rest
         extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        path = [str(cwd), *[p for p in extra if p not in self.path], *self.path[1:]]
+        path = [str(cwd), *[p for p in extra if p not in self.path[1:]], *self.path[1:]]
         with tempfile.TemporaryDirectory(prefix="dtp-cli-") as tmp:
             out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
             cmd = [sys.executable, "-m", "dtp", *args]

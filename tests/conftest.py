@@ -14,6 +14,20 @@ from cli_zygote import zygote
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _autograd_without_device_threads():
+    """One backward on the CPU in each pytest worker before its first test. torch's autograd engine
+    decides once per process, at its first backward, whether to run device threads; on torch 2.14 a
+    process that has used Inductor (any torch.compile) decides yes without a GPU, and then no rank
+    forked from it can run a backward: dtp's launcher spawns them instead (dtp/runtime/fork.py), and
+    a test that patches this process for its ranks would lose the patch. A dtp command never
+    compiles before its first backward; a worker running other tests before might."""
+    import torch
+
+    x = torch.ones(1, requires_grad=True)
+    (x * 2).sum().backward()
+
+
 def dtp_cli(
     *args: str, timeout: float = 180, env: dict | None = None, cwd: Path = REPO
 ) -> subprocess.CompletedProcess:

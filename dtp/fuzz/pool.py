@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dtp.runtime.launcher import (
     death_of,
     init_rank,
     loopback_listener,
+    rank_context,
     serve_store,
     start_ranks,
     stop_ranks,
@@ -71,7 +71,7 @@ class RankPool:
 
     def _start(self) -> bool:
         """Start the ranks; whether every one joined (otherwise they are stopped)."""
-        ctx = mp.get_context("fork")
+        ctx = rank_context()
         self.jobs = [ctx.Queue() for _ in range(self.world)]
         self.results = ctx.Queue()
         self.tmp = tempfile.TemporaryDirectory(prefix="dtp-fuzz-")
@@ -88,6 +88,7 @@ class RankPool:
                 self.dp,
                 self.tmp.name,
             ),
+            ctx=ctx,
         )
         # after the fork: see serve_store
         self.store = serve_store(sock, self.world, RANK_TIMEOUT_S)
@@ -114,9 +115,10 @@ class RankPool:
                     timeout=max(0.05, min(1.0, deadline - time.monotonic()))
                 )
             except queue.Empty:
-                # a rank that died is the cause; its peers' errors (a reset connection) follow
+                # a rank that died comes first: its peers' errors (a reset connection) follow from
+                # it, or (a rank raised, then a peer aborted) the first of them says the rest
                 if any(not p.is_alive() for p in self.procs):
-                    died = self._deaths()
+                    died = "; ".join([self._deaths(), *errors[:1]])
                     self.close()
                     raise RuntimeError(died) from None
                 if time.monotonic() > deadline or (errors and time.monotonic() > grace):
@@ -140,7 +142,7 @@ class RankPool:
         """Each rank that died, how, and where it crashed (before `close` removes the scratch)."""
         scratch = Path(self.tmp.name)
         return "; ".join(
-            f"rank {r} {death_of(scratch, r, p.exitcode, entry='_worker')}"
+            f"rank {r} {death_of(scratch, r, p.exitcode, entry=_worker)}"
             for r, p in enumerate(self.procs)
             if not p.is_alive()
         )

@@ -2,7 +2,7 @@
 CommDebugMode): one forward + backward of the sharded model next to an unsharded copy, every
 gradient gathered and compared, and the collectives counted by dtp.runtime.comm's dispatch counter,
 set against the analytic schedule; several families can run in one rank launch. As `dtp apply`'s
-pre-flight does, the parent checks each plan before the ranks fork (`prepare`) and the ranks take it
+pre-flight does, the parent checks each plan before the ranks fork (`checked_cases`) and the ranks take it
 as checked: they inherit the check, the modelling code it imported and the parser, rather than
 repeating them on every rank.
 """
@@ -44,7 +44,7 @@ def _plan(family: str, plan_path: Path | None):
     return load_plan(str(plan_path or PLANS / f"{hf.FAMILIES[family][0]}.tp"))
 
 
-def prepare(items: list, tp: int, overrides: dict | None = None) -> list[Case]:
+def checked_cases(items: list[str | tuple[str, Path]], tp: int) -> list[Case]:
     """In the parent, before the ranks fork: a Case per family (or (family, plan path)), its plan
     checked at `tp` against its meta model. A plan the checker refuses (or a family that does not
     build) goes unchecked to the ranks, whose check reports it with the other families' results."""
@@ -53,7 +53,7 @@ def prepare(items: list, tp: int, overrides: dict | None = None) -> list[Case]:
         family, plan_path = item if isinstance(item, tuple) else (item, None)
         try:
             with torch.device("meta"):
-                meta = hf.build(family, **(overrides or {}))
+                meta = hf.build(family)
             checked = checked_for(_plan(family, plan_path), meta, tp)
         except Exception:  # noqa: BLE001 - the rank repeats it and reports it with the others
             checked = None
@@ -73,8 +73,9 @@ def verify(
 ) -> dict:
     """{family, ok, logits, loss, grads, worst, measured, analytic} for one family (its tiny config
     with `overrides` on top) on `mesh` (every rank). `checked`: the plan as the parent checked it at
-    this tp, only matched to this rank's model (dtp.runtime.preflight.trusted); otherwise the rank
-    checks the plan at `plan_path` (the shipped one unless named)."""
+    this tp (for this family with these overrides), only matched to this rank's model
+    (dtp.runtime.preflight.trusted), and `plan_path` is not read; otherwise the rank checks the plan
+    at `plan_path` (the shipped one unless named)."""
     rank = mesh.get_local_rank()
     torch.manual_seed(seed)
     # unsharded, float32: the error sharding may add is measured against its own
@@ -167,7 +168,7 @@ def verify(
 
 
 def verify_on_rank(rank: int, world: int, cases: list[Case]) -> list[dict]:
-    """Verify every case (`prepare`'s) in turn on one tp mesh of an initialised world."""
+    """Verify every case (`checked_cases`') in turn on one tp mesh of an initialised world."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out = []
     for case in cases:

@@ -18,6 +18,12 @@ A forked rank is a copy of its parent, and two things it inherits would break it
   (`gc.freeze`), out of their collector's reach.
 
 Spawned ranks (CUDA) inherit neither.
+
+One thing cannot be mended in a fork: **autograd's device threads.** Once torch's autograd engine has
+started them in a process (a backward on a GPU; on torch 2.14, a backward through an Inductor-compiled
+graph on the CPU too), torch marks every process forked from it unable to run a backward ("Unable to
+handle autograd's threading in combination with fork-based multiprocessing"). `autograd_forbids_fork`
+tells, from the threads' names (`pt_autograd_N`), and the launcher then spawns the ranks instead.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import os
 from pathlib import Path
 
 OMP_PAUSE_HARD = 2  # omp_pause_resource_t
@@ -45,6 +52,17 @@ def release_openmp_pool() -> None:
     for path in _libgomps():
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(path).omp_pause_resource_all(OMP_PAUSE_HARD)
+
+
+def autograd_forbids_fork() -> bool:
+    """Whether torch's autograd engine runs device threads in this process, so that a forked child
+    could not run a backward (False where /proc cannot tell)."""
+    with contextlib.suppress(OSError):
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/self/task/{task}/comm").read_text().startswith("pt_autograd"):
+                    return True
+    return False
 
 
 def start(procs: list) -> None:

@@ -192,7 +192,7 @@ def _death(exitcode: int | None) -> str:
     return f"exited with status {exitcode} without reporting an error"
 
 
-def death_of(out: Path, rank: int, exitcode: int | None, entry: str = "_child") -> str:
+def death_of(out: Path, rank: int, exitcode: int | None, entry=_child) -> str:
     """How a rank that reported nothing ended ("was killed by SIGSEGV at x.py:3 f <- …"): where it
     crashed is what its faulthandler wrote to `out`/stack-RANK.txt, read from the thread that runs
     `entry` (the rank's function)."""
@@ -244,18 +244,25 @@ def terminate_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
-def start_ranks(target, world: int, args: tuple, device: str = "cpu") -> list:
-    """Start `world` processes running target(rank, *args): forked on CPU (no re-import of torch),
-    spawned on CUDA (CUDA cannot be forked)."""
+def rank_context(device: str = "cpu"):
+    """The multiprocessing context ranks start in: fork on CPU (no re-import of torch), spawn on
+    CUDA (CUDA cannot be forked) and where autograd's threads forbid a fork (dtp.runtime.fork)."""
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn" if device == "cuda" else "fork")
+    spawn = device == "cuda" or fork.autograd_forbids_fork()
+    return mp.get_context("spawn" if spawn else "fork")
+
+
+def start_ranks(target, world: int, args: tuple, device: str = "cpu", ctx=None) -> list:
+    """Start `world` processes running target(rank, *args) in `ctx` (`rank_context(device)` unless
+    given: queues among `args` must come from the same context)."""
+    ctx = ctx or rank_context(device)
     procs = [ctx.Process(target=target, args=(rank, *args), daemon=True) for rank in range(world)]
-    if device == "cuda":
+    if ctx.get_start_method() == "fork":
+        fork.start(procs)  # what a forked rank must not inherit: see dtp.runtime.fork
+    else:
         for p in procs:
             p.start()
-    else:
-        fork.start(procs)  # what a forked rank must not inherit: see dtp.runtime.fork
     return procs
 
 
@@ -281,9 +288,9 @@ def _stuck_at(procs: list, out: Path, done: set[int]) -> str:
     return "; where each rank was: " + "; ".join(lines) if lines else ""
 
 
-def _frames(out: Path, rank: int, entry: str = "_child") -> str:
-    """The innermost frames of the rank's main thread (the one that runs `entry`), from what
-    faulthandler wrote last ('x.py:3 f <- y.py:9 g'); '' if it wrote nothing."""
+def _frames(out: Path, rank: int, entry=_child) -> str:
+    """The innermost frames of the rank's main thread (the one that runs the function `entry`), from
+    what faulthandler wrote last ('x.py:3 f <- y.py:9 g'); '' if it wrote nothing."""
     try:
         text = Path(out, f"stack-{rank}.txt").read_text(errors="replace")
     except OSError:
@@ -291,9 +298,18 @@ def _frames(out: Path, rank: int, entry: str = "_child") -> str:
     # The last dump; in it, the rank's main thread is the block that runs `entry` (others are
     # torch's or gloo's own).
     text = text.rsplit("Fatal Python error", 1)[-1]
-    block = next((b for b in text.split("\n\n") if f" in {entry}" in b), text)
-    frames = [f.strip() for f in block.splitlines() if f.strip().startswith("File ")]
-    return " <- ".join(_frame(f) for f in frames[:3])
+    blocks = [
+        [_frame(f.strip()) for f in b.splitlines() if f.strip().startswith("File ")]
+        for b in text.split("\n\n")
+    ]
+    # the frame of `entry` itself, by its file and name (another module's `_worker` is not it)
+    file, name = Path(entry.__code__.co_filename).name, entry.__name__
+
+    def runs_entry(frames: list[str]) -> bool:
+        return any(f.startswith(f"{file}:") and f.endswith(f" {name}") for f in frames)
+
+    frames = next((b for b in blocks if runs_entry(b)), [f for b in blocks for f in b])
+    return " <- ".join(frames[:3])
 
 
 def _frame(line: str) -> str:

@@ -20,7 +20,7 @@ from dtp.checks.checker import check
 from dtp.cost.explain import explain
 from dtp.errors import PlanError, UsageError
 from dtp.hf.plan import IMPORT, export_for, export_plan, hf_plan_of, import_plan
-from dtp.hf.verify import PLANS, prepare, verify_on_rank
+from dtp.hf.verify import PLANS, checked_cases, verify_on_rank
 from dtp.lang.parse import load, parse
 from dtp.layout.forward_source import forward_facts
 from dtp.models import hf
@@ -156,7 +156,7 @@ def _assert_families(results: list[list[dict]], families: list[str]) -> None:
 
 
 def test_every_family_at_tp2():
-    results = on_ranks(verify_on_rank, 2, prepare(TP2, 2), timeout=600)
+    results = on_ranks(verify_on_rank, 2, checked_cases(TP2, 2), timeout=600)
     _assert_families(results, TP2)
     for r in results[0]:
         counts = {k: v for k, v in r["measured"].items() if k != "bytes"}
@@ -164,7 +164,7 @@ def test_every_family_at_tp2():
 
 
 def test_families_at_tp4():
-    results = on_ranks(verify_on_rank, 4, prepare(TP4, 4), timeout=600)
+    results = on_ranks(verify_on_rank, 4, checked_cases(TP4, 4), timeout=600)
     _assert_families(results, TP4)
     counts = {
         r["family"]: {k: v for k, v in r["measured"].items() if k != "bytes"} for r in results[0]
