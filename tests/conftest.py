@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -12,6 +15,34 @@ import pytest
 from cli_zygote import zygote
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def autograd_like_thread():
+    """A thread named as autograd's device threads (`pt_autograd_0`), alive while in the block: what
+    dtp.runtime.fork.autograd_forbids_fork looks for, without a GPU or torch 2.14's Inductor."""
+    import ctypes
+
+    from dtp.runtime import fork
+
+    named, done = threading.Event(), threading.Event()
+
+    def autograd_like():
+        ctypes.CDLL(None).prctl(15, b"pt_autograd_0", 0, 0, 0)  # PR_SET_NAME
+        named.set()
+        done.wait()
+
+    thread = threading.Thread(target=autograd_like, daemon=True)
+    thread.start()
+    try:
+        named.wait(10)
+        yield
+    finally:
+        done.set()
+        thread.join()
+        deadline = time.monotonic() + 10  # join returns before the thread's task is gone
+        while fork.autograd_forbids_fork() and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO, dtp_cli
+from conftest import REPO, autograd_like_thread, dtp_cli
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor.parallel import RowwiseParallel
 
@@ -139,6 +139,14 @@ def test_a_pool_rank_killed_by_a_signal_is_named_with_where_it_died(pools):
     ), outcome.message
     assert f" string_at <- broken_models.py:{line} forward <- " in outcome.message
     assert evaluate(Case(case.plan, "gpt2-tiny", tp=2), pools).kind == "passed"  # a fresh pool
+
+
+def test_a_pool_is_spawned_where_autograd_threads_forbid_a_fork(pools):
+    """Its queues come from the context its ranks start in (a fork's cannot reach a spawned rank)."""
+    with autograd_like_thread():
+        outcome = evaluate(Case((REPO / "plans" / "gpt2.tp").read_text(), "gpt2-tiny", tp=2), pools)
+    assert outcome.kind == "passed", outcome.message
+    assert {type(p).__name__ for p in pools.pools[(2, 1)].procs} == {"SpawnProcess"}
 
 
 def test_cli_summary(repo):

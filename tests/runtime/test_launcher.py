@@ -322,30 +322,13 @@ def test_ranks_are_spawned_where_autograd_threads_forbid_a_fork():
     """torch marks every child forked after autograd started its device threads unable to run a
     backward (torch 2.14 starts them for an Inductor-compiled backward on the CPU too): the ranks of
     such a process are spawned. A thread named as autograd's stands in for them here."""
-    import ctypes
-    import threading
+    from conftest import autograd_like_thread
 
     from dtp.runtime import fork
 
     assert not fork.autograd_forbids_fork()
     assert launch_local(_backward_where, 2, timeout=60) == [(6.0, False)] * 2  # forked
-    named, done = threading.Event(), threading.Event()
-
-    def autograd_like():
-        ctypes.CDLL(None).prctl(15, b"pt_autograd_0", 0, 0, 0)  # PR_SET_NAME
-        named.set()
-        done.wait()
-
-    thread = threading.Thread(target=autograd_like, daemon=True)
-    thread.start()
-    try:
-        named.wait(10)
+    with autograd_like_thread():
         assert fork.autograd_forbids_fork()
         assert launch_local(_backward_where, 2, timeout=120) == [(6.0, True)] * 2  # spawned
-    finally:
-        done.set()
-        thread.join()
-    deadline = time.monotonic() + 10  # join returns before the thread's task is gone
-    while fork.autograd_forbids_fork() and time.monotonic() < deadline:
-        time.sleep(0.01)
     assert not fork.autograd_forbids_fork()
