@@ -92,9 +92,9 @@ def verify(
         meta = source()
     if checked is None:
         checked = checked_for(_plan(family, plan_path), meta, mesh.size())
+    elif checked.tp != mesh.size():
+        raise ValueError(f"{family}: checked at tp {checked.tp}, run at {mesh.size()}")
     else:
-        if checked.tp != mesh.size():
-            raise ValueError(f"{family}: checked at tp {checked.tp}, run at {mesh.size()}")
         checked = trusted(checked.plan, meta, mesh.size())
     applied = build_sharded(
         checked,
